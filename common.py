@@ -109,7 +109,7 @@ def explicit_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
     finally:
         for a in parser._actions:
             a.default = saved[a.dest]
-    return set(vars(given))
+    return set(vars(given)) - set(parser._defaults)  # set_defaults() values are not user flags
 
 
 def check_args(args) -> None:

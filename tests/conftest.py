@@ -1,0 +1,110 @@
+"""Shared fixtures: a tiny random BERT with a tokenizer from a small vocab file, a corpus and a SentEval tree.
+
+Nothing here needs the network or ../shared.
+"""
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+sys.path.insert(0, str(ROOT))
+
+WORDS = ("the a man woman dog cat runs walks eats plays on in with park house ball food big small red blue "
+         "quickly slowly happy sad child car road tree green old young sings reads book music loud quiet "
+         "water river swims jumps over under near far day night sun moon").split()
+STS_SUBSETS = {
+    "STS12": ["MSRpar", "MSRvid", "SMTeuroparl", "surprise.OnWN", "surprise.SMTnews"],
+    "STS13": ["FNWN", "headlines", "OnWN"],
+    "STS14": ["deft-forum", "deft-news", "headlines", "images", "OnWN", "tweet-news"],
+    "STS15": ["answers-forums", "answers-students", "belief", "headlines", "images"],
+    "STS16": ["answer-answer", "headlines", "plagiarism", "postediting", "question-question"],
+}
+
+
+def random_sentence(rng, lo=3, hi=9):
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def write_tiny_model(path: Path, num_layers=2, hidden=32, heads=4, with_pooler=True):
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizerFast(vocab=str(path / "vocab.txt"), do_lower_case=True)
+    tokenizer.save_pretrained(path)
+    config = BertConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=num_layers,
+                        num_attention_heads=heads, intermediate_size=2 * hidden, max_position_embeddings=64)
+    import torch
+    torch.manual_seed(0)
+    BertModel(config, add_pooling_layer=with_pooler).save_pretrained(path)
+    return path
+
+
+def write_senteval(root: Path, seed=0, pairs_per_subset=12) -> Path:
+    """A miniature SentEval tree in SentEval's layout, including one empty gold line in STS12."""
+    rng = random.Random(seed)
+    for task, subsets in STS_SUBSETS.items():
+        folder = root / "STS" / f"{task}-en-test"
+        folder.mkdir(parents=True, exist_ok=True)
+        for subset in subsets:
+            lines, gold = [], []
+            for i in range(pairs_per_subset):
+                lines.append(f"{random_sentence(rng)}\t{random_sentence(rng)}")
+                gold.append(f"{rng.uniform(0, 5):.3f}")
+            if task == "STS12" and subset == "MSRpar":
+                gold[3] = ""  # an unscored pair, dropped by the protocol
+            (folder / f"STS.input.{subset}.txt").write_text("\n".join(lines) + "\n")
+            (folder / f"STS.gs.{subset}.txt").write_text("\n".join(gold) + "\n")
+    stsb = root / "STS" / "STSBenchmark"
+    stsb.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "dev", "test"):
+        rows = [f"main-captions\tMSRvid\t2012test\t{i:04d}\t{rng.uniform(0, 5):.3f}\t{random_sentence(rng)}\t"
+                f"{random_sentence(rng)}" for i in range(40)]
+        (stsb / f"sts-{split}.csv").write_text("\n".join(rows) + "\n")
+    sick = root / "SICK"
+    sick.mkdir(parents=True, exist_ok=True)
+    for name in ("SICK_train.txt", "SICK_trial.txt", "SICK_test_annotated.txt"):
+        rows = ["pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment"]
+        rows += [f"{i}\t{random_sentence(rng)}\t{random_sentence(rng)}\t{rng.uniform(1, 5):.1f}\tNEUTRAL"
+                 for i in range(40)]
+        (sick / name).write_text("\n".join(rows) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_bert"))
+
+
+@pytest.fixture(scope="session")
+def senteval_dir(tmp_path_factory):
+    return write_senteval(tmp_path_factory.mktemp("senteval"))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    rng = random.Random(1)
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join(random_sentence(rng) for _ in range(200)) + "\n\n")
+    return path
+
+
+def run_script(script, *args, env_extra=None, timeout=600):
+    """Run a suite script as a user would; returns the CompletedProcess."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env_extra or {}))
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=timeout)
+
+
+def smoke_args(tiny_model, corpus, senteval_dir, out, *extra):
+    return ["--model_name_or_path", tiny_model, "--train_file", corpus, "--senteval_dir", senteval_dir,
+            "--max_steps", 4, "--eval_steps", 2, "--batch_size", 8, "--output_dir", out, "--device", "cpu", *extra]
+
+
+needs_shared = pytest.mark.skipif(not (SHARED / "models" / "all-MiniLM-L6-v2").is_dir(),
+                                  reason="../shared (pretrained MiniLM and SentEval data) is not beside this checkout")

@@ -1,0 +1,128 @@
+"""eval_sts.py: the SentEval STS aggregation against scipy computed here, and the shared-data reference figures."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import spearmanr
+
+import eval_sts
+from conftest import SHARED, STS_SUBSETS, needs_shared, run_script
+
+
+def hashed_encode(sentences):
+    """A deterministic toy encoder: bag of hashed words."""
+    out = np.zeros((len(sentences), 16))
+    for i, s in enumerate(sentences):
+        for w in s.split():
+            out[i, sum(map(ord, w)) % 16] += 1.0 + len(w) / 10
+    return out
+
+
+def reference_scores(root: Path):
+    """The protocol written out independently: read the files, drop empty gold lines, spearman on cosine."""
+    def cos(a, b):
+        a, b = hashed_encode([a])[0], hashed_encode([b])[0]
+        return a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
+    scores = {}
+    for task, subsets in STS_SUBSETS.items():
+        sys_scores, gold_scores = [], []
+        for subset in subsets:
+            folder = root / "STS" / f"{task}-en-test"
+            lines = (folder / f"STS.input.{subset}.txt").read_text().splitlines()
+            gold = (folder / f"STS.gs.{subset}.txt").read_text().splitlines()
+            for line, g in zip(lines, gold):
+                if g == "":
+                    continue
+                a, b = line.split("\t")
+                sys_scores.append(cos(a, b))
+                gold_scores.append(float(g))
+        scores[task] = spearmanr(sys_scores, gold_scores).correlation * 100
+    rows = [l.split("\t") for l in (root / "STS/STSBenchmark/sts-test.csv").read_text().splitlines()]
+    scores["STSBenchmark"] = spearmanr([cos(r[5], r[6]) for r in rows], [float(r[4]) for r in rows]).correlation * 100
+    rows = [l.split("\t") for l in (root / "SICK/SICK_test_annotated.txt").read_text().splitlines()[1:]]
+    scores["SICKRelatedness"] = spearmanr([cos(r[1], r[2]) for r in rows], [float(r[3]) for r in rows]).correlation * 100
+    return scores
+
+
+def test_aggregation_matches_scipy(senteval_dir):
+    got = eval_sts.evaluate(hashed_encode, senteval_dir, mode="test")
+    expected = reference_scores(senteval_dir)
+    assert list(got) == eval_sts.TASKS + ["avg"]
+    for task in eval_sts.TASKS:
+        assert got[task] == pytest.approx(expected[task], abs=0.006)
+    assert got["avg"] == pytest.approx(np.mean([got[t] for t in eval_sts.TASKS]), abs=0.006)
+
+
+def test_empty_gold_lines_are_dropped(senteval_dir):
+    pairs = eval_sts.load_pairs(senteval_dir, "STS12")
+    assert len(pairs) == 5 * 12 - 1
+
+
+def test_fast_path_equals_file_order(senteval_dir):
+    calls = []
+
+    def counting_encode(sentences):
+        calls.extend(sentences)
+        return hashed_encode(sentences)
+    fast = eval_sts.evaluate(counting_encode, senteval_dir, batch_size=7)
+    assert len(calls) == len(set(calls))  # every distinct sentence encoded once
+    assert fast == eval_sts.evaluate(hashed_encode, senteval_dir, batch_size=7, fast=False)
+
+
+def test_dev_mode_uses_dev_splits(senteval_dir):
+    got = eval_sts.evaluate(hashed_encode, senteval_dir, mode="dev")
+    assert set(got) == {"STSBenchmark", "SICKRelatedness", "avg"}
+    rows = [l.split("\t") for l in (senteval_dir / "STS/STSBenchmark/sts-dev.csv").read_text().splitlines()]
+    cos = [float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+           for a, b in zip(hashed_encode([r[5] for r in rows]), hashed_encode([r[6] for r in rows]))]
+    assert got["STSBenchmark"] == pytest.approx(spearmanr(cos, [float(r[4]) for r in rows]).correlation * 100,
+                                                abs=0.006)
+
+
+def test_sentences_are_whitespace_normalised(tmp_path, senteval_dir):
+    import shutil
+    root = tmp_path / "se"
+    shutil.copytree(senteval_dir, root)
+    path = root / "STS/STS13-en-test/STS.input.FNWN.txt"
+    path.write_text(path.read_text().replace(" ", "   "))
+    assert eval_sts.load_pairs(root, "STS13") == eval_sts.load_pairs(senteval_dir, "STS13")
+
+
+def test_cli_json_on_tiny_model(tiny_model, senteval_dir, tmp_path):
+    out = tmp_path / "scores.json"
+    proc = run_script("eval_sts.py", "--model_name_or_path", tiny_model, "--pooler", "avg", "--senteval_dir",
+                      senteval_dir, "--json", out)
+    assert proc.returncode == 0, proc.stderr
+    scores = json.loads(out.read_text())
+    assert list(scores) == eval_sts.TASKS + ["avg"]
+    assert "STSBenchmark" in proc.stdout
+
+
+def test_missing_senteval_dir_is_one_line(tiny_model, tmp_path):
+    proc = run_script("eval_sts.py", "--model_name_or_path", tiny_model, "--senteval_dir", tmp_path)
+    assert proc.returncode != 0 and "--senteval_dir" in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@needs_shared
+def test_minilm_reference_figures():
+    """../shared/models/README.md: the SentEval STS figures of all-MiniLM-L6-v2 with mean pooling."""
+    proc = run_script("eval_sts.py", "--model_name_or_path", SHARED / "models/all-MiniLM-L6-v2", "--pooler", "avg",
+                      "--senteval_dir", SHARED / "data/senteval", "--json", "/dev/stdout")
+    assert proc.returncode == 0, proc.stderr
+    scores = json.loads(proc.stdout[proc.stdout.index("{"):])
+    expected = {"STS12": 72.37, "STS13": 80.60, "STS14": 75.59, "STS15": 85.39, "STS16": 78.99,
+                "STSBenchmark": 82.03, "SICKRelatedness": 77.15}
+    for task, value in expected.items():
+        assert scores[task] == pytest.approx(value, abs=0.0101), task
+
+
+@needs_shared
+def test_minilm_dev_reference_figures():
+    for pooler, value in (("avg", 86.72), ("cls_before_pooler", 79.73)):
+        proc = run_script("eval_sts.py", "--model_name_or_path", SHARED / "models/all-MiniLM-L6-v2", "--pooler",
+                          pooler, "--mode", "dev", "--tasks", "STSBenchmark", "--senteval_dir",
+                          SHARED / "data/senteval", "--json", "/dev/stdout")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout[proc.stdout.index("{"):])["STSBenchmark"] == pytest.approx(value, abs=0.0101)
