@@ -1,0 +1,100 @@
+"""sscl.py: the loss against a loop, the negative layers, SetSim on hand-built hidden states, a smoke run."""
+import json
+import math
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import sscl
+from conftest import run_script, smoke_args
+
+
+def loop_sscl(z1, z2, negatives, temp):
+    def cos(a, b):
+        return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+    z1, z2 = z1.double().numpy(), z2.double().numpy()
+    negatives = [(a.double().numpy(), b.double().numpy()) for a, b in negatives]
+    with_layers = plain = 0.0
+    for i in range(len(z1)):
+        batch_logits = [cos(z1[i], z2[j]) / temp for j in range(len(z2))]
+        layer_logits = [cos(z1[i], n[j]) / temp for pair in negatives for n in pair for j in range(len(n))]
+        pos = batch_logits[i]
+        with_layers += -pos + math.log(sum(math.exp(x) for x in batch_logits + layer_logits))
+        plain += -pos + math.log(sum(math.exp(x) for x in batch_logits))
+    return (with_layers + plain) / (2 * len(z1))
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_sscl_loss_matches_loop(k):
+    g = torch.Generator().manual_seed(k)
+    z1, z2 = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+    negatives = [(torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)) for _ in range(k)]
+    assert sscl.sscl_loss(z1, z2, negatives, 0.05).item() == pytest.approx(loop_sscl(z1, z2, negatives, 0.05), rel=1e-5)
+
+
+def test_no_layers_equals_info_nce_exactly():
+    g = torch.Generator().manual_seed(9)
+    z1, z2 = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    assert torch.equal(sscl.sscl_loss(z1, z2, [], 0.05), common.info_nce(z1, z2, 0.05))
+
+
+def test_negative_layer_indices():
+    assert sscl.negative_layers(12, 2) == [11, 10]
+    assert sscl.negative_layers(6, 1) == [5]
+    assert sscl.negative_layers(12, 0) == []
+    assert sscl.negative_layers(12, 2, index=4) == [4]
+    with pytest.raises(common.CLIError):
+        sscl.negative_layers(12, 2, index=12)
+    with pytest.raises(common.CLIError):
+        sscl.negative_layers(6, 6)
+
+
+def test_layer_representations_come_from_the_right_layers():
+    # Layer l's hidden state is the constant l (view 1) or 10 + l (view 2): avg pooling returns that constant.
+    n, length, dim, num_layers = 3, 4, 2, 5
+    hidden = tuple(torch.cat([torch.full((n, length, dim), float(l)), torch.full((n, length, dim), 10.0 + l)])
+                   for l in range(num_layers + 1))
+    mask = torch.ones(2 * n, length, dtype=torch.long)
+    stub_backbone = torch.nn.Module()
+    stub_backbone.config = types.SimpleNamespace(hidden_size=dim, initializer_range=0.02)
+    encoder = common.SentenceEncoder(stub_backbone, pooler="avg")
+    layers = sscl.negative_layers(num_layers, 2)
+    reps = sscl.layer_representations(encoder, hidden, mask, layers)
+    assert [(float(a[0, 0]), float(b[0, 0])) for a, b in reps] == [(4.0, 14.0), (3.0, 13.0)]
+    # With the [CLS] pooler the layer's first token goes through the same MLP head as z.
+    encoder = common.SentenceEncoder(stub_backbone, pooler="cls")
+    reps = sscl.layer_representations(encoder, hidden, mask, [2])
+    assert torch.allclose(reps[0][0], encoder.head(hidden[2][:n, 0]))
+
+
+def test_set_sim_on_hand_built_hidden_states():
+    mask = torch.tensor([[1, 1], [1, 0]])
+    h1 = torch.tensor([[[1., 0.], [1., 0.]], [[1., 0.], [5., 5.]]])
+    h2 = torch.tensor([[[0., 1.], [0., 1.]], [[1., 1.], [9., 9.]]])
+    h3 = torch.tensor([[[0., 2.], [0., 2.]], [[2., 2.], [0., 0.]]])
+    hidden = (torch.zeros(2, 2, 2), h1, h2, h3)
+    got = sscl.set_sim(hidden, mask, "avg")
+    s = 1 / math.sqrt(2)
+    assert torch.allclose(got, torch.tensor([[0.0, s], [1.0, 1.0]]), atol=1e-6)
+    got_cls = sscl.set_sim(hidden, mask, "cls")
+    assert torch.allclose(got_cls, torch.tensor([[0.0, s], [1.0, 1.0]]), atol=1e-6)
+
+
+def test_only_cls_and_avg_poolers():
+    with pytest.raises(SystemExit):
+        sscl.parse_args(["--pooler", "avg_top2"])
+
+
+@pytest.mark.parametrize("pooler", ["cls", "avg"])
+def test_smoke_run_with_oversmoothing_report(tiny_model, corpus, senteval_dir, tmp_path, pooler):
+    out = tmp_path / "sscl"
+    proc = run_script("sscl.py", *smoke_args(tiny_model, corpus, senteval_dir, out), "--pooler", pooler,
+                      "--neg_layers", 1, "--report_oversmoothing")
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    for when in ("before", "after"):
+        assert list(results["analysis"][when]["setsim"]) == ["1-2"]  # the tiny model has 2 layers
+        assert -1.0 <= results["analysis"][when]["setsim"]["1-2"] <= 1.0
