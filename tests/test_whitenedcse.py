@@ -1,0 +1,134 @@
+"""whitenedcse.py: SGW's whitening, permutation handling and detached covariance; the multi-positive loss."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import whitenedcse
+from conftest import run_script, smoke_args
+
+sgw = whitenedcse.shuffled_group_whitening
+
+
+def numpy_group_whitening(x, num_groups):
+    """Plain group whitening (no shuffle) written out with numpy."""
+    n, d = x.shape
+    w = d // num_groups
+    out = np.zeros_like(x)
+    for g in range(num_groups):
+        block = x[:, g * w:(g + 1) * w]
+        centred = block - block.mean(0)
+        values, vectors = np.linalg.eigh(centred.T @ centred / n)
+        out[:, g * w:(g + 1) * w] = centred @ vectors @ np.diag(values ** -0.5) @ vectors.T
+    return out
+
+
+def random_x(n=32, d=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(d, d, generator=g, dtype=torch.float64)
+    return torch.randn(n, d, generator=g, dtype=torch.float64) @ mixing + 3.0
+
+
+@pytest.mark.parametrize("num_groups", [1, 3, 6])
+def test_each_group_has_identity_covariance_and_zero_mean(num_groups):
+    x = random_x()
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(1))
+    out = sgw(x, num_groups, perm)
+    grouped = out[:, perm].reshape(32, num_groups, -1)
+    for g in range(num_groups):
+        block = grouped[:, g]
+        assert torch.allclose(block.mean(0), torch.zeros(block.shape[1], dtype=torch.float64), atol=1e-10)
+        assert torch.allclose(block.T @ block / 32, torch.eye(block.shape[1], dtype=torch.float64), atol=1e-8)
+
+
+def test_identity_permutation_is_plain_group_whitening():
+    x = random_x()
+    got = sgw(x, 4, torch.arange(12))
+    np.testing.assert_allclose(got.numpy(), numpy_group_whitening(x.numpy(), 4), atol=1e-8)
+
+
+def test_permutation_is_undone():
+    x = random_x()
+    g = torch.Generator().manual_seed(2)
+    p, q = torch.randperm(12, generator=g), torch.randperm(12, generator=g)
+    assert torch.allclose(sgw(x[:, q], 4, p), sgw(x, 4, q[p])[:, q], atol=1e-10)
+    # and the shuffle matters: another permutation groups other channels together
+    assert not torch.allclose(sgw(x, 4, p), sgw(x, 4, q), atol=1e-3)
+
+
+def test_no_gradient_through_the_covariance():
+    x = random_x().requires_grad_(True)
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(32, 12, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    (sgw(x, 3, perm) * weights).sum().backward()
+    # Manual: W computed once as a constant, gradient only through the centring and X W.
+    x2 = x.detach().clone().requires_grad_(True)
+    blocks = x.detach()[:, perm].reshape(32, 3, 4)
+    constants = []
+    for g in range(3):
+        c = blocks[:, g] - blocks[:, g].mean(0)
+        values, vectors = torch.linalg.eigh(c.T @ c / 32)
+        constants.append(vectors @ torch.diag(values.rsqrt()) @ vectors.T)
+    grouped = x2[:, perm].reshape(32, 3, 4)
+    outs = [(grouped[:, g] - grouped[:, g].mean(0)) @ constants[g] for g in range(3)]
+    manual = torch.cat(outs, dim=1)[:, torch.argsort(perm)]
+    (manual * weights).sum().backward()
+    assert torch.allclose(x.grad, x2.grad, atol=1e-8)
+
+
+def test_eigendecomposition_runs_in_fp32_under_autocast():
+    x = random_x(d=8).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sgw(x, 4, torch.arange(8))
+    assert torch.isfinite(out).all()
+
+
+def test_bad_shapes_are_clear_errors():
+    x = random_x(n=4, d=12)
+    with pytest.raises(ValueError, match="equal groups"):
+        sgw(x, 5, torch.arange(12))
+    with pytest.raises(ValueError, match="singular"):
+        sgw(x, 2, torch.arange(12))  # groups of 6 channels, batch of 4
+    assert torch.isfinite(sgw(x, 2, torch.arange(12), eps=1e-3)).all()
+
+
+def loop_multi_positive(views, temp):
+    def cos(a, b):
+        return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+    views = [v.double().numpy() for v in views]
+    total = 0.0
+    for z in views[1:]:
+        for i in range(len(z)):
+            logits = [cos(views[0][i], z[j]) / temp for j in range(len(z))]
+            total += (-logits[i] + math.log(sum(math.exp(l) for l in logits))) / len(z)
+    return total
+
+
+@pytest.mark.parametrize("m", [2, 3, 5])
+def test_multi_positive_info_nce_matches_loop(m):
+    g = torch.Generator().manual_seed(m)
+    views = [torch.randn(6, 4, generator=g) for _ in range(m)]
+    assert whitenedcse.multi_positive_info_nce(views, 0.05).item() == pytest.approx(loop_multi_positive(views, 0.05),
+                                                                                     rel=1e-5)
+
+
+def test_two_views_equal_info_nce():
+    g = torch.Generator().manual_seed(0)
+    z1, z2 = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    assert torch.equal(whitenedcse.multi_positive_info_nce([z1, z2], 0.05), common.info_nce(z1, z2, 0.05))
+
+
+def test_group_count_must_divide_hidden_size(tiny_model, corpus, senteval_dir, tmp_path):
+    proc = run_script("whitenedcse.py", *smoke_args(tiny_model, corpus, senteval_dir, tmp_path), "--num_groups", 5)
+    assert proc.returncode != 0 and "--num_groups 16" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
+    out = tmp_path / "w"
+    proc = run_script("whitenedcse.py", *smoke_args(tiny_model, corpus, senteval_dir, out), "--num_groups", 16)
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["eval_pooler"] == "cls_before_pooler" and results["args"]["num_pos"] == 3
