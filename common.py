@@ -516,6 +516,7 @@ def train(args, model: SentenceEncoder, compute_loss, loader, dev_score, save, d
 
     bar = tqdm(total=total_steps, desc=args.method, dynamic_ncols=True, disable=None)
     last_dev = gate(0)
+    bar.write(f"step 0/{total_steps}  STS-B dev {last_dev:.2f}")
     state["eval_time_s"] = 0.0
     step, start = 0, time.perf_counter()
     model.train()
@@ -527,6 +528,9 @@ def train(args, model: SentenceEncoder, compute_loss, loader, dev_score, save, d
                 raise CLIError(f"loss became {loss.item()} at step {step}; lower --lr or check the data")
             if step % args.eval_steps == 0 or step == total_steps:
                 last_dev = gate(step)
+                bar.write(f"step {step}/{total_steps}  loss {loss.item():.4f}  STS-B dev {last_dev:.2f}  "
+                          f"best {state['best_dev']:.2f} (step {state['best_step']})  "
+                          f"{step / (time.perf_counter() - start - state['eval_time_s']):.2f} steps/s")
             elapsed = time.perf_counter() - start - state["eval_time_s"]
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.4f}", dev=f"{last_dev:.2f}", best=f"{state['best_dev']:.2f}",

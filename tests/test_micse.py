@@ -1,0 +1,197 @@
+"""micse.py: AMI against an explicit reference, the queue, EMA, the few-shot settings, eager attentions."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import micse
+from conftest import run_script, smoke_args
+
+
+def random_attention(n=3, layers=4, heads=2, length=4, seed=0, padded_keys=None):
+    """Softmax attention (N, L, H, n, n); keys beyond `padded_keys[i]` get exactly 0, as a padding mask gives."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(n, layers, heads, length, length, generator=g, dtype=torch.float64)
+    if padded_keys is not None:
+        for i, valid in enumerate(padded_keys):
+            scores[i, ..., valid:] = -math.inf
+    return scores.softmax(-1)
+
+
+def reference_ami(attn1, attn2, min_layer, max_layer):
+    """Algorithm 1 / the released code, tile by tile with numpy, using every valid entry."""
+    n, _, heads = attn1.shape[:3]
+    mis, valid_total, total = [], 0, 0
+    for i in range(n):
+        for h in range(heads):
+            for parity in (0, 1):
+                layers = range(min_layer + parity, max_layer, 2)
+                a = np.concatenate([attn1[i, l, h].numpy().ravel() for l in layers])
+                b = np.concatenate([attn2[i, l, h].numpy().ravel() for l in layers])
+                keep = (a > 0) & (b > 0)
+                valid_total, total = valid_total + keep.sum(), total + keep.size
+                la, lb = np.log(a[keep]), np.log(b[keep])
+                la, lb = la - la.mean(), lb - lb.mean()
+                rho = la @ lb / (np.linalg.norm(la) * np.linalg.norm(lb))
+                mis.append(-0.5 * math.log(1 - min(rho ** 2, 1 - 1e-6)))
+    return -np.mean(mis) * ((valid_total / total) ** 2 + 1e-6)
+
+
+@pytest.mark.parametrize("min_layer, max_layer", [(0, 4), (1, 3), (2, 4)])
+def test_ami_matches_reference_without_padding(min_layer, max_layer):
+    attn1, attn2 = random_attention(seed=1), random_attention(seed=2)
+    got = micse.ami_loss(attn1, attn2, min_layer, max_layer, num_samples=10_000)
+    assert got.item() == pytest.approx(reference_ami(attn1, attn2, min_layer, max_layer), rel=1e-9)
+
+
+def test_ami_uses_only_valid_entries_with_padding():
+    # The same padding in every sample: each tile keeps 2 layers x 4 queries x 3 keys = 24 of its 32 entries,
+    # the reference drops the zeros and scales by (24/32)^2.
+    a1, a2 = random_attention(seed=5, padded_keys=[3, 3, 3]), random_attention(seed=6, padded_keys=[3, 3, 3])
+    got = micse.ami_loss(a1, a2, 0, 4, num_samples=10_000)
+    assert got.item() == pytest.approx(reference_ami(a1, a2, 0, 4), rel=1e-9)
+    # Padding that differs per sample, with sampling: still finite.
+    attn1 = random_attention(seed=3, padded_keys=[4, 2, 3])
+    attn2 = random_attention(seed=4, padded_keys=[4, 2, 3])
+    loss = micse.ami_loss(attn1, attn2, 0, 4, num_samples=16, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(loss)
+
+
+def test_ami_drops_tiles_with_too_few_entries():
+    attn1 = random_attention(seed=7, padded_keys=[4, 1, 4])
+    attn2 = random_attention(seed=8, padded_keys=[4, 1, 4])
+    # num_samples = 32 = a full tile: sample 1's tiles (8 valid entries) are dropped, the others are used whole.
+    got = micse.ami_loss(attn1, attn2, 0, 4, num_samples=32)
+    kept = reference_ami(attn1[[0, 2]], attn2[[0, 2]], 0, 4)
+    fraction_all = (2 * 32 + 8) / (3 * 32)
+    fraction_kept = 1.0
+    assert got.item() == pytest.approx(kept / (fraction_kept ** 2 + 1e-6) * (fraction_all ** 2 + 1e-6), rel=1e-9)
+
+
+def test_identical_views_give_large_finite_mi():
+    attn = random_attention(seed=9)
+    loss = micse.ami_loss(attn, attn.clone(), 0, 4, num_samples=10_000)
+    assert torch.isfinite(loss) and loss.item() == pytest.approx(0.5 * math.log(1e-6) * (1 + 1e-6), rel=1e-6)
+
+
+def test_independent_views_give_mi_near_zero():
+    attn1 = random_attention(n=8, heads=4, length=16, seed=10)
+    attn2 = random_attention(n=8, heads=4, length=16, seed=11)
+    loss = micse.ami_loss(attn1, attn2, 0, 4, num_samples=150, generator=torch.Generator().manual_seed(0))
+    assert -0.02 < loss.item() <= 0.0
+
+
+def test_same_generator_seed_same_value():
+    attn1, attn2 = random_attention(length=16, seed=12), random_attention(length=16, seed=13)
+    values = [micse.ami_loss(attn1, attn2, 0, 4, 50, torch.Generator().manual_seed(s)).item() for s in (1, 1, 2)]
+    assert values[0] == values[1] and values[0] != values[2]
+
+
+def test_ami_gradient_reaches_attention():
+    attn1 = random_attention(seed=14).requires_grad_(True)
+    micse.ami_loss(attn1, random_attention(seed=15), 0, 4, 10_000).backward()
+    assert attn1.grad is not None and attn1.grad.abs().sum() > 0
+
+
+def test_odd_layer_range_is_an_error():
+    with pytest.raises(ValueError, match="even"):
+        micse.ami_loss(random_attention(), random_attention(), 0, 3)
+
+
+def loop_moco(z1, z2, queue, temp):
+    def cos(a, b):
+        return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+    total = 0.0
+    for i in range(len(z1)):
+        logits = [cos(z1[i], z2[j]) / temp for j in range(len(z2))] + [cos(z1[i], q) / temp for q in queue]
+        total += -logits[i] + math.log(sum(math.exp(l) for l in logits))
+    return total / len(z1)
+
+
+def test_moco_info_nce_matches_loop_and_empty_queue_is_info_nce():
+    g = torch.Generator().manual_seed(0)
+    z1, z2, queue = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g), torch.randn(7, 4, generator=g)
+    assert micse.moco_info_nce(z1, z2, queue, 0.05).item() == pytest.approx(
+        loop_moco(z1.double().numpy(), z2.double().numpy(), queue.double().numpy(), 0.05), rel=1e-5)
+    assert torch.equal(micse.moco_info_nce(z1, z2, torch.empty(0, 4), 0.05), common.info_nce(z1, z2, 0.05))
+
+
+def test_queue_is_fifo_and_bounded():
+    queue = micse.EmbeddingQueue(size=5, dim=2)
+    for start in (0, 3, 6):
+        queue.push(torch.arange(start, start + 3, dtype=torch.float).repeat(2, 1).T)
+    assert queue.tensor[:, 0].tolist() == [4.0, 5.0, 6.0, 7.0, 8.0]
+    disabled = micse.EmbeddingQueue(size=0, dim=2)
+    disabled.push(torch.ones(3, 2))
+    assert disabled.tensor.shape == (0, 2)
+
+
+def test_ema_update_arithmetic():
+    target, source = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    before_t, before_s = target.weight.detach().clone(), source.weight.detach().clone()
+    micse.ema_update(target, source, 0.9)
+    assert torch.allclose(target.weight, 0.9 * before_t + 0.1 * before_s)
+    assert torch.equal(source.weight, before_s)
+
+
+def test_few_shot_settings_and_overrides(capsys):
+    args = micse.parse_args(["--fraction", "0.01", "--seed", "3"])
+    assert (args.batch_size, args.lr, args.epochs, args.ami_lambda, args.eval_steps) == (64, 1e-5, 50, 1e-4, 500)
+    assert args.seed == 3 and args.queue_size == 384
+    args = micse.parse_args([])
+    assert (args.batch_size, args.lr, args.warmup_steps, args.ami_lambda, args.eval_steps) == (50, 3e-5, 250, 2.5e-3, 125)
+    args = micse.parse_args(["--fraction", "0.01", "--lr", "2e-5", "--epochs", "3"])
+    assert (args.lr, args.epochs, args.ami_lambda) == (2e-5, 3, 1e-4)
+    args = micse.parse_args(["--fraction", "0.02"])
+    assert args.epochs == 50 and "settings of 0.01" in capsys.readouterr().out
+    with pytest.raises(common.CLIError):
+        micse.parse_args(["--fraction", "1.5"])
+
+
+def test_default_ami_layers():
+    assert micse.default_ami_layers(12) == (7, 11)
+    assert micse.default_ami_layers(6) == (1, 5)
+    assert micse.default_ami_layers(2) == (0, 2)
+
+
+def test_attentions_arrive_in_a_step(tiny_model):
+    tokenizer, backbone = common.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
+    args = micse.parse_args(["--queue_size", "6", "--batch_size", "4"])
+    model, compute_loss = micse.setup(args, backbone)
+    model.train()
+    batch = common.Collator(tokenizer, 16)(["a man runs", "the dog eats food", "a red car", "sun and moon"])
+    outputs, _ = model.forward_views(batch, 2, output_attentions=True)
+    assert len(outputs.attentions) == 2 and outputs.attentions[0].shape == (8, 4, 6, 6)
+    before = [p.detach().clone() for p in backbone.parameters()]
+    loss = compute_loss(batch)
+    loss.backward()
+    assert torch.isfinite(loss)
+    loss2 = compute_loss(batch)  # second step: the queue now holds the first batch's keys (4 of 6)
+    assert torch.isfinite(loss2)
+    _, sdpa_backbone = common.load_pretrained(str(tiny_model))
+    _, sdpa_loss = micse.setup(args, sdpa_backbone)
+    if sdpa_backbone.config._attn_implementation != "eager":
+        with pytest.raises(RuntimeError, match="eager"):
+            sdpa_loss(batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, backbone.parameters()))  # no optimizer step here
+
+
+def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
+    out = tmp_path / "m"
+    proc = run_script("micse.py", *smoke_args(tiny_model, corpus, senteval_dir, out), "--fraction", "0.1",
+                      "--seed", "3", "--queue_size", "16")
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["num_train_examples"] == 20 and results["args"]["ami_lambda"] == 5e-4
+    assert results["args"]["ami_min_layer"] == 0 and results["args"]["ami_max_layer"] == 2
+
+
+def test_headline_command_offline_names_the_local_path_flags(tmp_path):
+    proc = run_script("micse.py", "--fraction", "0.01", "--seed", "3", "--output_dir", tmp_path,
+                      env_extra={"HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()
+    assert len(line) == 1 and all(f in line[0] for f in ("--model_name_or_path", "--train_file", "--senteval_dir"))
