@@ -76,14 +76,18 @@ def test_supervised_smoke_run(tiny_model, senteval_dir, tmp_path):
     assert json.loads((tmp_path / "s.json").read_text()) == results["test"]
 
 
-def test_sentence_transformers_matches_eval_sts(tiny_model, corpus, senteval_dir, tmp_path):
+@pytest.mark.parametrize("supervised", [False, True])
+def test_sentence_transformers_matches_eval_sts(tiny_model, corpus, senteval_dir, tmp_path, supervised):
     st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed")
     out = tmp_path / "run"
-    assert run_script("simcse.py", *smoke_args(tiny_model, corpus, senteval_dir, out)).returncode == 0
+    data, extra, pooler = (write_nli(tmp_path / "nli.csv"), ["--supervised"], "cls") if supervised else \
+        (corpus, [], "cls_before_pooler")
+    proc = run_script("simcse.py", *extra, *smoke_args(tiny_model, data, senteval_dir, out))
+    assert proc.returncode == 0, proc.stderr
     from transformers import AutoModel, AutoTokenizer
     sentences = ["a man runs in the park", "the dog eats"]
     tok, backbone = AutoTokenizer.from_pretrained(out), AutoModel.from_pretrained(out).eval()
-    encode = common.make_encode(lambda b: common.pooled_output(backbone, b, "cls_before_pooler"), tok, "cpu")
+    encode = common.make_encode(lambda b: common.pooled_output(backbone, b, pooler), tok, "cpu")
     np.testing.assert_allclose(st.SentenceTransformer(str(out), device="cpu").encode(sentences), encode(sentences),
                                atol=1e-5)
 
