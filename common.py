@@ -408,9 +408,10 @@ def autocast(device: torch.device, enabled: bool = True):
 
 
 def linear_schedule(optimizer, warmup_steps: int, total_steps: int):
+    """transformers' get_linear_schedule_with_warmup, which the authors' Trainer-based code used."""
     def factor(step):
         if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
+            return step / max(1, warmup_steps)
         return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

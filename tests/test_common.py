@@ -152,4 +152,8 @@ def test_linear_schedule_warmup_then_decay():
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    assert lrs == pytest.approx([1 / 3, 2 / 3, 1.0, 0.75, 0.5, 0.25])
+    assert lrs == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25])
+    from transformers import get_linear_schedule_with_warmup
+    opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    reference = get_linear_schedule_with_warmup(opt2, 2, 6)
+    assert [reference.lr_lambdas[0](s) for s in range(6)] == pytest.approx(lrs)
