@@ -134,6 +134,8 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     """A fast DNS + TCP check, so an offline machine fails at once instead of after minutes of retries."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # behind a proxy a direct connection says nothing; let huggingface_hub try
     from huggingface_hub import constants
     url = urlparse(constants.ENDPOINT)
     try:

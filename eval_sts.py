@@ -139,7 +139,10 @@ def resolve_senteval_dir(senteval_dir: str | None) -> Path:
     target = tar_path.parent / "senteval_unpacked"
     if _find_data_root(target) is None:
         with tarfile.open(tar_path) as tar:
-            tar.extractall(target, filter="data")
+            try:
+                tar.extractall(target, filter="data")
+            except TypeError:  # Python releases before the extraction filters
+                tar.extractall(target)
     root = _find_data_root(target)
     if root is None:
         raise common.CLIError(f"{tar_path} has no STS/ folder; pass --senteval_dir")
