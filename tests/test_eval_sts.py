@@ -126,3 +126,23 @@ def test_minilm_dev_reference_figures():
                           SHARED / "data/senteval", "--json", "/dev/stdout")
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout[proc.stdout.index("{"):])["STSBenchmark"] == pytest.approx(value, abs=0.0101)
+
+
+def test_senteval_tar_is_unpacked_once_and_found(tmp_path, senteval_dir, monkeypatch):
+    """The default path: senteval.tar from the hub (mocked here) unpacked next to it, STS/ found inside."""
+    import tarfile
+    import common
+    tar_path = tmp_path / "cache" / "senteval.tar"
+    tar_path.parent.mkdir()
+    with tarfile.open(tar_path, "w") as tar:
+        tar.add(senteval_dir, arcname="downstream")
+    requested = []
+    monkeypatch.setattr(common, "hub_dataset_file", lambda name, flag: requested.append((name, flag)) or str(tar_path))
+    root = eval_sts.resolve_senteval_dir(None)
+    assert root == tmp_path / "cache" / "senteval_unpacked" / "downstream"
+    assert requested == [("senteval.tar", "--senteval_dir")]
+    assert eval_sts.load_pairs(root, "STS13") == eval_sts.load_pairs(senteval_dir, "STS13")
+    tar_path.write_bytes(b"")  # a second call reuses the unpacked copy
+    assert eval_sts.resolve_senteval_dir(None) == root
+    # a user-given parent folder works too
+    assert eval_sts.resolve_senteval_dir(str(tmp_path / "cache")) == root
