@@ -50,11 +50,11 @@ def bench_method(name, cli_args, batches, device, extra=()):
     model, compute_loss = module.setup(args, backbone.to(device))
     model.to(device).train()
     optimizer, scheduler = common.make_optimizer(model, args, total_steps=len(batches) + 2)
-    to_device = lambda b: {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()}
     for batch in batches[:2]:  # warm-up
         common.train_step(model, compute_loss, batch, optimizer, scheduler, device)
+    first = {**batches[0], **common.model_inputs(batches[0], device)}
     with common.autocast(device):
-        _, activation = saved_activation_bytes(lambda: compute_loss(to_device(batches[0])))
+        _, activation = saved_activation_bytes(lambda: compute_loss(first))
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)

@@ -112,9 +112,13 @@ def explicit_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
     return set(vars(given)) - set(parser._defaults)  # set_defaults() values are not user flags
 
 
+def check_fraction(fraction: float) -> None:
+    if not 0.0 < fraction <= 1.0:
+        raise CLIError(f"--fraction must be in (0, 1], got {fraction}")
+
+
 def check_args(args) -> None:
-    if not 0.0 < args.fraction <= 1.0:
-        raise CLIError(f"--fraction must be in (0, 1], got {args.fraction}")
+    check_fraction(args.fraction)
     for name in ("batch_size", "max_seq_length", "epochs", "eval_steps"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name} must be a positive integer, got {getattr(args, name)}")
@@ -245,8 +249,7 @@ def load_triplets(path: str, flag: str = "--train_file") -> list[tuple[str, str,
 
 def subsample(items: list, fraction: float, seed: int) -> list:
     """A deterministic random subset of round(fraction * n) items, kept in file order (miCSE's few-shot sets)."""
-    if not 0.0 < fraction <= 1.0:
-        raise CLIError(f"--fraction must be in (0, 1], got {fraction}")
+    check_fraction(fraction)
     if fraction == 1.0:
         return list(items)
     k = round(fraction * len(items))
@@ -273,6 +276,11 @@ class Collator:
                                     return_tensors="pt"))
         batch["num_columns"] = len(columns)
         return batch
+
+
+def model_inputs(batch: dict, device=None) -> dict:
+    """The tensors of a collated batch (without the `num_columns` count), optionally moved to `device`."""
+    return {k: (v if device is None else v.to(device)) for k, v in batch.items() if torch.is_tensor(v)}
 
 
 def make_loader(examples: list, tokenizer, args) -> torch.utils.data.DataLoader:
@@ -331,7 +339,7 @@ class SentenceEncoder(nn.Module):
 
         The copies are stacked view-major, so `pool(...).chunk(num_views)` gives one tensor per view.
         """
-        inputs = {k: v.repeat(num_views, 1) for k, v in batch.items() if k != "num_columns"}
+        inputs = {k: v.repeat(num_views, 1) for k, v in model_inputs(batch).items()}
         outputs = self.backbone(**inputs, output_hidden_states=True, **kwargs)
         return outputs, inputs["attention_mask"]
 
@@ -426,7 +434,7 @@ def peak_memory_mb(device: torch.device) -> tuple[float, str]:
 
 def train_step(model, compute_loss, batch, optimizer, scheduler, device, bf16=True) -> torch.Tensor:
     """One optimisation step; shared by the training loop and bench.py."""
-    batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in batch.items()}
+    batch = {**batch, **model_inputs(batch, device)}
     with autocast(device, bf16):
         loss = compute_loss(batch)
     optimizer.zero_grad(set_to_none=True)

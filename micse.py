@@ -63,8 +63,7 @@ def parse_args(argv=None):
 
 def apply_few_shot_settings(args, given: set) -> None:
     """Fill in the authors' settings for --fraction (nearest table entry, in log scale) unless the user set them."""
-    if not 0.0 < args.fraction <= 1.0:
-        raise common.CLIError(f"--fraction must be in (0, 1], got {args.fraction}")
+    common.check_fraction(args.fraction)
     nearest = min(FEW_SHOT_SETTINGS, key=lambda f: abs(math.log10(f) - math.log10(args.fraction)))
     if nearest != args.fraction:
         print(f"micse: --fraction {args.fraction} is not in the settings table; using the settings of {nearest}")
@@ -177,7 +176,7 @@ def setup(args, backbone):
         if momentum_backbone is not None:
             with torch.no_grad():
                 ema_update(momentum_backbone, backbone, args.momentum)
-                inputs = {k: v for k, v in batch.items() if k != "num_columns"}
+                inputs = common.model_inputs(batch)
                 keys = model.embed(momentum_backbone(**inputs, output_hidden_states=True).hidden_states,
                                    inputs["attention_mask"])
             queue.push(keys)

@@ -57,7 +57,7 @@ def test_supervised_loss_uses_hard_negatives(tiny_model):
     model.eval()  # no dropout: the loss is then a function of the three columns' embeddings
     batch = common.Collator(tokenizer, 16)([("a man runs", "a man walks", "the cat sleeps"),
                                             ("big red ball", "a red ball", "a blue car")])
-    z = model.embed(model.backbone(**{k: v for k, v in batch.items() if k != "num_columns"},
+    z = model.embed(model.backbone(**common.model_inputs(batch),
                                    output_hidden_states=True).hidden_states, batch["attention_mask"])
     expected = common.info_nce(*z.chunk(3)[:2], args.temp, z.chunk(3)[2], 0.5)
     assert compute_loss(batch).item() == pytest.approx(expected.item(), rel=1e-5)
