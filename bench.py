@@ -20,8 +20,6 @@ import torch
 import common
 import eval_sts
 
-METHOD_FLAGS = {"whitenedcse": ["--num_groups"]}  # flags whose default depends on the encoder width
-
 
 def method_args(module, cli_args, extra=()):
     argv = ["--model_name_or_path", cli_args.model_name_or_path, "--batch_size", str(cli_args.batch_size),
@@ -71,7 +69,7 @@ def bench_method(name, cli_args, batches, device, extra=()):
 def bench_eval(cli_args, device):
     tokenizer, model = common.load_pretrained(cli_args.model_name_or_path)
     model.to(device).eval()
-    encode = common.make_encode(lambda b: common.pooled_output(model, b, "cls_before_pooler"), tokenizer, device)
+    encode = common.pooled_encode(model, tokenizer, "cls_before_pooler", device)
     senteval_dir = eval_sts.resolve_senteval_dir(cli_args.senteval_dir)
     times = {}
     for fast in (True, False):

@@ -457,8 +457,13 @@ def make_encode(embed_batch, tokenizer, device):
     @torch.no_grad()
     def encode(sentences):
         batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-        return embed_batch({k: v.to(device) for k, v in batch.items()}).float().cpu().numpy()
+        return embed_batch(model_inputs(batch, device)).float().cpu().numpy()
     return encode
+
+
+def pooled_encode(backbone: nn.Module, tokenizer, pooler: str, device):
+    """encode(list[str]) -> np.ndarray for a plain Hugging Face model with one of SimCSE's poolers."""
+    return make_encode(lambda batch: pooled_output(backbone, batch, pooler), tokenizer, device)
 
 
 def save_checkpoint(model: SentenceEncoder, tokenizer, out_dir: str | Path) -> None:
@@ -537,15 +542,16 @@ def train(args, model: SentenceEncoder, compute_loss, loader, dev_score, save, d
             step += 1
             if not torch.isfinite(loss):
                 raise CLIError(f"loss became {loss.item()} at step {step}; lower --lr or check the data")
-            if step % args.eval_steps == 0 or step == total_steps:
+            evaluate_now = step % args.eval_steps == 0 or step == total_steps
+            if evaluate_now:
                 last_dev = gate(step)
+            steps_per_second = step / (time.perf_counter() - start - state["eval_time_s"])
+            if evaluate_now:
                 bar.write(f"step {step}/{total_steps}  loss {loss.item():.4f}  STS-B dev {last_dev:.2f}  "
-                          f"best {state['best_dev']:.2f} (step {state['best_step']})  "
-                          f"{step / (time.perf_counter() - start - state['eval_time_s']):.2f} steps/s")
-            elapsed = time.perf_counter() - start - state["eval_time_s"]
+                          f"best {state['best_dev']:.2f} (step {state['best_step']})  {steps_per_second:.2f} steps/s")
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.4f}", dev=f"{last_dev:.2f}", best=f"{state['best_dev']:.2f}",
-                            sps=f"{step / elapsed:.2f}")
+                            sps=f"{steps_per_second:.2f}")
             if step >= total_steps:
                 break
     bar.close()
@@ -599,9 +605,9 @@ def run(args, setup, load_examples=load_sentences, default_train_file="wiki1m_fo
     print(f"best STS-B dev {log['best_dev']:.2f} at step {log['best_step']}; evaluating it on the test sets")
     best_tokenizer, best = load_pretrained(str(out_dir))
     best.to(device).eval()
-    best_encode = make_encode(lambda batch: pooled_output(best, batch, model.eval_pooler), best_tokenizer, device)
     with autocast(device, not args.fp32):
-        test = eval_sts.evaluate(best_encode, senteval_dir, mode="test")
+        test = eval_sts.evaluate(pooled_encode(best, best_tokenizer, model.eval_pooler, device), senteval_dir,
+                                 mode="test")
     eval_sts.print_table(test)
     if analyze:
         analysis["after"] = analyze(best, best_tokenizer, senteval_dir, device)

@@ -168,7 +168,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer, model = common.load_pretrained(args.model_name_or_path)
     model.to(device).eval()
-    encode = common.make_encode(lambda batch: common.pooled_output(model, batch, args.pooler), tokenizer, device)
+    encode = common.pooled_encode(model, tokenizer, args.pooler, device)
     start = time.perf_counter()
     scores = evaluate(encode, senteval_dir, args.tasks, args.mode, args.batch_size)
     print(f"{args.model_name_or_path} ({args.pooler}, {args.mode})")

@@ -87,7 +87,7 @@ def test_sentence_transformers_matches_eval_sts(tiny_model, corpus, senteval_dir
     from transformers import AutoModel, AutoTokenizer
     sentences = ["a man runs in the park", "the dog eats"]
     tok, backbone = AutoTokenizer.from_pretrained(out), AutoModel.from_pretrained(out).eval()
-    encode = common.make_encode(lambda b: common.pooled_output(backbone, b, pooler), tok, "cpu")
+    encode = common.pooled_encode(backbone, tok, pooler, "cpu")
     np.testing.assert_allclose(st.SentenceTransformer(str(out), device="cpu").encode(sentences), encode(sentences),
                                atol=1e-5)
 
