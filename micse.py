@@ -14,21 +14,32 @@ Headline (Table 2, BERT-base, 7-task STS average): 76.40 with 1% of the data (Si
 
 Follows the authors' released code where the paper differs (marked in ami_loss): MI keeps Eq. 4's log, attention
 tiles are formed by layer parity, and the loss is scaled by the squared fraction of valid attention entries.
+Few-shot data: without --train_file, a fraction the authors released (0.000064, 0.0001, 0.0005, 0.001, 0.005,
+0.01, 0.1) with --seed 48-52 downloads their subset wiki_subset_1M_<P>percent_seed<S>.txt from
+sap-ai-research/datasets-for-micse (Table 2's files); any other fraction or seed subsamples wiki1m.
+Released code: gradient clipping at 1.0, the last incomplete batch kept (0.01% of wiki1m at batch 64 is 2 steps an
+epoch) and fp32 evaluation come from the HF Trainer it uses.
 Choices: AMI's layer range defaults to the paper's 7:11 (0-based, end excluded) for 12-layer encoders and to the
-same offsets from the top, (L-5):(L-1), for an L-layer one (all layers, an even count, below 6 layers); the
-momentum encoder is updated before it encodes the batch (MoCo's order) and its keys are pushed after the loss, so
-they are negatives from the next step on; AMI's samples come from a generator seeded by --seed.
+same offsets from the top, (L-5):(L-1), for an L-layer one (all layers, an even count, below 6 layers); after each
+optimiser step the momentum encoder takes its EMA update, then encodes the batch into the queue, so those keys
+are negatives from the next step on; AMI's samples come from a generator seeded by --seed.
 """
 from __future__ import annotations
 
 import copy
+import itertools
 import math
-import sys
+import time
+from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 
 import common
+import distributed
+import eval_sts
 
 ATTN_IMPLEMENTATION = "eager"  # transformers 5's default SDPA returns no attention weights
 
@@ -55,21 +66,19 @@ def parse_args(argv=None):
     g.add_argument("--queue_size", type=int, default=384, help="momentum-encoder queue of negatives; 0 disables it")
     g.add_argument("--momentum", type=float, default=0.995, help="EMA momentum of the momentum encoder")
     g.add_argument("--momentum_dropout", type=float, default=0.3, help="dropout rate of the momentum encoder")
-    argv = sys.argv[1:] if argv is None else argv
+    known, _ = parser.parse_known_args(argv)
+    common.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
+    nearest = min(FEW_SHOT_SETTINGS, key=lambda f: abs(math.log10(f) - math.log10(known.fraction)))
+    if nearest != known.fraction:
+        print(f"micse: --fraction {known.fraction} is not in the settings table; using the settings of {nearest}")
+    parser.set_defaults(**FEW_SHOT_SETTINGS[nearest])  # the authors' settings; flags the user gives win
     args = parser.parse_args(argv)
-    apply_few_shot_settings(args, common.explicit_flags(parser, argv))
+    for name, accepted in (("ami_lambda", ">= 0"), ("queue_size", ">= 0 (0 disables the queue)")):
+        common.check_range(args, name, lambda v: v >= 0, accepted)
+    common.check_range(args, "ami_samples", lambda v: v >= 2, "at least 2 entries per tile")
+    common.check_range(args, "momentum", lambda v: 0 <= v <= 1, "0 <= momentum <= 1")
+    common.check_range(args, "momentum_dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
     return args
-
-
-def apply_few_shot_settings(args, given: set) -> None:
-    """Fill in the authors' settings for --fraction (nearest table entry, in log scale) unless the user set them."""
-    common.check_fraction(args.fraction)
-    nearest = min(FEW_SHOT_SETTINGS, key=lambda f: abs(math.log10(f) - math.log10(args.fraction)))
-    if nearest != args.fraction:
-        print(f"micse: --fraction {args.fraction} is not in the settings table; using the settings of {nearest}")
-    for name, value in FEW_SHOT_SETTINGS[nearest].items():
-        if name not in given:
-            setattr(args, name, value)
 
 
 def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples: int = 150,
@@ -138,55 +147,103 @@ class EmbeddingQueue:
         self.tensor = torch.cat([self.tensor, embeddings.detach().float()])[-self.size:] if self.size else self.tensor
 
 
+def set_dropout(module: nn.Module, p: float) -> None:
+    """Set the rate of every nn.Dropout (attention dropout included: BERT reads `dropout.p`)."""
+    for m in module.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+
+
 def default_ami_layers(num_layers: int) -> tuple[int, int]:
     if num_layers >= 6:
         return num_layers - 5, num_layers - 1
     return 0, num_layers - num_layers % 2
 
 
-def setup(args, backbone):
-    """SimCSE's encoder (eager attention), plus the EMA momentum encoder and its queue."""
+def main(argv=None):
+    args = parse_args(argv)
+    common.check_args(args)  # every flag, the device and --output_dir, before any work
+    transformers.set_seed(args.seed)
+    device = distributed.init(eval_sts.resolve_device(args.device))
+
+    examples, train_file, subset = common.training_examples(args)  # miCSE's own subset where they released one
+    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir)
+    tokenizer, backbone = common.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
     num_layers = backbone.config.num_hidden_layers
     default_min, default_max = default_ami_layers(num_layers)
     args.ami_min_layer = default_min if args.ami_min_layer is None else args.ami_min_layer
     args.ami_max_layer = default_max if args.ami_max_layer is None else args.ami_max_layer
-    kept = args.ami_max_layer - args.ami_min_layer
-    if not 0 <= args.ami_min_layer < args.ami_max_layer <= num_layers or kept % 2:
-        raise common.CLIError(f"--ami_min_layer/--ami_max_layer {args.ami_min_layer}:{args.ami_max_layer} must be an "
-                              f"even number of layers within the model's {num_layers}")
-    model = common.SentenceEncoder(backbone, pooler=args.pooler, eval_pooler=common.eval_pooler(args))
-    device = next(backbone.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(args.seed)
-    momentum_backbone = None
-    if args.queue_size:
-        momentum_backbone = copy.deepcopy(backbone).train()
-        common.set_dropout(momentum_backbone, args.momentum_dropout)
-        momentum_backbone.requires_grad_(False)
+    if not 0 <= args.ami_min_layer < args.ami_max_layer <= num_layers or (args.ami_max_layer - args.ami_min_layer) % 2:
+        raise common.UsageError(f"--ami_min_layer/--ami_max_layer {args.ami_min_layer}:{args.ami_max_layer} must be "
+                                f"an even number of layers within the model's {num_layers}")
+    loader = common.make_loader(examples, tokenizer, args, device)
+    total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
+
+    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless --no-mlp_only_train.
+    backbone.to(device).train()
+    head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
+    params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
+    eval_pooler = common.eval_pooler(args)
+    encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
+    optimizer, scheduler = common.make_optimizer(params, args, total_steps)
+    generator = torch.Generator(device=device).manual_seed(args.seed)  # AMI's samples
+    # The momentum encoder: an EMA copy of the encoder (dropout 0.3, no gradients) sharing the online head.
+    momentum_backbone = copy.deepcopy(backbone).requires_grad_(False) if args.queue_size else None
+    if momentum_backbone is not None:
+        set_dropout(momentum_backbone, args.momentum_dropout)
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
+    distributed.log(f"simcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
+               f"steps, device {device} x {distributed.world_size()}")
 
-    def compute_loss(batch):
-        outputs, mask = model.forward_views(batch, num_views=2, output_attentions=True)
-        if not outputs.attentions or outputs.attentions[0] is None:
-            raise RuntimeError("the encoder returned no attention weights; load it with attn_implementation='eager'")
-        z1, z2 = model.embed(outputs.hidden_states, mask).chunk(2)
-        attn1, attn2 = torch.stack(outputs.attentions, dim=1).float().chunk(2)
-        loss = moco_info_nce(z1, z2, queue.tensor.to(z1.device), args.temp)
-        loss = loss + args.ami_lambda * ami_loss(attn1, attn2, args.ami_min_layer, args.ami_max_layer,
-                                                 args.ami_samples, generator)
-        if momentum_backbone is not None:
-            with torch.no_grad():
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    stop = distributed.StopSignal()
+    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+    best_dev, best_step, dev_curve, losses, train_time = -math.inf, None, [], [], 0.0
+    for step in range(total_steps + 1):  # step 0 only evaluates the initial model
+        if step > 0:
+            start = time.perf_counter()
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            with common.autocast(device, not args.fp32):
+                views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two dropout views
+                outputs = backbone(**views, output_hidden_states=True, output_attentions=True)
+                if not outputs.attentions or outputs.attentions[0] is None:
+                    raise RuntimeError("the encoder returned no attention weights; load it with attn_implementation='eager'")
+                z1, z2 = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head).chunk(2)
+                loss = moco_info_nce(distributed.gather(z1), distributed.gather(z2), queue.tensor, args.temp)
+                attn1, attn2 = torch.stack(outputs.attentions, dim=1).float().chunk(2)  # AMI is per sample: local
+                loss = loss + args.ami_lambda * ami_loss(attn1, attn2, args.ami_min_layer, args.ami_max_layer,
+                                                         args.ami_samples, generator)
+            losses.append(common.check_finite(loss, step))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            distributed.average_gradients(params)  # what DDP does; nothing on one process
+            if args.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            if momentum_backbone is not None:  # after the step: EMA update, then this batch's keys into the queue
                 ema_update(momentum_backbone, backbone, args.momentum)
-                inputs = common.model_inputs(batch)
-                keys = model.embed(momentum_backbone(**inputs, output_hidden_states=True).hidden_states,
-                                   inputs["attention_mask"])
-            queue.push(keys)
-        return loss
+                with torch.no_grad(), common.autocast(device, not args.fp32):
+                    hidden_states = momentum_backbone(**batch, output_hidden_states=True).hidden_states
+                    keys = common.embed(hidden_states, batch["attention_mask"], args.pooler, head)
+                queue.push(distributed.gather(keys))  # the same queue on every process
+            train_time += time.perf_counter() - start
+        stopping = stop.requested()
+        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+            dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
+            dev_curve.append([step, dev])
+            if dev > best_dev:
+                best_dev, best_step = dev, step
+                common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
+            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  STS-B dev "
+                       f"{dev:.2f}  best {best_dev:.2f} (step {best_step})  {step / max(train_time, 1e-9):.2f} steps/s")
+        if stopping:
+            break
 
-    return model, compute_loss
-
-
-def main(argv=None):
-    common.run(parse_args(argv), setup, attn_implementation=ATTN_IMPLEMENTATION)
+    common.finish(args, eval_pooler, senteval_dir, device, stop, train_file=train_file, micse_subset=subset,
+                  num_train_examples=len(examples), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
+                  dev_curve=dev_curve, train_loss=losses, train_time_s=round(train_time, 2),
+                  steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 
 
 if __name__ == "__main__":

@@ -8,18 +8,29 @@ Headline (Table 5, BERT-base, 7-task STS average): unsupervised 76.25, supervise
 
     python simcse.py                    # unsupervised, BERT-base, wiki1m, Table A.1 settings
     python simcse.py --supervised       # nli_for_simcse.csv, batch 512, lr 5e-5, 3 epochs, MLP kept at eval
+    torchrun --nproc_per_node 4 simcse.py --supervised     # the authors' 4 x 128: --batch_size stays 512
 
 Offline: add --model_name_or_path DIR --train_file FILE --senteval_dir DIR.
-Choices: the loss is common.info_nce (every method's baseline term lives there); see common.py's docstring
-for the shared choices (dropped last batch, step-0 evaluation).
+Follows the released code (run_unsup_example.sh, run_sup_example.sh, the HF Trainer) where the paper is silent:
+gradient clipping at 1.0, the last incomplete batch kept, evaluation in fp32.
+Choices: the initial model is evaluated at step 0 and counts as a candidate for the best checkpoint; empty lines
+of the corpus are skipped; NLI cells such as "NA" stay text (pandas would make them missing values).
 """
 from __future__ import annotations
 
-import sys
+import itertools
+import math
+import time
+from pathlib import Path
+
+import torch
+import transformers
 
 import common
+import distributed
+import eval_sts
 
-# Table A.1 and Appendix A (supervised BERT-base): applied unless the user set the flag.
+# Table A.1 and Appendix A (supervised BERT-base): defaults under --supervised; flags the user gives win.
 SUPERVISED_DEFAULTS = {"batch_size": 512, "lr": 5e-5, "epochs": 3, "eval_steps": 250, "mlp_only_train": False}
 
 
@@ -31,38 +42,80 @@ def parse_args(argv=None):
                         "batch 512, lr 5e-5, 3 epochs, dev every 250 steps, MLP kept at evaluation unless given")
     g.add_argument("--hard_negative_weight", type=float, default=0.0,
                    help="Eq. 8: added to the logit of each anchor's own hard negative (alpha = e^weight)")
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    if args.supervised:
-        given = common.explicit_flags(parser, argv)
-        for name, value in SUPERVISED_DEFAULTS.items():
-            if name not in given:
-                setattr(args, name, value)
-    return args
-
-
-def setup(args, backbone):
-    """The encoder with SimCSE's MLP head, and the per-step loss."""
-    model = common.SentenceEncoder(backbone, pooler=args.pooler, eval_pooler=common.eval_pooler(args))
-
-    def compute_loss(batch):
-        if batch["num_columns"] == 3:  # supervised: anchor, entailment, contradiction, one pass each
-            outputs, mask = model.forward_views(batch, num_views=1)
-            anchor, positive, hard_negative = model.embed(outputs.hidden_states, mask).chunk(3)
-            return common.info_nce(anchor, positive, args.temp, hard_negative, args.hard_negative_weight)
-        outputs, mask = model.forward_views(batch, num_views=2)
-        z1, z2 = model.embed(outputs.hidden_states, mask).chunk(2)
-        return common.info_nce(z1, z2, args.temp)
-
-    return model, compute_loss
+    known, _ = parser.parse_known_args(argv)
+    if known.supervised:
+        parser.set_defaults(**SUPERVISED_DEFAULTS)
+    return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.supervised:
-        common.run(args, setup, load_examples=common.load_triplets, default_train_file="nli_for_simcse.csv")
-    else:
-        common.run(args, setup)
+    common.check_args(args)  # every flag, the device and --output_dir, before any work
+    transformers.set_seed(args.seed)
+    device = distributed.init(eval_sts.resolve_device(args.device))
+
+    # Data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard negatives).
+    default_file = "nli_for_simcse.csv" if args.supervised else "wiki1m_for_simcse.txt"
+    examples, train_file, subset = common.training_examples(args, default_file, triplets=args.supervised)
+    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir)
+    tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
+    loader = common.make_loader(examples, tokenizer, args, device)
+    total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
+
+    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless --no-mlp_only_train.
+    backbone.to(device).train()
+    head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
+    params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
+    eval_pooler = common.eval_pooler(args)
+    encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
+    optimizer, scheduler = common.make_optimizer(params, args, total_steps)
+    distributed.log(f"simcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
+               f"steps, device {device} x {distributed.world_size()}")
+
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    stop = distributed.StopSignal()
+    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+    best_dev, best_step, dev_curve, losses, train_time = -math.inf, None, [], [], 0.0
+    for step in range(total_steps + 1):  # step 0 only evaluates the initial model
+        if step > 0:
+            start = time.perf_counter()
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            with common.autocast(device, not args.fp32):
+                if args.supervised:  # one pass: anchors, entailments, contradictions (dropout on, as in training)
+                    outputs = backbone(**batch, output_hidden_states=True)
+                    z = common.embed(outputs.hidden_states, batch["attention_mask"], args.pooler, head)
+                    anchor, positive, hard_negative = (distributed.gather(part) for part in z.chunk(3))
+                    loss = common.info_nce(anchor, positive, args.temp, hard_negative, args.hard_negative_weight)
+                else:  # one pass over the batch repeated: two dropout masks, two views
+                    views = common.repeat_views(batch, 2)
+                    outputs = backbone(**views, output_hidden_states=True)
+                    z1, z2 = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head).chunk(2)
+                    loss = common.info_nce(distributed.gather(z1), distributed.gather(z2), args.temp)
+            losses.append(common.check_finite(loss, step))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            distributed.average_gradients(params)  # what DDP does; nothing on one process
+            if args.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            train_time += time.perf_counter() - start
+        stopping = stop.requested()
+        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+            dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
+            dev_curve.append([step, dev])
+            if dev > best_dev:
+                best_dev, best_step = dev, step
+                common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
+            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  STS-B dev "
+                       f"{dev:.2f}  best {best_dev:.2f} (step {best_step})  {step / max(train_time, 1e-9):.2f} steps/s")
+        if stopping:
+            break
+
+    common.finish(args, eval_pooler, senteval_dir, device, stop, train_file=train_file, micse_subset=subset,
+                  num_train_examples=len(examples), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
+                  dev_curve=dev_curve, train_loss=losses, train_time_s=round(train_time, 2),
+                  steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 
 
 if __name__ == "__main__":

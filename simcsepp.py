@@ -14,14 +14,27 @@ DCL alone 77.40).
 
 Follows the authors' code where it differs from the paper's equations (marked in the loss functions): m scales
 the positive logit, and DCL averages over dimensions with the correlation divided by the batch size.
-Choice: with --no_off_dropout, m still scales the positive logit (so --m 1 gives SimCSE's InfoNCE exactly).
+Released-code notes: m = 0.9 as in Section 5.1 and run_re.sh, while the DCL script run_re_vicreg.sh sets pos=1;
+gradient clipping at 1.0, the last incomplete batch kept and fp32 evaluation come from the HF Trainer it uses.
+Choices: with --no_off_dropout, m still scales the positive logit (so --m 1 gives SimCSE's InfoNCE exactly); the
+dropout-off pass keeps its gradients; see simcse.py for the shared choices.
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
+import math
+import time
+from pathlib import Path
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 
 import common
+import distributed
+import eval_sts
 
 
 def parse_args(argv=None):
@@ -32,7 +45,11 @@ def parse_args(argv=None):
     g.add_argument("--dcl_temp", type=float, default=5.0, help="DCL temperature (Table 5: 5)")
     g.add_argument("--no_off_dropout", action="store_true",
                    help="negatives from the dropout views s(z1_i, z2_j), no third pass (Table 3 '+DCL' row)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    common.check_range(args, "m", lambda v: v > 0, "a positive weight")
+    common.check_range(args, "dcl_weight", lambda v: v >= 0, ">= 0 (0 disables DCL)")
+    common.check_range(args, "dcl_temp", lambda v: v > 0, "a positive temperature")
+    return args
 
 
 def off_dropout_info_nce(z1, z2, z_dropout_off, temp: float = 0.05, m: float = 0.9) -> torch.Tensor:
@@ -63,28 +80,93 @@ def dcl_loss(z1, z2, temp: float = 5.0) -> torch.Tensor:
     return F.cross_entropy(correlation, torch.arange(correlation.shape[0], device=z1.device))
 
 
-def setup(args, backbone):
-    """SimCSE's encoder and MLP head; each step adds a dropout-off pass (with gradients) for the negatives."""
-    model = common.SentenceEncoder(backbone, pooler=args.pooler, eval_pooler=common.eval_pooler(args))
+@contextlib.contextmanager
+def dropout_off(module: nn.Module):
+    """Every nn.Dropout of `module` off for one pass, then each one's mode and rate restored.
 
-    def compute_loss(batch):
-        outputs, mask = model.forward_views(batch, num_views=2)
-        z1, z2 = model.embed(outputs.hidden_states, mask).chunk(2)
-        z_dropout_off = None
-        if not args.no_off_dropout:
-            with common.dropout_off(model):
-                outputs_off, mask_off = model.forward_views(batch, num_views=1)
-                z_dropout_off = model.embed(outputs_off.hidden_states, mask_off)
-        loss = off_dropout_info_nce(z1, z2, z_dropout_off, args.temp, args.m)
-        if args.dcl_weight:
-            loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
-        return loss
-
-    return model, compute_loss
+    eval() alone is not enough in transformers 5: BERT applies attention dropout under the attention module's own
+    training flag with rate `dropout.p`, so the rate is zeroed as well.
+    """
+    saved = [(m, m.training, m.p) for m in module.modules() if isinstance(m, nn.Dropout)]
+    for m, _, _ in saved:
+        m.eval()
+        m.p = 0.0
+    try:
+        yield
+    finally:
+        for m, training, p in saved:
+            m.train(training)
+            m.p = p
 
 
 def main(argv=None):
-    common.run(parse_args(argv), setup)
+    args = parse_args(argv)
+    common.check_args(args)  # every flag, the device and --output_dir, before any work
+    transformers.set_seed(args.seed)
+    device = distributed.init(eval_sts.resolve_device(args.device))
+
+    examples, train_file, subset = common.training_examples(args)
+    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir)
+    tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
+    loader = common.make_loader(examples, tokenizer, args, device)
+    total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
+
+    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless --no-mlp_only_train.
+    backbone.to(device).train()
+    head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
+    params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
+    eval_pooler = common.eval_pooler(args)
+    encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
+    optimizer, scheduler = common.make_optimizer(params, args, total_steps)
+    distributed.log(f"simcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
+               f"steps, device {device} x {distributed.world_size()}")
+
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    stop = distributed.StopSignal()
+    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+    best_dev, best_step, dev_curve, losses, train_time = -math.inf, None, [], [], 0.0
+    for step in range(total_steps + 1):  # step 0 only evaluates the initial model
+        if step > 0:
+            start = time.perf_counter()
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            with common.autocast(device, not args.fp32):
+                views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two dropout views
+                outputs = backbone(**views, output_hidden_states=True)
+                z1, z2 = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head).chunk(2)
+                z1, z2, z_dropout_off = distributed.gather(z1), distributed.gather(z2), None
+                if not args.no_off_dropout:  # a third pass with every dropout off gives the negatives (with grads)
+                    with dropout_off(backbone):
+                        outputs_off = backbone(**batch, output_hidden_states=True)
+                    z_dropout_off = distributed.gather(
+                        common.embed(outputs_off.hidden_states, batch["attention_mask"], args.pooler, head))
+                loss = off_dropout_info_nce(z1, z2, z_dropout_off, args.temp, args.m)
+                if args.dcl_weight > 0:  # DCL's per-dimension statistics are the global batch's (gathered)
+                    loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
+            losses.append(common.check_finite(loss, step))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            distributed.average_gradients(params)  # what DDP does; nothing on one process
+            if args.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            train_time += time.perf_counter() - start
+        stopping = stop.requested()
+        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+            dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
+            dev_curve.append([step, dev])
+            if dev > best_dev:
+                best_dev, best_step = dev, step
+                common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
+            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  STS-B dev "
+                       f"{dev:.2f}  best {best_dev:.2f} (step {best_step})  {step / max(train_time, 1e-9):.2f} steps/s")
+        if stopping:
+            break
+
+    common.finish(args, eval_pooler, senteval_dir, device, stop, train_file=train_file, micse_subset=subset,
+                  num_train_examples=len(examples), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
+                  dev_curve=dev_curve, train_loss=losses, train_time_s=round(train_time, 2),
+                  steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ Headline (Table 2, BERT-base, 7-task STS average): SimCSE 76.25 -> SSCL-SimCSE 7
 
     python sscl.py                                   # progressive SSCL, layers L-1 and L-2 (Figure 3b's best)
     python sscl.py --neg_layer_index 10              # one chosen layer (Figure 3a)
-    python sscl.py --pooler avg --report_oversmoothing
+    python sscl.py --pooler cls --report_oversmoothing
 
+Released code over paper: --pooler avg by default (run_unsup_example.sh --pooler_type avg, test.sh --pooler avg;
+the paper does not say); the loss averages Eq. 4 with SimCSE's plain term (marked in sscl_loss). Gradient
+clipping at 1.0, the last incomplete batch kept and fp32 evaluation come from the HF Trainer it uses.
 Choices: intermediate-layer negatives keep their gradients (they are part of the same forward pass, not a
 detached memory); SetSim is reported for every pair of adjacent transformer layers (1-2, ..., (L-1)-L), on the
 layer's sentence representation before the MLP ([CLS] or masked mean), averaged over the distinct STS-B test
@@ -17,10 +20,18 @@ sentences.
 """
 from __future__ import annotations
 
+import itertools
+import math
+import time
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+import transformers
 
 import common
+import distributed
+import eval_sts
 
 
 def parse_args(argv=None):
@@ -32,9 +43,11 @@ def parse_args(argv=None):
                    help="use this one hidden-state layer (1..L-1) as the negatives instead (Figure 3a)")
     g.add_argument("--report_oversmoothing", action="store_true",
                    help="write SetSim (Eq. 2) of adjacent layers on STS-B test, before and after training")
+    parser.set_defaults(pooler="avg")  # the released scripts train and evaluate with the average pooler
     args = parser.parse_args(argv)
     if args.pooler not in ("cls", "avg"):
         parser.error("SSCL trains with --pooler cls or avg (Section 4.2)")
+    common.check_range(args, "neg_layers", lambda v: v >= 0, "a non-negative number of layers")
     return args
 
 
@@ -55,17 +68,18 @@ def negative_layers(num_layers: int, k: int, index: int | None = None) -> list[i
     """hidden_states indices of the negative layers: [index], or L-1, ..., L-k (hidden_states[L] is the last)."""
     if index is not None:
         if not 1 <= index < num_layers:
-            raise common.CLIError(f"--neg_layer_index must be in 1..{num_layers - 1}, got {index}")
+            raise common.UsageError(f"--neg_layer_index must be in 1..{num_layers - 1}, got {index}")
         return [index]
     if not 0 <= k < num_layers:
-        raise common.CLIError(f"--neg_layers must be in 0..{num_layers - 1}, got {k}")
+        raise common.UsageError(f"--neg_layers must be in 0..{num_layers - 1}, got {k}")
     return [num_layers - i for i in range(1, k + 1)]
 
 
-def layer_representations(model, hidden_states, attention_mask, layers, num_views=2):
+def layer_representations(hidden_states, attention_mask, layers, pooler: str, head=None, num_views: int = 2):
     """Each negative layer's sentence representations, pooled like z, split into the dropout views."""
-    # hidden_states[:l + 1] ends at layer l, so model.embed pools (and for [CLS], applies the MLP to) layer l.
-    return [tuple(model.embed(hidden_states[:layer + 1], attention_mask).chunk(num_views)) for layer in layers]
+    # hidden_states[:l + 1] ends at layer l, so embed pools (and for [CLS], applies the MLP to) layer l.
+    return [tuple(common.embed(hidden_states[:layer + 1], attention_mask, pooler, head).chunk(num_views))
+            for layer in layers]
 
 
 def set_sim(hidden_states, attention_mask, pooler: str) -> torch.Tensor:
@@ -75,43 +89,92 @@ def set_sim(hidden_states, attention_mask, pooler: str) -> torch.Tensor:
     return torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1) for a, b in zip(reps, reps[1:])])
 
 
-def oversmoothing_report(pooler: str):
-    """analyze() hook for common.run: mean SetSim over the distinct STS-B test sentences, per adjacent pair."""
-    import eval_sts
-
-    @torch.no_grad()
-    def analyze(backbone, tokenizer, senteval_dir, device):
-        sentences = sorted({s for pair in eval_sts.load_pairs(senteval_dir, "STSBenchmark", "test") for s in pair[:2]})
-        was_training = backbone.training
-        backbone.eval()
-        total = 0.0
-        for i in range(0, len(sentences), 128):
-            batch = tokenizer(sentences[i:i + 128], padding=True, truncation=True, return_tensors="pt").to(device)
-            hidden_states = backbone(**batch, output_hidden_states=True).hidden_states
-            total = total + set_sim(hidden_states, batch["attention_mask"], pooler).sum(dim=1)
-        backbone.train(was_training)
-        means = (total / len(sentences)).tolist()
-        return {"setsim": {f"{layer}-{layer + 1}": round(v, 4) for layer, v in enumerate(means, start=1)}}
-    return analyze
-
-
-def setup(args, backbone):
-    """SimCSE's encoder; the negatives come from the same forward pass's hidden states (no extra passes)."""
-    model = common.SentenceEncoder(backbone, pooler=args.pooler, eval_pooler=common.eval_pooler(args))
-    layers = negative_layers(backbone.config.num_hidden_layers, args.neg_layers, args.neg_layer_index)
-
-    def compute_loss(batch):
-        outputs, mask = model.forward_views(batch, num_views=2)
-        z1, z2 = model.embed(outputs.hidden_states, mask).chunk(2)
-        negatives = layer_representations(model, outputs.hidden_states, mask, layers)
-        return sscl_loss(z1, z2, negatives, args.temp)
-
-    return model, compute_loss
+@torch.no_grad()
+def oversmoothing(backbone, tokenizer, pooler: str, senteval_dir, device) -> dict:
+    """Mean SetSim over the distinct STS-B test sentences, per adjacent layer pair (Figure 1), in eval mode."""
+    sentences = sorted({s for pair in eval_sts.load_pairs(senteval_dir, "STSBenchmark", "test") for s in pair[:2]})
+    was_training = backbone.training
+    backbone.eval()
+    total = 0.0
+    for i in range(0, len(sentences), 128):
+        batch = tokenizer(sentences[i:i + 128], padding=True, truncation=True, return_tensors="pt").to(device)
+        hidden_states = backbone(**batch, output_hidden_states=True).hidden_states
+        total = total + set_sim(hidden_states, batch["attention_mask"], pooler).sum(dim=1)
+    backbone.train(was_training)
+    means = (total / len(sentences)).tolist()
+    return {f"{layer}-{layer + 1}": round(v, 4) for layer, v in enumerate(means, start=1)}
 
 
 def main(argv=None):
     args = parse_args(argv)
-    common.run(args, setup, analyze=oversmoothing_report(args.pooler) if args.report_oversmoothing else None)
+    common.check_args(args)  # every flag, the device and --output_dir, before any work
+    transformers.set_seed(args.seed)
+    device = distributed.init(eval_sts.resolve_device(args.device))
+
+    examples, train_file, subset = common.training_examples(args)
+    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir)
+    tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
+    loader = common.make_loader(examples, tokenizer, args, device)
+    total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
+
+    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless --no-mlp_only_train.
+    backbone.to(device).train()
+    head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
+    params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
+    eval_pooler = common.eval_pooler(args)
+    encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
+    optimizer, scheduler = common.make_optimizer(params, args, total_steps)
+    neg_layers = negative_layers(backbone.config.num_hidden_layers, args.neg_layers, args.neg_layer_index)
+    setsim = {"before": oversmoothing(backbone, tokenizer, args.pooler, senteval_dir, device)} \
+        if args.report_oversmoothing and distributed.rank() == 0 else None
+    distributed.log(f"simcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
+               f"steps, device {device} x {distributed.world_size()}")
+
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    stop = distributed.StopSignal()
+    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+    best_dev, best_step, dev_curve, losses, train_time = -math.inf, None, [], [], 0.0
+    for step in range(total_steps + 1):  # step 0 only evaluates the initial model
+        if step > 0:
+            start = time.perf_counter()
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            with common.autocast(device, not args.fp32):
+                views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two dropout views
+                outputs = backbone(**views, output_hidden_states=True)
+                mask = views["attention_mask"]
+                z1, z2 = common.embed(outputs.hidden_states, mask, args.pooler, head).chunk(2)
+                # The negatives come from the same pass: the intermediate layers' representations of both views.
+                layer_negatives = [(distributed.gather(n1), distributed.gather(n2)) for n1, n2 in
+                                   layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head)]
+                loss = sscl_loss(distributed.gather(z1), distributed.gather(z2), layer_negatives, args.temp)
+            losses.append(common.check_finite(loss, step))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            distributed.average_gradients(params)  # what DDP does; nothing on one process
+            if args.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            train_time += time.perf_counter() - start
+        stopping = stop.requested()
+        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+            dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
+            dev_curve.append([step, dev])
+            if dev > best_dev:
+                best_dev, best_step = dev, step
+                common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
+            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  STS-B dev "
+                       f"{dev:.2f}  best {best_dev:.2f} (step {best_step})  {step / max(train_time, 1e-9):.2f} steps/s")
+        if stopping:
+            break
+
+    if setsim is not None and stop.signum is None:
+        setsim["after"] = oversmoothing(eval_sts.load_pretrained(str(Path(args.output_dir) / "best"))[1].to(device),
+                                        tokenizer, args.pooler, senteval_dir, device)
+    common.finish(args, eval_pooler, senteval_dir, device, stop, setsim=setsim, train_file=train_file, micse_subset=subset,
+                  num_train_examples=len(examples), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
+                  dev_curve=dev_curve, train_loss=losses, train_time_s=round(train_time, 2),
+                  steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 
 
 if __name__ == "__main__":

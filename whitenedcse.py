@@ -11,17 +11,30 @@ Headline (Table 1, BERT-base, 7-task STS average): 78.78, +2.53 over SimCSE's 76
     python whitenedcse.py --num_pos 2 --num_groups 128  # the authors' released code uses 128 groups
 
 The released code calls the removed torch.symeig and does not parse; this file is written from the paper and
-that code. Choices: each view is one dropout pass of the batch (all m in one forward pass) with its own fresh
+that code. Where they differ: the released code whitens contiguous thirds of the interleaved batch, one
+permutation per third (so a sentence's views mostly share a permutation), with 128 groups, 128 sentences per
+GPU on 2 GPUs and lr 1e-5, and its README evaluates --pooler cls while its dev gate uses [CLS] before the head;
+this file follows the paper's per-view shuffles. Gradient clipping at 1.0, the last incomplete batch kept (a
+batch no wider than a group is skipped: its covariance is singular) and fp32 evaluation come from the HF Trainer.
+Choices: each view is one dropout pass of the batch (all m in one forward pass) with its own fresh
 permutation drawn from a generator seeded by --seed; eigenvalues are floored at 1e-12 before the inverse square
 root so rounding cannot produce a NaN; evaluation takes [CLS] before the head (SGW is training-only).
 """
 from __future__ import annotations
 
+import itertools
+import math
+import time
+from pathlib import Path
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 
 import common
+import distributed
+import eval_sts
 
 
 def parse_args(argv=None):
@@ -33,8 +46,8 @@ def parse_args(argv=None):
     g.add_argument("--num_pos", type=int, default=3, help="m, the number of whitened views (Table 5: 3)")
     g.add_argument("--no_shuffle", action="store_true", help="identity permutation for every view (Table 4 ablation)")
     args = parser.parse_args(argv)
-    if args.num_pos < 2:
-        parser.error("--num_pos must be at least 2")
+    common.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
+    common.check_range(args, "num_groups", lambda v: v >= 1, "a positive number of groups")
     return args
 
 
@@ -86,30 +99,77 @@ class WhitenedHead(nn.Module):
         return torch.tanh(self.linear(shuffled_group_whitening(cls, self.num_groups, perm)))
 
 
-def setup(args, backbone):
+def main(argv=None):
+    args = parse_args(argv)
+    common.check_args(args)  # every flag, the device and --output_dir, before any work
+    transformers.set_seed(args.seed)
+    device = distributed.init(eval_sts.resolve_device(args.device))
+
+    examples, train_file, subset = common.training_examples(args)
+    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir)
+    tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
     hidden = backbone.config.hidden_size
     if hidden % args.num_groups:
-        raise common.CLIError(f"--num_groups {args.num_groups} does not divide the hidden size {hidden}; "
-                              f"use groups of 2 channels: --num_groups {hidden // 2}")
-    if hidden // args.num_groups >= args.batch_size:
-        raise common.CLIError(f"groups of {hidden // args.num_groups} channels need --batch_size above that")
-    head = WhitenedHead(hidden, args.num_groups, getattr(backbone.config, "initializer_range", 0.02))
-    model = common.SentenceEncoder(backbone, pooler="cls", head=head, eval_pooler="cls_before_pooler")
-    generator = torch.Generator().manual_seed(args.seed)
+        raise common.UsageError(f"--num_groups {args.num_groups} does not divide the hidden size {hidden}; "
+                                f"use groups of 2 channels: --num_groups {hidden // 2}")
+    width = hidden // args.num_groups
+    if width >= args.batch_size:
+        raise common.UsageError(f"groups of {width} channels need --batch_size above {width}")
+    loader = common.make_loader(examples, tokenizer, args, device, min_rows=width + 1)  # fewer rows: singular
+    total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    def compute_loss(batch):
-        outputs, _ = model.forward_views(batch, num_views=args.num_pos)
-        cls_views = outputs.hidden_states[-1][:, 0].float().chunk(args.num_pos)
-        perms = [torch.arange(hidden) if args.no_shuffle else torch.randperm(hidden, generator=generator)
-                 for _ in cls_views]
-        views = [head(cls, perm.to(cls.device)) for cls, perm in zip(cls_views, perms)]
-        return multi_positive_info_nce(views, args.temp)
+    # Encoder and head: SGW -> Linear -> Tanh on [CLS], training only; evaluation reads [CLS] before it.
+    backbone.to(device).train()
+    head = WhitenedHead(hidden, args.num_groups, backbone.config.initializer_range).to(device)
+    params = list(backbone.parameters()) + list(head.parameters())
+    eval_pooler = "cls_before_pooler"
+    generator = torch.Generator().manual_seed(args.seed)  # the channel shuffles, the same on every process
+    encode = common.pooled_encode(backbone, tokenizer, eval_pooler, device)
+    optimizer, scheduler = common.make_optimizer(params, args, total_steps)
+    distributed.log(f"simcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
+               f"steps, device {device} x {distributed.world_size()}")
 
-    return model, compute_loss
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    stop = distributed.StopSignal()
+    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+    best_dev, best_step, dev_curve, losses, train_time = -math.inf, None, [], [], 0.0
+    for step in range(total_steps + 1):  # step 0 only evaluates the initial model
+        if step > 0:
+            start = time.perf_counter()
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            with common.autocast(device, not args.fp32):
+                outputs = backbone(**common.repeat_views(batch, args.num_pos))  # m dropout views in one pass
+                # The [CLS] features of the global batch: each view's covariance is the whole batch's.
+                cls_views = [distributed.gather(c) for c in outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)]
+                perms = [torch.arange(hidden) if args.no_shuffle else torch.randperm(hidden, generator=generator)
+                         for _ in cls_views]  # a fresh shuffle per view and step (Eq. 11)
+                views = [head(cls, perm.to(device)) for cls, perm in zip(cls_views, perms)]
+                loss = multi_positive_info_nce(views, args.temp)
+            losses.append(common.check_finite(loss, step))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            distributed.average_gradients(params)  # what DDP does; nothing on one process
+            if args.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            train_time += time.perf_counter() - start
+        stopping = stop.requested()
+        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+            dev = common.dev_score([backbone, head], encode, senteval_dir)
+            dev_curve.append([step, dev])
+            if dev > best_dev:
+                best_dev, best_step = dev, step
+                common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
+            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  STS-B dev "
+                       f"{dev:.2f}  best {best_dev:.2f} (step {best_step})  {step / max(train_time, 1e-9):.2f} steps/s")
+        if stopping:
+            break
 
-
-def main(argv=None):
-    common.run(parse_args(argv), setup)
+    common.finish(args, eval_pooler, senteval_dir, device, stop, train_file=train_file, micse_subset=subset,
+                  num_train_examples=len(examples), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
+                  dev_curve=dev_curve, train_loss=losses, train_time_s=round(train_time, 2),
+                  steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,115 @@
+"""Several processes (torchrun): the process group, rank helpers, a gather with gradients, gradient averaging.
+
+Plain `python script.py` never initialises a process group, and then every helper here is the identity.
+Under `torchrun --nproc_per_node N` each process holds batch / N rows; the method files gather what their loss
+needs over the global batch (visible lines in each loop) and average the gradients after backward, which is
+what DistributedDataParallel does, written out. Every process computes the same global-batch loss on the
+gathered tensors: all_gather's backward sums the N identical gradients into each process's own rows and the
+average divides by N, so the update is exactly the one-process update on the global batch.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
+import torch.nn.functional as F
+
+
+def init(device: torch.device) -> torch.device:
+    """Under torchrun (RANK set): join the process group (NCCL on CUDA, gloo on CPU); this process's device."""
+    if "RANK" not in os.environ or dist.is_initialized():
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def gather(t: torch.Tensor) -> torch.Tensor:
+    """The rows of every process in rank order (sizes may differ by one), gradients flowing back to each own rows."""
+    if world_size() == 1:
+        return t
+    sizes = [torch.zeros(1, dtype=torch.long, device=t.device) for _ in range(world_size())]
+    dist.all_gather(sizes, torch.tensor([len(t)], device=t.device))
+    padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, int(max(sizes)) - len(t)))
+    return torch.cat([part[:int(n)] for part, n in zip(dist_nn.all_gather(padded), sizes)])
+
+
+def average_gradients(params) -> None:
+    """Every gradient averaged over the processes, in one flat all-reduce (DDP's step, written out)."""
+    if world_size() == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world_size()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
+def any_process(flag: bool) -> bool:
+    """True on every process when `flag` is true on any of them (so that they stop together)."""
+    if world_size() == 1:
+        return flag
+    t = torch.tensor([float(flag)], device=_device())
+    dist.all_reduce(t)
+    return bool(t.item())
+
+
+def broadcast_float(value: float) -> float:
+    """Process 0's `value` on every process."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=_device())
+    dist.broadcast(t, 0)
+    return float(t.item())
+
+
+class StopSignal:
+    """Ctrl-C or SIGTERM asks the loop to stop at the end of the current step (a second one stops at once)."""
+
+    def __init__(self):
+        self.signum = None
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"signal {signal.Signals(signum).name}: stopping at the end of this step", flush=True)
+
+    def requested(self) -> bool:
+        return any_process(self.signum is not None)
+
+
+def log(message: str) -> None:
+    if rank() == 0:
+        print(message, flush=True)
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
