@@ -40,7 +40,7 @@ TASK_COLUMNS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SI
 
 
 def command(script, flags, out_dir):
-    return [sys.executable, script, *PROTOCOL, *flags, "--output_dir", str(out_dir)]
+    return [sys.executable, script, *PROTOCOL, *flags, "--output_dir", str(out_dir), "--overwrite_output_dir"]
 
 
 def run_all():
@@ -139,7 +139,8 @@ def write():
               "--senteval_dir ../shared/data/senteval --json results/initial.json"]
     for name in results:
         script, flags = scripts[name]
-        lines.append(" ".join(["python", script, *PROTOCOL, *flags, "--output_dir", f"runs/report/{name}"]))
+        lines.append(" ".join(["python", script, *PROTOCOL, *flags, "--output_dir", f"runs/report/{name}",
+                               "--overwrite_output_dir"]))
     lines += ["```", ""]
     (ROOT / "RESULTS.md").write_text("\n".join(lines))
     print(f"wrote {ROOT / 'RESULTS.md'}")

@@ -108,3 +108,13 @@ def smoke_args(tiny_model, corpus, senteval_dir, out, *extra):
 
 needs_shared = pytest.mark.skipif(not (SHARED / "models" / "all-MiniLM-L6-v2").is_dir(),
                                   reason="../shared (pretrained MiniLM and SentEval data) is not beside this checkout")
+
+
+@pytest.fixture(autouse=True)
+def restore_signal_handlers():
+    """A method's main() run in-process installs its Ctrl-C / SIGTERM handler; put pytest's back."""
+    import signal
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)

@@ -1,11 +1,13 @@
-"""common.py: info_nce, poolers, subsets, dropout control, argument handling."""
+"""common.py: info_nce, poolers, data and subsets, the batch sampler, dropout control, presets, the schedule."""
 import math
+import types
 
 import numpy as np
 import pytest
 import torch
 
 import common
+import eval_sts
 
 
 def loop_info_nce(z1, z2, temp, z3=None, weight=0.0):
@@ -65,9 +67,9 @@ def test_poolers_on_hand_built_hidden_states():
     assert torch.allclose(common.pool(hidden, mask, "avg_top2"), torch.tensor([[1.5, 2.0], [3., 3.]]))
     pooler_output = torch.randn(2, 2)
     assert common.pool(hidden, mask, "cls", pooler_output) is pooler_output
-    with pytest.raises(common.CLIError, match="no pooler"):
+    with pytest.raises(common.UsageError, match="no pooler"):
         common.pool(hidden, mask, "cls")
-    with pytest.raises(common.CLIError, match="unknown pooler"):
+    with pytest.raises(common.UsageError, match="unknown pooler"):
         common.pool(hidden, mask, "max")
 
 
@@ -79,58 +81,124 @@ def test_subsample_is_deterministic_and_bounded():
     assert len(a) == 10 and a == sorted(a) and set(a) <= set(items)
     assert len(common.subsample(items, 0.0015, seed=0)) == round(1.5)
     assert common.subsample(items, 1.0, seed=0) == items
-    for bad in (0.0, -0.1, 1.5):
-        with pytest.raises(common.CLIError, match="fraction"):
-            common.subsample(items, bad, seed=0)
-    with pytest.raises(common.CLIError, match="keeps none"):
+    with pytest.raises(common.UsageError, match="keeps none"):
         common.subsample(items, 0.0001, seed=0)
 
 
-def test_load_sentences_skips_empty_lines_and_rejects_empty_files(tmp_path):
+def args_for(train_file, **extra):
+    return types.SimpleNamespace(train_file=str(train_file), fraction=1.0, seed=0, **extra)
+
+
+def test_training_examples_skip_empty_lines_and_reject_bad_files(tmp_path):
     path = tmp_path / "c.txt"
     path.write_text("one\n\n  \ntwo  \n")
-    assert common.load_sentences(str(path)) == ["one", "two"]
+    examples, source, subset = common.training_examples(args_for(path))
+    assert examples == ["one", "two"] and source == str(path) and subset is None
     path.write_text("\n\n")
-    with pytest.raises(common.CLIError, match="no sentences"):
-        common.load_sentences(str(path))
-    with pytest.raises(common.CLIError, match="no such file"):
-        common.load_sentences(str(tmp_path / "missing.txt"))
+    with pytest.raises(common.UsageError, match="is empty"):
+        common.training_examples(args_for(path))
+    with pytest.raises(common.UsageError, match="no such file"):
+        common.training_examples(args_for(tmp_path / "missing.txt"))
+    path.write_bytes(b"fine\nstill fine\nbad \xff byte\n")
+    with pytest.raises(common.UsageError, match="line 3 is not UTF-8"):
+        common.training_examples(args_for(path))
 
 
-def test_collator_lays_out_triplets_column_major(tiny_model):
+def test_training_triplets_keep_na_strings_and_name_bad_rows(tmp_path):
+    path = tmp_path / "nli.csv"
+    path.write_text("sent0,sent1,hard_neg\nNA,None,null\na man,a person,a dog\n")
+    examples, _, _ = common.training_examples(args_for(path), triplets=True)
+    assert examples == [("NA", "None", "null"), ("a man", "a person", "a dog")]
+    path.write_text("sent0,sent1,hard_neg\na,b,c\nd,e\n")
+    with pytest.raises(common.UsageError, match="line 3 has 2 column"):
+        common.training_examples(args_for(path), triplets=True)
+    path.write_text("premise,hypothesis\na,b\n")
+    with pytest.raises(common.UsageError, match="sent0,sent1,hard_neg"):
+        common.training_examples(args_for(path), triplets=True)
+
+
+@pytest.mark.parametrize("fraction, name", [
+    (0.000064, "wiki_subset_1M_000.0064percent_seed48.txt"), (0.0001, "wiki_subset_1M_000.01percent_seed48.txt"),
+    (0.0005, "wiki_subset_1M_000.05percent_seed48.txt"), (0.001, "wiki_subset_1M_000.10percent_seed48.txt"),
+    (0.005, "wiki_subset_1M_000.50percent_seed48.txt"), (0.01, "wiki_subset_1M_001.00percent_seed48.txt"),
+    (0.1, "wiki_subset_1M_010.00percent_seed48.txt")])
+def test_micse_subset_names_for_each_released_fraction(fraction, name):
+    assert common.micse_subset(fraction, 48) == name
+    assert common.micse_subset(fraction, 52) == name.replace("seed48", "seed52")
+    assert common.micse_subset(fraction, 3) is None  # no released subset: wiki1m is subsampled with the seed
+    assert common.micse_subset(0.02, 48) is None
+
+
+def test_micse_subset_is_downloaded_from_its_repo(tmp_path, monkeypatch):
+    subset_file = tmp_path / "subset.txt"
+    subset_file.write_text("s1\ns2\ns3\n")
+    asked = []
+    monkeypatch.setattr(eval_sts, "hub_file", lambda repo, name, flag: asked.append((repo, name, flag)) or str(subset_file))
+    args = types.SimpleNamespace(train_file=None, fraction=0.01, seed=50)
+    examples, source, subset = common.training_examples(args)
+    assert asked == [("sap-ai-research/datasets-for-micse", "wiki_subset_1M_001.00percent_seed50.txt", "--train_file")]
+    assert examples == ["s1", "s2", "s3"] and subset == "wiki_subset_1M_001.00percent_seed50.txt"  # not subsampled
+
+
+def test_offline_micse_subset_names_the_file_and_the_flag(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    with pytest.raises(common.UsageError, match="wiki_subset_1M_000.10percent_seed49.txt.*--train_file"):
+        common.training_examples(types.SimpleNamespace(train_file=None, fraction=0.001, seed=49))
+
+
+@pytest.mark.parametrize("n, batch, min_rows, expected", [(10, 4, 2, [4, 4, 2]), (10, 4, 3, [4, 4]),
+                                                           (9, 4, 2, [4, 4]), (8, 4, 2, [4, 4])])
+def test_batch_sampler_keeps_the_last_batch_unless_too_small(n, batch, min_rows, expected):
+    sampler = common.BatchSampler(n, batch, seed=0, min_rows=min_rows)
+    batches = list(sampler)
+    assert [len(b) for b in batches] == expected and len(sampler) == len(expected)
+    assert len({i for b in batches for i in b}) == sum(expected)
+    assert list(sampler) != batches  # a new order every epoch
+    assert list(common.BatchSampler(n, batch, seed=0, min_rows=min_rows)) == batches  # deterministic per seed
+
+
+def test_batch_sampler_slices_are_the_global_batch():
+    single = list(common.BatchSampler(11, 4, seed=5))
+    parts = [list(common.BatchSampler(11, 4, seed=5, rank=r, world_size=2)) for r in range(2)]
+    assert [a + b for a, b in zip(*parts)] == single
+
+
+def test_collate_lays_out_triplets_column_major(tiny_model):
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    batch = common.Collator(tokenizer, max_length=6)([("a man", "a dog", "the cat"), ("big red ball", "sun", "moon")])
-    assert batch["num_columns"] == 3 and batch["input_ids"].shape[0] == 6
-    assert batch["input_ids"].shape[1] <= 6
+    batch = common.collate([("a man", "a dog", "the cat"), ("big red ball", "sun", "moon")], tokenizer, 6)
+    assert batch["input_ids"].shape[0] == 6 and batch["input_ids"].shape[1] <= 6
     decoded = [tokenizer.decode(ids, skip_special_tokens=True) for ids in batch["input_ids"]]
     assert decoded == ["a man", "big red ball", "a dog", "sun", "the cat", "moon"]
 
 
-def test_forward_views_gives_independent_dropout_masks(tiny_model):
+def test_repeated_views_get_independent_dropout_masks(tiny_model):
     from transformers import AutoModel, AutoTokenizer
     tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
-    model = common.SentenceEncoder(backbone, pooler="cls").train()
-    batch = dict(tokenizer(["a man runs", "the dog"], padding=True, return_tensors="pt"))
-    outputs, mask = model.forward_views(batch, num_views=2)
-    z1, z2 = model.embed(outputs.hidden_states, mask).chunk(2)
+    head = common.MLPHead(backbone.config)
+    views = common.repeat_views(dict(tokenizer(["a man runs", "the dog"], padding=True, return_tensors="pt")), 2)
+    backbone.train()
+    z1, z2 = common.embed(backbone(**views, output_hidden_states=True).hidden_states, views["attention_mask"],
+                          "cls", head).chunk(2)
     assert z1.shape == (2, 32) and not torch.allclose(z1, z2)
-    model.eval()
-    outputs, mask = model.forward_views(batch, num_views=2)
-    z1, z2 = model.embed(outputs.hidden_states, mask).chunk(2)
+    backbone.eval()
+    z1, z2 = common.embed(backbone(**views, output_hidden_states=True).hidden_states, views["attention_mask"],
+                          "cls", head).chunk(2)
     assert torch.allclose(z1, z2, atol=1e-6)
 
 
 def test_dropout_off_is_deterministic_and_restores_modes(tiny_model):
     from transformers import AutoModel, AutoTokenizer
+    import micse
+    import simcsepp
     tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
-    backbone.config.attention_probs_dropout_prob = 0.5
-    common.set_dropout(backbone, 0.5)
+    micse.set_dropout(backbone, 0.5)
     batch = dict(tokenizer(["a man runs in the park"], return_tensors="pt"))
     backbone.eval()
     reference = backbone(**batch).last_hidden_state
     backbone.train()
-    with common.dropout_off(backbone):
+    with simcsepp.dropout_off(backbone):
         off = backbone(**batch).last_hidden_state
     assert torch.allclose(off, reference, atol=1e-6)  # attention dropout is off too
     dropouts = [m for m in backbone.modules() if isinstance(m, torch.nn.Dropout)]
@@ -138,21 +206,25 @@ def test_dropout_off_is_deterministic_and_restores_modes(tiny_model):
     assert not torch.allclose(backbone(**batch).last_hidden_state, reference)
 
 
-def test_explicit_flags_sees_only_what_the_user_gave():
-    parser = common.base_parser("doc", "x")
-    assert common.explicit_flags(parser, ["--lr", "1e-5", "--fp32"]) == {"lr", "fp32"}
-    assert parser.parse_args([]).lr == 3e-5  # defaults are restored
+def test_presets_use_set_defaults_and_user_flags_win():
+    import simcse
+    args = simcse.parse_args(["--supervised"])
+    assert (args.batch_size, args.lr, args.epochs, args.mlp_only_train) == (512, 5e-5, 3, False)
+    args = simcse.parse_args(["--supervised", "--batch_size", "16", "--mlp_only_train"])
+    assert (args.batch_size, args.lr, args.mlp_only_train) == (16, 5e-5, True)
+    assert simcse.parse_args([]).batch_size == 64
 
 
 def test_linear_schedule_warmup_then_decay():
-    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched = common.linear_schedule(opt, warmup_steps=2, total_steps=6)
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt, sched = common.make_optimizer([param], types.SimpleNamespace(lr=1.0, warmup_steps=2), total_steps=6)
     lrs = []
     for _ in range(6):
         lrs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
     assert lrs == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25])
+    assert opt.param_groups[0]["weight_decay"] == 0.0
     from transformers import get_linear_schedule_with_warmup
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     reference = get_linear_schedule_with_warmup(opt2, 2, 6)

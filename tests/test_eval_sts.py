@@ -1,5 +1,7 @@
 """eval_sts.py: the SentEval STS aggregation against scipy computed here, and the shared-data reference figures."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -7,7 +9,7 @@ import pytest
 from scipy.stats import spearmanr
 
 import eval_sts
-from conftest import SHARED, STS_SUBSETS, needs_shared, run_script
+from conftest import ROOT, SHARED, STS_SUBSETS, needs_shared, run_script
 
 
 def hashed_encode(sentences):
@@ -131,18 +133,86 @@ def test_minilm_dev_reference_figures():
 def test_senteval_tar_is_unpacked_once_and_found(tmp_path, senteval_dir, monkeypatch):
     """The default path: senteval.tar from the hub (mocked here) unpacked next to it, STS/ found inside."""
     import tarfile
-    import common
     tar_path = tmp_path / "cache" / "senteval.tar"
     tar_path.parent.mkdir()
     with tarfile.open(tar_path, "w") as tar:
         tar.add(senteval_dir, arcname="downstream")
     requested = []
-    monkeypatch.setattr(common, "hub_dataset_file", lambda name, flag: requested.append((name, flag)) or str(tar_path))
+    monkeypatch.setattr(eval_sts, "hub_file", lambda repo, name, flag: requested.append((repo, name, flag)) or str(tar_path))
     root = eval_sts.resolve_senteval_dir(None)
     assert root == tmp_path / "cache" / "senteval_unpacked" / "downstream"
-    assert requested == [("senteval.tar", "--senteval_dir")]
+    assert requested == [("princeton-nlp/datasets-for-simcse", "senteval.tar", "--senteval_dir")]
     assert eval_sts.load_pairs(root, "STS13") == eval_sts.load_pairs(senteval_dir, "STS13")
     tar_path.write_bytes(b"")  # a second call reuses the unpacked copy
     assert eval_sts.resolve_senteval_dir(None) == root
     # a user-given parent folder works too
     assert eval_sts.resolve_senteval_dir(str(tmp_path / "cache")) == root
+
+
+def test_eval_sts_is_a_leaf():
+    """Importing the evaluator in a fresh interpreter loads nothing of the suite."""
+    code = "import sys, eval_sts; print(sorted(m for m in ('common', 'distributed', 'simcse') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def numpy_align_uniform(x, y, data):
+    unit = lambda a: a / np.linalg.norm(a, axis=1, keepdims=True)
+    x, y, data = unit(x), unit(y), unit(data)
+    align = np.mean([np.sum((a - b) ** 2) for a, b in zip(x, y)])
+    terms = [np.exp(-2 * np.sum((data[i] - data[j]) ** 2)) for i in range(len(data)) for j in range(i + 1, len(data))]
+    return align, np.log(np.mean(terms))
+
+
+def test_align_uniform_hand_checked_points():
+    # Orthogonal unit vectors: ||a - b||^2 = 2 for every pair, so l_uniform = log e^-4 = -4; identical positives
+    # align perfectly (0); opposite positives have ||a - b||^2 = 4.
+    e = np.eye(3)
+    assert eval_sts.align_uniform_loss(e, e, e) == pytest.approx((0.0, -4.0))
+    assert eval_sts.align_uniform_loss(e, -e, e)[0] == pytest.approx(4.0)
+    # Two identical points and one orthogonal: pairs (0,1) distance 0, (0,2) and (1,2) distance 2.
+    data = np.array([[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]])  # normalised inside
+    assert eval_sts.align_uniform_loss(data, data, data)[1] == pytest.approx(np.log((1 + 2 * np.exp(-4)) / 3))
+
+
+def test_align_uniform_matches_numpy_on_random_embeddings():
+    rng = np.random.default_rng(0)
+    x, y, data = rng.normal(size=(7, 5)), rng.normal(size=(7, 5)), rng.normal(size=(12, 5))
+    assert eval_sts.align_uniform_loss(x, y, data) == pytest.approx(numpy_align_uniform(x, y, data), rel=1e-10)
+
+
+def test_align_uniform_uses_stsb_dev_positives_above_four(senteval_dir):
+    pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", "dev")
+    positives = [p for p in pairs if p[2] > 4.0]
+    sentences = sorted({s for p in pairs for s in p[:2]})
+    expected = numpy_align_uniform(hashed_encode([p[0] for p in positives]), hashed_encode([p[1] for p in positives]),
+                                   hashed_encode(sentences))
+    got = eval_sts.align_uniform(hashed_encode, senteval_dir)
+    assert got["align"] == pytest.approx(expected[0], abs=6e-5) and got["uniform"] == pytest.approx(expected[1], abs=6e-5)
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda root: (root / "STS/STSBenchmark/sts-test.csv").write_text("a\tb\tc\n"), "sts-test.csv line 1"),
+    (lambda root: (root / "STS/STS12-en-test/STS.gs.MSRpar.txt").write_text("1.0\nabc\n"), "line 2: the score 'abc'"),
+    (lambda root: (root / "SICK/SICK_test_annotated.txt").write_bytes(b"h\n1\ta\tb\t\xff\n"), "line 2 is not UTF-8"),
+    (lambda root: (root / "STS/STS13-en-test/STS.input.FNWN.txt").unlink(), "STS.input.FNWN.txt: no such file"),
+])
+def test_malformed_senteval_data_is_one_line_naming_file_and_line(tiny_model, senteval_dir, tmp_path, mutate, needle):
+    import shutil
+    root = tmp_path / "se"
+    shutil.copytree(senteval_dir, root)
+    mutate(root)
+    proc = run_script("eval_sts.py", "--model_name_or_path", tiny_model, "--senteval_dir", root)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--batch_size", "0"], "--batch_size"), (["--device", "cuda:7"], "--device"), (["--device", "tpu9"], "--device"),
+    (["--json", "/no/such/folder/s.json"], "--json"), (["--pooler", "max"], "--pooler"),
+])
+def test_bad_evaluator_arguments_are_one_line(tiny_model, senteval_dir, tmp_path, extra, needle):
+    proc = run_script("eval_sts.py", "--model_name_or_path", tiny_model, "--senteval_dir", senteval_dir, *extra)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr

@@ -147,7 +147,7 @@ def test_few_shot_settings_and_overrides(capsys):
     assert (args.lr, args.epochs, args.ami_lambda) == (2e-5, 3, 1e-4)
     args = micse.parse_args(["--fraction", "0.02"])
     assert args.epochs == 50 and "settings of 0.01" in capsys.readouterr().out
-    with pytest.raises(common.CLIError):
+    with pytest.raises(common.UsageError, match="--fraction"):
         micse.parse_args(["--fraction", "1.5"])
 
 
@@ -157,26 +157,23 @@ def test_default_ami_layers():
     assert micse.default_ami_layers(2) == (0, 2)
 
 
-def test_attentions_arrive_in_a_step(tiny_model):
+def test_eager_attention_returns_weights_and_sdpa_does_not(tiny_model):
     tokenizer, backbone = common.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
-    args = micse.parse_args(["--queue_size", "6", "--batch_size", "4"])
-    model, compute_loss = micse.setup(args, backbone)
-    model.train()
-    batch = common.Collator(tokenizer, 16)(["a man runs", "the dog eats food", "a red car", "sun and moon"])
-    outputs, _ = model.forward_views(batch, 2, output_attentions=True)
+    batch = common.collate(["a man runs", "the dog eats food", "a red car", "sun and moon"], tokenizer, 16)
+    outputs = backbone(**common.repeat_views(batch, 2), output_attentions=True)
     assert len(outputs.attentions) == 2 and outputs.attentions[0].shape == (8, 4, 6, 6)
-    before = [p.detach().clone() for p in backbone.parameters()]
-    loss = compute_loss(batch)
-    loss.backward()
-    assert torch.isfinite(loss)
-    loss2 = compute_loss(batch)  # second step: the queue now holds the first batch's keys (4 of 6)
-    assert torch.isfinite(loss2)
+    assert torch.allclose(outputs.attentions[0].sum(-1), torch.ones(8, 4, 6))
     _, sdpa_backbone = common.load_pretrained(str(tiny_model))
-    _, sdpa_loss = micse.setup(args, sdpa_backbone)
-    if sdpa_backbone.config._attn_implementation != "eager":
-        with pytest.raises(RuntimeError, match="eager"):
-            sdpa_loss(batch)
-    assert all(torch.equal(a, b) for a, b in zip(before, backbone.parameters()))  # no optimizer step here
+    if sdpa_backbone.config._attn_implementation != "eager":  # transformers 5's default: no weights
+        attentions = sdpa_backbone(**batch, output_attentions=True).attentions
+        assert not attentions or attentions[0] is None
+
+
+def test_step_without_attentions_is_an_error_not_a_silent_zero(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                monkeypatch):
+    monkeypatch.setattr(micse, "ATTN_IMPLEMENTATION", "sdpa")
+    with pytest.raises(RuntimeError, match="eager"):
+        micse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "o")])
 
 
 def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
@@ -187,6 +184,18 @@ def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["num_train_examples"] == 20 and results["args"]["ami_lambda"] == 5e-4
     assert results["args"]["ami_min_layer"] == 0 and results["args"]["ami_max_layer"] == 2
+    assert results["micse_subset"] is None  # --train_file given: subsampled with the seed
+    proc = run_script("eval_sts.py", "--model_name_or_path", out / "best", "--pooler", "cls_before_pooler",
+                      "--senteval_dir", senteval_dir, "--json", tmp_path / "s.json")
+    assert json.loads((tmp_path / "s.json").read_text()) == results["test"]
+
+
+def test_released_subset_offline_names_the_file_and_the_flag(tmp_path):
+    proc = run_script("micse.py", "--fraction", "0.01", "--seed", "48", "--output_dir", tmp_path / "o",
+                      env_extra={"HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip().splitlines()
+    assert len(line) == 1 and "wiki_subset_1M_001.00percent_seed48.txt" in line[0] and "--train_file" in line[0]
 
 
 def test_headline_command_offline_names_the_local_path_flags(tmp_path):

@@ -9,7 +9,6 @@ import torch
 
 import common
 import eval_sts
-import simcse
 from conftest import SHARED, needs_shared, random_sentence, run_script, smoke_args
 
 
@@ -21,14 +20,31 @@ def test_unsupervised_smoke_run_writes_loadable_checkpoint(tiny_model, corpus, s
     assert [s for s, _ in results["dev_curve"]] == [0, 2, 4]
     assert results["best_dev_stsb"] == max(v for _, v in results["dev_curve"])
     assert results["best_step"] in (0, 2, 4) and results["steps"] == 4 and results["steps_per_second"] > 0
+    assert len(results["train_loss"]) == 4 and results["interrupted"] is False
     assert set(results["test"]) == set(eval_sts.TASKS) | {"avg"}
     assert results["eval_pooler"] == "cls_before_pooler" and results["peak_memory_mb"] > 0
-    # The checkpoint reproduces the test scores through eval_sts.py's own loading path.
-    proc = run_script("eval_sts.py", "--model_name_or_path", out, "--pooler", "cls_before_pooler",
+    assert set(results["align_uniform"]) == {"initial", "best"}
+    # The checkpoint reproduces the test scores exactly through eval_sts.py's own loading path (fp32 both).
+    proc = run_script("eval_sts.py", "--model_name_or_path", out / "best", "--pooler", "cls_before_pooler",
                       "--senteval_dir", senteval_dir, "--json", tmp_path / "s.json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads((tmp_path / "s.json").read_text()) == results["test"]
-    assert json.loads((out / "1_Pooling" / "config.json").read_text())["pooling_mode_cls_token"] is True
+    assert json.loads((out / "best" / "1_Pooling" / "config.json").read_text())["pooling_mode_cls_token"] is True
+    assert sorted(p.name for p in out.iterdir()) == ["best", "results.json"]  # no temporary leftovers
+
+
+def test_ten_sentences_at_batch_four_are_three_steps_an_epoch(tiny_model, senteval_dir, tmp_path):
+    """The last incomplete batch is kept (the Trainer's dataloader_drop_last=False): 4 + 4 + 2."""
+    ten = tmp_path / "ten.txt"
+    ten.write_text("\n".join(random_sentence(random.Random(i)) for i in range(10)) + "\n")
+    out = tmp_path / "ten"
+    args = ["--model_name_or_path", tiny_model, "--train_file", ten, "--senteval_dir", senteval_dir, "--batch_size",
+            4, "--eval_steps", 100, "--output_dir", out, "--device", "cpu", "--no_test_eval"]
+    proc = run_script("simcse.py", *args)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "results.json").read_text())["steps"] == 3
+    proc = run_script("simcse.py", *args, "--epochs", 2, "--overwrite_output_dir")
+    assert json.loads((out / "results.json").read_text())["steps"] == 6
 
 
 def write_nli(path, n=24):
@@ -41,28 +57,6 @@ def write_nli(path, n=24):
     return path
 
 
-def test_supervised_defaults_apply_unless_given():
-    args = simcse.parse_args(["--supervised"])
-    assert (args.batch_size, args.lr, args.epochs, args.mlp_only_train) == (512, 5e-5, 3, False)
-    args = simcse.parse_args(["--supervised", "--batch_size", "16", "--mlp_only_train"])
-    assert (args.batch_size, args.lr, args.mlp_only_train) == (16, 5e-5, True)
-    assert simcse.parse_args([]).batch_size == 64
-
-
-def test_supervised_loss_uses_hard_negatives(tiny_model):
-    from transformers import AutoModel, AutoTokenizer
-    tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
-    args = simcse.parse_args(["--supervised", "--hard_negative_weight", "0.5"])
-    model, compute_loss = simcse.setup(args, backbone)
-    model.eval()  # no dropout: the loss is then a function of the three columns' embeddings
-    batch = common.Collator(tokenizer, 16)([("a man runs", "a man walks", "the cat sleeps"),
-                                            ("big red ball", "a red ball", "a blue car")])
-    z = model.embed(model.backbone(**common.model_inputs(batch),
-                                   output_hidden_states=True).hidden_states, batch["attention_mask"])
-    expected = common.info_nce(*z.chunk(3)[:2], args.temp, z.chunk(3)[2], 0.5)
-    assert compute_loss(batch).item() == pytest.approx(expected.item(), rel=1e-5)
-
-
 def test_supervised_smoke_run(tiny_model, senteval_dir, tmp_path):
     nli = write_nli(tmp_path / "nli.csv")
     out = tmp_path / "sup"
@@ -71,7 +65,7 @@ def test_supervised_smoke_run(tiny_model, senteval_dir, tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["eval_pooler"] == "cls" and results["args"]["lr"] == 5e-5
     # eval pooler "cls" is the trained MLP, saved as BERT's pooler: eval_sts --pooler cls reproduces the test row.
-    proc = run_script("eval_sts.py", "--model_name_or_path", out, "--pooler", "cls", "--senteval_dir",
+    proc = run_script("eval_sts.py", "--model_name_or_path", out / "best", "--pooler", "cls", "--senteval_dir",
                       senteval_dir, "--json", tmp_path / "s.json")
     assert json.loads((tmp_path / "s.json").read_text()) == results["test"]
 
@@ -86,37 +80,19 @@ def test_sentence_transformers_matches_eval_sts(tiny_model, corpus, senteval_dir
     assert proc.returncode == 0, proc.stderr
     from transformers import AutoModel, AutoTokenizer
     sentences = ["a man runs in the park", "the dog eats"]
-    tok, backbone = AutoTokenizer.from_pretrained(out), AutoModel.from_pretrained(out).eval()
+    best = out / "best"
+    tok, backbone = AutoTokenizer.from_pretrained(best), AutoModel.from_pretrained(best).eval()
     encode = common.pooled_encode(backbone, tok, pooler, "cpu")
-    np.testing.assert_allclose(st.SentenceTransformer(str(out), device="cpu").encode(sentences), encode(sentences),
+    np.testing.assert_allclose(st.SentenceTransformer(str(best), device="cpu").encode(sentences), encode(sentences),
                                atol=1e-5)
 
 
 def one_line_error(proc, needle):
-    assert proc.returncode != 0
+    assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert needle in lines[0], lines[0]
-
-
-@pytest.mark.parametrize("extra, needle", [
-    (["--fraction", "0"], "--fraction"),
-    (["--fraction", "1.5"], "--fraction"),
-    (["--pooler", "max"], "--pooler"),
-    (["--batch_size", "500"], "--batch_size"),
-])
-def test_bad_arguments_fail_in_one_line(tiny_model, corpus, senteval_dir, tmp_path, extra, needle):
-    args = smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "o")
-    one_line_error(run_script("simcse.py", *args, *extra), needle)
-
-
-def test_missing_and_empty_train_files_fail_in_one_line(tiny_model, senteval_dir, tmp_path):
-    one_line_error(run_script("simcse.py", *smoke_args(tiny_model, tmp_path / "nope.txt", senteval_dir, tmp_path)),
-                   "no such file")
-    empty = tmp_path / "empty.txt"
-    empty.write_text("\n\n")
-    one_line_error(run_script("simcse.py", *smoke_args(tiny_model, empty, senteval_dir, tmp_path)), "no sentences")
 
 
 def test_offline_without_local_paths_names_the_flags(tmp_path):
@@ -127,18 +103,20 @@ def test_offline_without_local_paths_names_the_flags(tmp_path):
     one_line_error(proc, "--senteval_dir")
 
 
-def test_nan_loss_stops_with_the_step_number(tiny_model, corpus, senteval_dir, tmp_path):
-    one_line_error(run_script("simcse.py", *smoke_args(tiny_model, corpus, senteval_dir, tmp_path), "--temp", "0"),
-                   "at step 1")
+def test_diverging_loss_stops_with_the_step_number(tiny_model, corpus, senteval_dir, tmp_path):
+    proc = run_script("simcse.py", *smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "o"), "--lr", "1e30",
+                      "--max_grad_norm", "0")
+    one_line_error(proc, "at step")
+    assert "--temp" not in proc.stderr
 
 
 @needs_shared
 def test_simcse_on_minilm_improves_over_its_start(tmp_path):
-    """A short real run: the dev gate sees steps 0, 10, 20 and keeps the best checkpoint."""
+    """A short real run: the dev gate sees steps 0, 5, 10 and keeps the best checkpoint."""
     out = tmp_path / "minilm"
     proc = run_script("simcse.py", "--model_name_or_path", SHARED / "models/all-MiniLM-L6-v2", "--train_file",
-                      SHARED / "data/wiki1m_head.txt", "--senteval_dir", SHARED / "data/senteval", "--max_steps", 20,
-                      "--eval_steps", 10, "--batch_size", 16, "--output_dir", out)
+                      SHARED / "data/wiki1m_head.txt", "--senteval_dir", SHARED / "data/senteval", "--max_steps", 10,
+                      "--eval_steps", 5, "--batch_size", 16, "--output_dir", out, "--no_test_eval")
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["dev_curve"][0] == [0, 79.73]  # the untrained [CLS] dev figure from ../shared/models/README.md

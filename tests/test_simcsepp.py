@@ -86,27 +86,20 @@ def test_ablation_equals_info_nce_exactly():
     assert torch.equal(simcsepp.off_dropout_info_nce(z1, z2, None, 0.05, m=1.0), common.info_nce(z1, z2, 0.05))
 
 
-def test_step_uses_dropout_off_pass_and_restores_dropout(tiny_model):
+def test_dropout_off_pass_equals_eval_mode_and_restores_dropout(tiny_model):
     from transformers import AutoModel, AutoTokenizer
     tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
-    args = simcsepp.parse_args([])
-    model, compute_loss = simcsepp.setup(args, backbone)
-    model.train()
-    batch = common.Collator(tokenizer, 16)(["a man runs", "the dog eats food", "a red car", "sun and moon"])
-    loss = compute_loss(batch)
-    loss.backward()
-    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
-    assert all(m.training and m.p == 0.1 for m in dropouts)
-    assert model.head[0].weight.grad is not None
-    # Ablation path with m = 1 and no DCL is SimCSE: same loss as simcse's step under the same RNG state.
-    ablation = simcsepp.parse_args(["--no_off_dropout", "--dcl_weight", "0", "--m", "1"])
-    ablation_model, ablation_loss = simcsepp.setup(ablation, backbone)
-    torch.manual_seed(7)
-    a = ablation_loss(batch)
-    torch.manual_seed(7)
-    outputs, mask = ablation_model.forward_views(batch, 2)
-    b = common.info_nce(*ablation_model.embed(outputs.hidden_states, mask).chunk(2), 0.05)
-    assert torch.equal(a, b)
+    batch = common.collate(["a man runs", "the dog eats food", "a red car", "sun and moon"], tokenizer, 16)
+    backbone.eval()
+    reference = backbone(**batch).last_hidden_state
+    backbone.train()
+    with simcsepp.dropout_off(backbone):
+        off = backbone(**batch).last_hidden_state
+    assert torch.allclose(off, reference, atol=1e-6)
+    off.sum().backward()  # the dropout-off pass keeps its gradients
+    assert backbone.embeddings.word_embeddings.weight.grad is not None
+    dropouts = [m for m in backbone.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.training and m.p == 0.1 for m in dropouts)
 
 
 def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
@@ -115,3 +108,6 @@ def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["method"] == "simcsepp" and results["args"]["m"] == 0.9 and len(results["dev_curve"]) == 3
+    proc = run_script("eval_sts.py", "--model_name_or_path", out / "best", "--pooler", "cls_before_pooler",
+                      "--senteval_dir", senteval_dir, "--json", tmp_path / "s.json")
+    assert json.loads((tmp_path / "s.json").read_text()) == results["test"]

@@ -46,9 +46,9 @@ def test_negative_layer_indices():
     assert sscl.negative_layers(6, 1) == [5]
     assert sscl.negative_layers(12, 0) == []
     assert sscl.negative_layers(12, 2, index=4) == [4]
-    with pytest.raises(common.CLIError):
+    with pytest.raises(common.UsageError):
         sscl.negative_layers(12, 2, index=12)
-    with pytest.raises(common.CLIError):
+    with pytest.raises(common.UsageError):
         sscl.negative_layers(6, 6)
 
 
@@ -58,16 +58,13 @@ def test_layer_representations_come_from_the_right_layers():
     hidden = tuple(torch.cat([torch.full((n, length, dim), float(l)), torch.full((n, length, dim), 10.0 + l)])
                    for l in range(num_layers + 1))
     mask = torch.ones(2 * n, length, dtype=torch.long)
-    stub_backbone = torch.nn.Module()
-    stub_backbone.config = types.SimpleNamespace(hidden_size=dim, initializer_range=0.02)
-    encoder = common.SentenceEncoder(stub_backbone, pooler="avg")
     layers = sscl.negative_layers(num_layers, 2)
-    reps = sscl.layer_representations(encoder, hidden, mask, layers)
+    reps = sscl.layer_representations(hidden, mask, layers, "avg")
     assert [(float(a[0, 0]), float(b[0, 0])) for a, b in reps] == [(4.0, 14.0), (3.0, 13.0)]
     # With the [CLS] pooler the layer's first token goes through the same MLP head as z.
-    encoder = common.SentenceEncoder(stub_backbone, pooler="cls")
-    reps = sscl.layer_representations(encoder, hidden, mask, [2])
-    assert torch.allclose(reps[0][0], encoder.head(hidden[2][:n, 0]))
+    head = common.MLPHead(types.SimpleNamespace(hidden_size=dim, initializer_range=0.02))
+    reps = sscl.layer_representations(hidden, mask, [2], "cls", head)
+    assert torch.allclose(reps[0][0], head(hidden[2][:n, 0]))
 
 
 def test_set_sim_on_hand_built_hidden_states():
@@ -83,9 +80,10 @@ def test_set_sim_on_hand_built_hidden_states():
     assert torch.allclose(got_cls, torch.tensor([[0.0, s], [1.0, 1.0]]), atol=1e-6)
 
 
-def test_only_cls_and_avg_poolers():
+def test_only_cls_and_avg_poolers_and_avg_by_default():
     with pytest.raises(SystemExit):
         sscl.parse_args(["--pooler", "avg_top2"])
+    assert sscl.parse_args([]).pooler == "avg"  # the released scripts' --pooler_type avg
 
 
 @pytest.mark.parametrize("pooler", ["cls", "avg"])
@@ -95,6 +93,7 @@ def test_smoke_run_with_oversmoothing_report(tiny_model, corpus, senteval_dir, t
                       "--neg_layers", 1, "--report_oversmoothing")
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
+    assert results["eval_pooler"] == {"cls": "cls_before_pooler", "avg": "avg"}[pooler]
     for when in ("before", "after"):
-        assert list(results["analysis"][when]["setsim"]) == ["1-2"]  # the tiny model has 2 layers
-        assert -1.0 <= results["analysis"][when]["setsim"]["1-2"] <= 1.0
+        assert list(results["setsim"][when]) == ["1-2"]  # the tiny model has 2 layers
+        assert -1.0 <= results["setsim"][when]["1-2"] <= 1.0

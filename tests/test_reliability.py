@@ -1,0 +1,168 @@
+"""Failure behaviour of every script: bad input is one line and exit 2 with nothing written; no silent overwrite;
+atomic saves; Ctrl-C / SIGTERM keep what the run reached; the same seed gives the same losses."""
+import hashlib
+import importlib
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import common
+from conftest import ROOT, run_script, smoke_args
+
+SCRIPTS = ["simcse", "simcsepp", "sscl", "whitenedcse", "micse"]
+METHOD_FLAGS = {"whitenedcse": ["--num_groups", "16"]}
+SHARED_CASES = [
+    (["--lr", "-1"], "--lr"), (["--lr", "nan"], "--lr"), (["--temp", "0"], "--temp"),
+    (["--batch_size", "1"], "--batch_size"), (["--fraction", "0"], "--fraction"), (["--fraction", "2"], "--fraction"),
+    (["--device", "cuda:3"], "--device"), (["--device", "nonsense"], "--device"),
+    (["--max_seq_length", "0"], "--max_seq_length"), (["--eval_steps", "0"], "--eval_steps"),
+    (["--max_grad_norm", "-1"], "--max_grad_norm"), (["--seed", "-1"], "--seed"), (["--epochs", "0"], "--epochs"),
+    (["--warmup_steps", "-5"], "--warmup_steps"), (["--max_steps", "-1"], "--max_steps"),
+    (["--num_workers", "-1"], "--num_workers"), (["--pooler", "max"], "--pooler"), (["--batch_size", "500"], "--batch_size"),
+]
+METHOD_CASES = {
+    "simcsepp": [(["--m", "0"], "--m"), (["--dcl_temp", "0"], "--dcl_temp"), (["--dcl_weight", "-1"], "--dcl_weight")],
+    "sscl": [(["--neg_layers", "-1"], "--neg_layers"), (["--neg_layers", "5"], "--neg_layers"),
+             (["--neg_layer_index", "5"], "--neg_layer_index")],
+    "whitenedcse": [(["--num_pos", "1"], "--num_pos"), (["--num_groups", "5"], "--num_groups"),
+                    (["--num_groups", "0"], "--num_groups")],
+    "micse": [(["--momentum", "1.5"], "--momentum"), (["--queue_size", "-1"], "--queue_size"),
+              (["--ami_samples", "1"], "--ami_samples"), (["--momentum_dropout", "1"], "--momentum_dropout"),
+              (["--ami_lambda", "-1"], "--ami_lambda"), (["--ami_min_layer", "1", "--ami_max_layer", "2"], "--ami_min_layer")],
+}
+CASES = [(s, extra, needle) for s in SCRIPTS for extra, needle in SHARED_CASES + METHOD_CASES.get(s, [])]
+
+
+def run_in_process(script, argv, capsys):
+    """The script's CLI entry in this process (fast): exit status and the lines on stderr."""
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as exit_info:
+        common.cli(lambda: module.main([str(a) for a in argv]))
+        raise SystemExit(0)
+    return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("script, extra, needle", CASES, ids=[f"{s}{' '.join(e)}" for s, e, _ in CASES])
+def test_bad_argument_is_one_line_exit_2_nothing_written(script, extra, needle, tiny_model, corpus, senteval_dir,
+                                                         tmp_path, capsys):
+    out = tmp_path / "out"
+    code, lines = run_in_process(script, smoke_args(tiny_model, corpus, senteval_dir, out)
+                                 + METHOD_FLAGS.get(script, []) + extra, capsys)
+    assert code == 2 and len(lines) == 1 and needle in lines[0], lines
+    assert not out.exists()
+
+
+def bad_files(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes(b"a fine line\ncaf\xe9 au lait\n")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "nli.csv").write_text("sent0,sent1,hard_neg\na,b,c\nd,e\n")
+    return [("latin1.txt", [], "line 2 is not UTF-8"), ("empty.txt", [], "is empty"),
+            ("missing.txt", [], "no such file"), ("folder", [], "it is a folder"),
+            ("nli.csv", ["--supervised"], "line 3 has 2 column(s)")]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_bad_train_file_names_the_file_and_line(case, tiny_model, senteval_dir, tmp_path, capsys):
+    name, extra, needle = bad_files(tmp_path)[case]
+    out = tmp_path / "out"
+    code, lines = run_in_process("simcse", smoke_args(tiny_model, tmp_path / name, senteval_dir, out) + extra, capsys)
+    assert code == 2 and len(lines) == 1 and needle in lines[0] and name in lines[0], lines
+    assert not out.exists()
+
+
+def test_output_dir_that_is_a_file_is_refused_and_kept(tiny_model, corpus, senteval_dir, tmp_path, capsys):
+    target = tmp_path / "notes.txt"
+    target.write_text("my notes")
+    code, lines = run_in_process("simcse", smoke_args(tiny_model, corpus, senteval_dir, target), capsys)
+    assert code == 2 and len(lines) == 1 and "--output_dir" in lines[0] and "is a file" in lines[0]
+    assert target.read_text() == "my notes"
+
+
+def test_the_real_cli_prints_one_line_without_traceback(tiny_model, corpus, senteval_dir, tmp_path):
+    proc = run_script("micse.py", *smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "o"), "--lr", "-1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: --lr -1.0 is out of range: a positive number"]
+    assert not (tmp_path / "o").exists()
+
+
+def digests(folder):
+    return {p.relative_to(folder): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_second_run_into_the_same_folder_is_refused_and_leaves_files_identical(tiny_model, corpus, senteval_dir,
+                                                                              tmp_path):
+    out = tmp_path / "run"
+    args = smoke_args(tiny_model, corpus, senteval_dir, out) + ["--no_test_eval"]
+    assert run_script("simcse.py", *args).returncode == 0
+    before = digests(out)
+    assert any(str(p).startswith("best") for p in before) and "results.json" in map(str, before)
+    proc = run_script("simcse.py", *args, "--seed", "7")
+    assert proc.returncode == 2 and "--overwrite_output_dir" in proc.stderr and "Traceback" not in proc.stderr
+    assert digests(out) == before
+    assert run_script("simcse.py", *args, "--seed", "7", "--overwrite_output_dir").returncode == 0
+    assert json.loads((out / "results.json").read_text())["args"]["seed"] == 7
+
+
+def test_a_failing_save_leaves_the_previous_best_intact(tiny_model, tmp_path, monkeypatch):
+    from transformers import AutoModel, AutoTokenizer
+    tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
+    head = common.MLPHead(backbone.config)
+    common.save_checkpoint(backbone, head, tokenizer, "cls_before_pooler", tmp_path)
+    saved = digests(tmp_path / "best")
+    with torch.no_grad():
+        backbone.embeddings.word_embeddings.weight.add_(1.0)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed while writing")
+    monkeypatch.setattr(type(tokenizer), "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        common.save_checkpoint(backbone, head, tokenizer, "cls_before_pooler", tmp_path)
+    assert digests(tmp_path / "best") == saved
+    AutoModel.from_pretrained(tmp_path / "best")  # still loadable
+    monkeypatch.undo()
+    common.save_checkpoint(backbone, head, tokenizer, "cls_before_pooler", tmp_path)  # the next save cleans up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best"] and digests(tmp_path / "best") != saved
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_stops_at_a_step_boundary_and_keeps_what_the_run_reached(signum, code, tiny_model, corpus,
+                                                                        senteval_dir, tmp_path):
+    out = tmp_path / "run"
+    args = smoke_args(tiny_model, corpus, senteval_dir, out)
+    args[args.index("--max_steps") + 1] = 100_000
+    proc = subprocess.Popen([sys.executable, str(ROOT / "simcse.py"), *map(str, args), "--eval_steps", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    for line in proc.stdout:  # wait until training is under way and one checkpoint exists
+        if line.startswith("step 5/"):
+            break
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["interrupted"] is True and "test" not in results
+    assert 5 <= results["steps"] < 100_000 and len(results["train_loss"]) == results["steps"]
+    assert results["dev_curve"][:2] == [[0, results["dev_curve"][0][1]], [5, results["dev_curve"][1][1]]]
+    assert results["best_step"] in [s for s, _ in results["dev_curve"]]
+    from transformers import AutoModel
+    AutoModel.from_pretrained(out / "best")
+
+
+def test_same_seed_same_losses_other_seed_other_losses(tiny_model, corpus, senteval_dir, tmp_path):
+    def losses(seed, name):
+        args = smoke_args(tiny_model, corpus, senteval_dir, tmp_path / name)
+        args[args.index("--max_steps") + 1] = 20
+        args[args.index("--eval_steps") + 1] = 20
+        proc = run_script("simcse.py", *args, "--seed", seed, "--no_test_eval")
+        assert proc.returncode == 0, proc.stderr
+        return json.loads((tmp_path / name / "results.json").read_text())["train_loss"]
+    first, again, other = losses(1, "a"), losses(1, "b"), losses(2, "c")
+    assert len(first) == 20 and first == again  # bit-identical floats
+    assert first != other
