@@ -1,10 +1,8 @@
 """Leaf helpers the five method files share: arguments, data, encoder pieces, InfoNCE, saving, the final report.
 
 No training loop lives here: each method file runs its own, visibly (CleanRL's bargain). Model loading, poolers,
-the hub download and the one-line errors come from eval_sts.py (a leaf that imports nothing from the suite);
-process-group helpers from distributed.py. Defaults follow unsupervised SimCSE with BERT-base (Table A.1) and
-the authors' Trainer: AdamW without weight decay, linear decay, gradient clipping at 1.0, the last incomplete
-batch kept, evaluation in fp32.
+the hub download and the one-line errors come from eval_sts.py (a leaf); process-group helpers from
+distributed.py. Defaults: unsupervised SimCSE with BERT-base (Table A.1) and the authors' HF Trainer.
 """
 from __future__ import annotations
 
@@ -23,12 +21,12 @@ import torch.nn.functional as F
 
 import distributed
 import eval_sts
+import eval_transfer
 from eval_sts import POOLERS, UsageError, check_range, cli, load_pretrained, pool, pooled_encode  # noqa: F401
 
 MICSE_DATA_REPO = "sap-ai-research/datasets-for-micse"
 MICSE_SUBSETS = {0.000064: "000.0064", 0.0001: "000.01", 0.0005: "000.05", 0.001: "000.10", 0.005: "000.50",
-                 0.01: "001.00", 0.1: "010.00"}  # miCSE's released subsets (Table 2): fraction -> "percent" name
-MICSE_SEEDS = range(48, 53)
+                 0.01: "001.00", 0.1: "010.00"}  # miCSE's released subsets (seeds 48-52): fraction -> name
 
 # ----------------------------------------------------------------------------------------------- arguments
 def base_parser(doc: str, method: str) -> eval_sts.Parser:
@@ -56,6 +54,8 @@ def base_parser(doc: str, method: str) -> eval_sts.Parser:
     g.add_argument("--output_dir", default=None, help="best checkpoint (best/) + results.json (default runs/<method>)")
     g.add_argument("--overwrite_output_dir", action="store_true", help="allow an --output_dir that holds a run")
     g.add_argument("--no_test_eval", action="store_true", help="skip the final STS test evaluation")
+    g.add_argument("--eval_transfer", nargs="?", const="test", choices=["test", "fasttest"], default=None,
+                   help="also evaluate the best checkpoint on SentEval's 7 transfer tasks (eval_transfer.py)")
     g.add_argument("--device", default=None, help="cuda, cuda:N, cpu (default: cuda if available)")
     g.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes")
     g.add_argument("--fp32", action="store_true", help="disable bf16 autocast on CUDA")
@@ -91,7 +91,7 @@ def eval_pooler(args) -> str:
 def micse_subset(fraction: float, seed: int) -> str | None:
     """The file name of miCSE's released subset for (fraction, seed), or None if they released none."""
     percent = MICSE_SUBSETS.get(fraction)
-    return f"wiki_subset_1M_{percent}percent_seed{seed}.txt" if percent and seed in MICSE_SEEDS else None
+    return f"wiki_subset_1M_{percent}percent_seed{seed}.txt" if percent and 48 <= seed <= 52 else None
 
 
 def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplets: bool = False):
@@ -185,9 +185,8 @@ class MLPHead(nn.Sequential):
 
 def embed(hidden_states, attention_mask, pooler: str, head=None) -> torch.Tensor:
     """Training embedding z (float32): the pooled sentence; for "cls" the last [CLS] through the head."""
-    if pooler == "cls":
-        return head(hidden_states[-1][:, 0]).float()
-    return pool(hidden_states, attention_mask, pooler).float()
+    z = head(hidden_states[-1][:, 0]) if pooler == "cls" else pool(hidden_states, attention_mask, pooler)
+    return z.float()
 
 
 def model_encode(backbone, head, tokenizer, eval_pooler: str, device):
@@ -223,11 +222,9 @@ def autocast(device: torch.device, enabled: bool = True):
 def make_optimizer(params, args, total_steps: int):
     """AdamW without weight decay and transformers' get_linear_schedule_with_warmup (the authors' Trainer)."""
     optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=args.lr, weight_decay=0.0)
-    def factor(step):
-        if step < args.warmup_steps:
-            return step / max(1, args.warmup_steps)
-        return max(0.0, (total_steps - step) / max(1, total_steps - args.warmup_steps))
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    warmup = args.warmup_steps  # linear warm-up, then linear decay to 0 at total_steps
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: s / max(1, warmup) if s < warmup
+                                                        else max(0.0, (total_steps - s) / max(1, total_steps - warmup)))
 
 
 def check_finite(loss: torch.Tensor, step: int) -> float:
@@ -287,6 +284,9 @@ def finish(args, eval_pooler: str, senteval_dir, device, stop, **run) -> dict:
         if not args.no_test_eval:
             results["test"] = eval_sts.evaluate(encode, senteval_dir, mode="test")
             eval_sts.print_table(results["test"])
+        if args.eval_transfer:
+            results["transfer"] = eval_transfer.evaluate(encode, senteval_dir, mode=args.eval_transfer, device=device)
+            eval_sts.print_table(results["transfer"])
         pooler = "cls_before_pooler" if eval_pooler == "cls" else eval_pooler  # a fresh head is not "initial"
         initial = eval_sts.load_encode(args.model_name_or_path, pooler, device)  # the pretrained checkpoint
         results["align_uniform"] = {"initial": eval_sts.align_uniform(initial, senteval_dir),

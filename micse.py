@@ -192,7 +192,7 @@ def main(argv=None):
     if momentum_backbone is not None:
         set_dropout(momentum_backbone, args.momentum_dropout)
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
-    distributed.log(f"simcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
+    distributed.log(f"micse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
                f"steps, device {device} x {distributed.world_size()}")
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)

@@ -127,7 +127,7 @@ def main(argv=None):
     neg_layers = negative_layers(backbone.config.num_hidden_layers, args.neg_layers, args.neg_layer_index)
     setsim = {"before": oversmoothing(backbone, tokenizer, args.pooler, senteval_dir, device)} \
         if args.report_oversmoothing and distributed.rank() == 0 else None
-    distributed.log(f"simcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
+    distributed.log(f"sscl: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
                f"steps, device {device} x {distributed.world_size()}")
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)

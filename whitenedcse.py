@@ -126,7 +126,7 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(args.seed)  # the channel shuffles, the same on every process
     encode = common.pooled_encode(backbone, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    distributed.log(f"simcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
+    distributed.log(f"whitenedcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
                f"steps, device {device} x {distributed.world_size()}")
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
