@@ -252,12 +252,10 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> Non
     if distributed.rank() == 0:
         target, tmp, old = (Path(out_dir) / name for name in ("best", "best.tmp", "best.old"))
         shutil.rmtree(tmp, ignore_errors=True)
-        dense = getattr(getattr(backbone, "pooler", None), "dense", None)
-        if isinstance(head, MLPHead) and isinstance(dense, nn.Linear):
-            with torch.no_grad():
-                dense.weight.copy_(head[0].weight)
-                dense.bias.copy_(head[0].bias)
-        backbone.save_pretrained(tmp)
+        state = backbone.state_dict()  # the training model itself stays untouched
+        if isinstance(head, MLPHead) and "pooler.dense.weight" in state:
+            state.update({"pooler.dense.weight": head[0].weight, "pooler.dense.bias": head[0].bias})
+        backbone.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
         eval_sts.write_sentence_transformers_config(tmp, eval_pooler, backbone.config.hidden_size,
                                                     head if eval_pooler == "cls" else None)

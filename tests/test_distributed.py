@@ -1,0 +1,88 @@
+"""Several processes (torchrun, gloo on CPU): the same training as one process with the same global batch.
+
+With dropout switched off both runs compute the same function, so after two steps the parameters must agree to
+1e-5: this is what proves the gathers (negatives over the global batch, DCL's and the whitening's batch
+statistics, miCSE's queue) and the gradient averaging. The driver runs a method's own main() under torchrun and
+records, at every dev gate, the parameters it evaluates.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, run_script, smoke_args, write_tiny_model
+
+DRIVER = '''
+import sys, torch
+sys.path.insert(0, {root!r})
+import common, distributed, importlib
+script, out, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+real_dev_score = common.dev_score
+
+def dev_score(modules, encode, senteval_dir):
+    state = {{f"{{i}}.{{k}}": v.detach().clone() for i, m in enumerate(modules) for k, v in m.state_dict().items()}}
+    torch.save(state, f"{{out}}/params_rank{{distributed.rank()}}.pt")  # the last gate's: after the last step
+    return real_dev_score(modules, encode, senteval_dir)
+
+common.dev_score = dev_score
+common.cli(lambda: importlib.import_module(script).main(argv))
+'''
+METHOD_FLAGS = {
+    "simcse": [], "simcsepp": [], "sscl": ["--neg_layers", "1"], "whitenedcse": ["--num_groups", "16"],
+    "micse": ["--ami_lambda", "0", "--momentum_dropout", "0", "--queue_size", "12"],  # AMI is per process
+}
+
+
+@pytest.fixture(scope="module")
+def no_dropout_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny_no_dropout"), dropout=0.0)
+
+
+def launch(script, nproc, args, workdir):
+    workdir.mkdir(parents=True, exist_ok=True)
+    driver = workdir / "driver.py"
+    driver.write_text(DRIVER.format(root=str(ROOT)))
+    out = workdir / "run"
+    out.mkdir(parents=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
+        if nproc > 1 else [sys.executable]
+    proc = subprocess.run([*launcher, str(driver), script, str(out), *map(str, args), "--output_dir", str(out),
+                           "--overwrite_output_dir"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    return proc, out
+
+
+@pytest.mark.parametrize("script", list(METHOD_FLAGS))
+def test_two_processes_train_like_one(script, no_dropout_model, corpus, senteval_dir, tmp_path):
+    args = smoke_args(no_dropout_model, corpus, senteval_dir, "unused")[:-4]  # without --output_dir and --device
+    args += ["--device", "cpu", "--max_steps", 2, "--eval_steps", 1, "--batch_size", 8, "--no_test_eval",
+             *METHOD_FLAGS[script]]  # argparse: the last occurrence of a flag wins
+    one, one_out = launch(script, 1, args, tmp_path / "one")
+    assert one.returncode == 0, one.stderr
+    two, two_out = launch(script, 2, args, tmp_path / "two")
+    assert two.returncode == 0, two.stderr[-3000:]
+    single, rank0, rank1 = (torch.load(p) for p in (one_out / "params_rank0.pt", two_out / "params_rank0.pt",
+                                                    two_out / "params_rank1.pt"))
+    assert single.keys() == rank0.keys() == rank1.keys()
+    for name in single:
+        torch.testing.assert_close(rank0[name], rank1[name], atol=0, rtol=0)  # the processes never drift apart
+        torch.testing.assert_close(rank0[name], single[name], atol=1e-5, rtol=1e-5, msg=name)
+    r1, r2 = (json.loads((o / "results.json").read_text()) for o in (one_out, two_out))
+    assert r2["world_size"] == 2 and r1["world_size"] == 1
+    assert r1["steps"] == r2["steps"] == 2
+    assert [s for s, _ in r1["dev_curve"]] == [s for s, _ in r2["dev_curve"]] == [0, 1, 2]
+    assert r1["train_loss"] == pytest.approx(r2["train_loss"], rel=1e-5)
+    # written once, by process 0: one results.json, one checkpoint, one "wrote" line
+    assert sorted(p.name for p in two_out.iterdir() if not p.name.startswith("params")) == ["best", "results.json"]
+    assert two.stdout.count("wrote ") == 1
+
+
+def test_global_batch_must_divide_over_the_processes(no_dropout_model, corpus, senteval_dir, tmp_path):
+    args = smoke_args(no_dropout_model, corpus, senteval_dir, "unused")[:-4] + ["--device", "cpu", "--batch_size", 7]
+    proc, out = launch("simcse", 2, args, tmp_path)
+    assert proc.returncode != 0
+    assert "--batch_size 7 must be divisible by the 2 processes" in proc.stderr
+    assert not (out / "results.json").exists()
