@@ -30,8 +30,9 @@ def bench_method(name, args, extra, workdir) -> dict:
     cmd = [sys.executable, str(ROOT / f"{name}.py"), "--model_name_or_path", args.model_name_or_path,
            "--train_file", args.train_file, "--batch_size", str(args.batch_size), "--max_steps", str(args.steps),
            "--eval_steps", str(args.steps), "--max_seq_length", str(args.max_seq_length), "--seed", str(args.seed),
-           "--output_dir", str(out), "--no_test_eval", *(["--senteval_dir", args.senteval_dir] if args.senteval_dir else []),
-           *(["--device", args.device] if args.device else []), *extra]
+           "--output_dir", str(out), "--no_test_eval", *extra,
+           *(["--senteval_dir", args.senteval_dir] if args.senteval_dir else []),
+           *(["--device", args.device] if args.device else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
         raise eval_sts.UsageError(f"{name} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")

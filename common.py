@@ -271,11 +271,11 @@ def finish(args, eval_pooler: str, senteval_dir, device, stop, **run) -> dict:
     on the STS test tasks in fp32, its alignment/uniformity, then results.json. An interrupted run records what
     it reached instead and exits 130 (Ctrl-C) / 143 (SIGTERM)."""
     out_dir, cuda = Path(args.output_dir), device.type == "cuda"
-    peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
     results = {"method": args.method, "args": {k: v for k, v in vars(args).items() if k != "method"},
                "device": str(device), "world_size": distributed.world_size(), "eval_pooler": eval_pooler, **run,
-               "peak_memory_mb": round(peak / 2**20, 1), "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
-               "interrupted": stop.signum is not None}
+               "peak_memory_mb": round(peak / 2**20, 1), "interrupted": stop.signum is not None,
+               "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss"}
     if distributed.rank() == 0 and stop.signum is None:
         distributed.log(f"best STS-B dev {run['best_dev_stsb']:.2f} at step {run['best_step']}; evaluating it")
         encode = eval_sts.load_encode(str(out_dir / "best"), eval_pooler, device)

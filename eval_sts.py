@@ -277,7 +277,8 @@ def load_pairs(senteval_dir, task: str, split: str = "test") -> list[tuple[str, 
             cols = _columns(line, path, number, 7)
             pairs.append((_normalise(cols[5]), _normalise(cols[6]), parse_score(cols[4], path, number, flag)))
     elif task == "SICKRelatedness":
-        path = root / "SICK" / {"train": "SICK_train.txt", "dev": "SICK_trial.txt", "test": "SICK_test_annotated.txt"}[split]
+        name = {"train": "SICK_train.txt", "dev": "SICK_trial.txt", "test": "SICK_test_annotated.txt"}[split]
+        path = root / "SICK" / name
         for number, line in enumerate(read_lines(path, flag)[1:], start=2):
             cols = _columns(line, path, number, 4)
             pairs.append((_normalise(cols[1]), _normalise(cols[2]), parse_score(cols[3], path, number, flag)))

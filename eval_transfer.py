@@ -209,7 +209,8 @@ def fit(X: torch.Tensor, y: torch.Tensor, jobs: list[Job], l2, n_classes: int, m
                 dlogits = dlogits.view(len(live), -1, K * C)
                 grads = [xb.transpose(1, 2) @ dlogits, dlogits.sum(dim=1)]
                 has_batch = batch_valid[:, 0]
-                _optimizer_step(cfg["optim"], [W, b], grads, state, steps, decay, None if has_batch.all() else has_batch)
+                _optimizer_step(cfg["optim"], [W, b], grads, state, steps, decay,
+                                None if has_batch.all() else has_batch)
         epoch += cfg["epoch_size"]
         for i, j in enumerate(live):  # SentEval: a new best is kept; else stop once `tenacity` misses accumulated
             validation = torch.from_numpy(jobs[j].validation).to(device)
@@ -297,7 +298,8 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
         raise eval_sts.UsageError(f"unknown mode '{mode}'; use test or fasttest")
     tasks = list(tasks or TASKS)
     data = {task: load_task(senteval_dir, task) for task in tasks}
-    sentences = [s for d in data.values() for xs, _ in d.values() for x in xs for s in (x if isinstance(x, tuple) else (x,))]
+    sentences = [s for splits in data.values() for xs, _ in splits.values() for x in xs
+                 for s in (x if isinstance(x, tuple) else (x,))]
     table = eval_sts.encode_unique(encode, sentences, batch_size)
 
     def features(xs):

@@ -193,7 +193,7 @@ def main(argv=None):
         set_dropout(momentum_backbone, args.momentum_dropout)
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
     distributed.log(f"micse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
-               f"steps, device {device} x {distributed.world_size()}")
+                    f"steps, device {device} x {distributed.world_size()}")
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
@@ -207,7 +207,7 @@ def main(argv=None):
                 views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two dropout views
                 outputs = backbone(**views, output_hidden_states=True, output_attentions=True)
                 if not outputs.attentions or outputs.attentions[0] is None:
-                    raise RuntimeError("the encoder returned no attention weights; load it with attn_implementation='eager'")
+                    raise RuntimeError("no attention weights: load the encoder with attn_implementation='eager'")
                 z1, z2 = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head).chunk(2)
                 loss = moco_info_nce(distributed.gather(z1), distributed.gather(z2), queue.tensor, args.temp)
                 attn1, attn2 = torch.stack(outputs.attentions, dim=1).float().chunk(2)  # AMI is per sample: local
@@ -235,8 +235,9 @@ def main(argv=None):
             if dev > best_dev:
                 best_dev, best_step = dev, step
                 common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
-            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  STS-B dev "
-                       f"{dev:.2f}  best {best_dev:.2f} (step {best_step})  {step / max(train_time, 1e-9):.2f} steps/s")
+            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  "
+                            f"STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})  "
+                            f"{step / max(train_time, 1e-9):.2f} steps/s")
         if stopping:
             break
 

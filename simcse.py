@@ -70,7 +70,7 @@ def main(argv=None):
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     distributed.log(f"simcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
-               f"steps, device {device} x {distributed.world_size()}")
+                    f"steps, device {device} x {distributed.world_size()}")
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
@@ -107,8 +107,9 @@ def main(argv=None):
             if dev > best_dev:
                 best_dev, best_step = dev, step
                 common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
-            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  STS-B dev "
-                       f"{dev:.2f}  best {best_dev:.2f} (step {best_step})  {step / max(train_time, 1e-9):.2f} steps/s")
+            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  "
+                            f"STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})  "
+                            f"{step / max(train_time, 1e-9):.2f} steps/s")
         if stopping:
             break
 

@@ -128,7 +128,7 @@ def main(argv=None):
     setsim = {"before": oversmoothing(backbone, tokenizer, args.pooler, senteval_dir, device)} \
         if args.report_oversmoothing and distributed.rank() == 0 else None
     distributed.log(f"sscl: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
-               f"steps, device {device} x {distributed.world_size()}")
+                    f"steps, device {device} x {distributed.world_size()}")
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
@@ -163,17 +163,18 @@ def main(argv=None):
             if dev > best_dev:
                 best_dev, best_step = dev, step
                 common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
-            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  STS-B dev "
-                       f"{dev:.2f}  best {best_dev:.2f} (step {best_step})  {step / max(train_time, 1e-9):.2f} steps/s")
+            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  "
+                            f"STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})  "
+                            f"{step / max(train_time, 1e-9):.2f} steps/s")
         if stopping:
             break
 
     if setsim is not None and stop.signum is None:
         setsim["after"] = oversmoothing(eval_sts.load_pretrained(str(Path(args.output_dir) / "best"))[1].to(device),
                                         tokenizer, args.pooler, senteval_dir, device)
-    common.finish(args, eval_pooler, senteval_dir, device, stop, setsim=setsim, train_file=train_file, micse_subset=subset,
-                  num_train_examples=len(examples), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
-                  dev_curve=dev_curve, train_loss=losses, train_time_s=round(train_time, 2),
+    common.finish(args, eval_pooler, senteval_dir, device, stop, setsim=setsim, train_file=train_file,
+                  micse_subset=subset, num_train_examples=len(examples), steps=len(losses), best_dev_stsb=best_dev,
+                  best_step=best_step, dev_curve=dev_curve, train_loss=losses, train_time_s=round(train_time, 2),
                   steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 
 

@@ -126,8 +126,8 @@ def main(argv=None):
     generator = torch.Generator().manual_seed(args.seed)  # the channel shuffles, the same on every process
     encode = common.pooled_encode(backbone, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    distributed.log(f"whitenedcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
-               f"steps, device {device} x {distributed.world_size()}")
+    distributed.log(f"whitenedcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, "
+                    f"{total_steps} steps, device {device} x {distributed.world_size()}")
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
@@ -161,8 +161,9 @@ def main(argv=None):
             if dev > best_dev:
                 best_dev, best_step = dev, step
                 common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
-            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  STS-B dev "
-                       f"{dev:.2f}  best {best_dev:.2f} (step {best_step})  {step / max(train_time, 1e-9):.2f} steps/s")
+            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  "
+                            f"STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})  "
+                            f"{step / max(train_time, 1e-9):.2f} steps/s")
         if stopping:
             break
 
