@@ -282,15 +282,16 @@ def finish(args, eval_pooler: str, senteval_dir, device, stop, **run) -> dict:
         if not args.no_test_eval:
             results["test"] = eval_sts.evaluate(encode, senteval_dir, mode="test")
             eval_sts.print_table(results["test"])
-        if args.eval_transfer:
-            results["transfer"] = eval_transfer.evaluate(encode, senteval_dir, mode=args.eval_transfer, device=device)
-            eval_sts.print_table(results["transfer"])
         pooler = "cls_before_pooler" if eval_pooler == "cls" else eval_pooler  # a fresh head is not "initial"
         initial = eval_sts.load_encode(args.model_name_or_path, pooler, device)  # the pretrained checkpoint
         results["align_uniform"] = {"initial": eval_sts.align_uniform(initial, senteval_dir),
                                     "best": eval_sts.align_uniform(encode, senteval_dir)}
     if distributed.rank() == 0:
         eval_sts.write_json(out_dir / "results.json", results)
+        if args.eval_transfer and stop.signum is None:  # after a first write: a transfer error loses nothing
+            results["transfer"] = eval_transfer.evaluate(encode, senteval_dir, mode=args.eval_transfer, device=device)
+            eval_sts.print_table(results["transfer"])
+            eval_sts.write_json(out_dir / "results.json", results)
         distributed.log(f"wrote {out_dir / 'results.json'} (best checkpoint: {out_dir / 'best'})")
     distributed.shutdown()
     if stop.signum is not None:

@@ -382,8 +382,20 @@ def _find_data_root(folder: Path, marker: str = "STS") -> Path | None:
     return None
 
 
-def resolve_senteval_dir(senteval_dir: str | None) -> Path:
-    """The given folder, or senteval.tar from the HF dataset repo (downloaded with huggingface_hub, unpacked once)."""
+def resolve_senteval_dir(senteval_dir: str | None, check=()) -> Path:
+    """The given folder, or senteval.tar from the HF dataset repo (downloaded with huggingface_hub, unpacked once).
+
+    The tasks in `check` are read once (test split, and dev for STS-B and SICK-R), so that a training run finds a
+    missing or malformed file before it trains, not after.
+    """
+    root = _resolve_senteval_dir(senteval_dir)
+    for task in check:
+        for split in ("test", "dev") if task in DEV_TASKS else ("test",):
+            load_pairs(root, task, split)
+    return root
+
+
+def _resolve_senteval_dir(senteval_dir: str | None) -> Path:
     if senteval_dir is not None:
         root = _find_data_root(Path(senteval_dir)) if Path(senteval_dir).is_dir() else None
         if root is None:

@@ -167,7 +167,7 @@ def main(argv=None):
     device = distributed.init(eval_sts.resolve_device(args.device))
 
     examples, train_file, subset = common.training_examples(args)  # miCSE's own subset where they released one
-    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir)
+    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
     tokenizer, backbone = common.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
     num_layers = backbone.config.num_hidden_layers
     default_min, default_max = default_ami_layers(num_layers)

@@ -57,7 +57,7 @@ def main(argv=None):
     # Data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard negatives).
     default_file = "nli_for_simcse.csv" if args.supervised else "wiki1m_for_simcse.txt"
     examples, train_file, subset = common.training_examples(args, default_file, triplets=args.supervised)
-    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir)
+    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
     tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
     loader = common.make_loader(examples, tokenizer, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)

@@ -112,7 +112,7 @@ def main(argv=None):
     device = distributed.init(eval_sts.resolve_device(args.device))
 
     examples, train_file, subset = common.training_examples(args)
-    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir)
+    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
     tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
     loader = common.make_loader(examples, tokenizer, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)

@@ -166,3 +166,15 @@ def test_same_seed_same_losses_other_seed_other_losses(tiny_model, corpus, sente
     first, again, other = losses(1, "a"), losses(1, "b"), losses(2, "c")
     assert len(first) == 20 and first == again  # bit-identical floats
     assert first != other
+
+
+def test_malformed_sentEval_file_is_found_before_training(tiny_model, corpus, senteval_dir, tmp_path, capsys):
+    import shutil
+    root = tmp_path / "se"
+    shutil.copytree(senteval_dir, root)
+    (root / "STS/STS16-en-test/STS.gs.headlines.txt").write_text("1.0\n2.5\nnot-a-score\n")
+    out = tmp_path / "out"
+    code, lines = run_in_process("whitenedcse", smoke_args(tiny_model, corpus, root, out) + ["--num_groups", "16"],
+                                 capsys)
+    assert code == 2 and len(lines) == 1 and "STS.gs.headlines.txt line 3" in lines[0], lines
+    assert not out.exists()

@@ -132,6 +132,9 @@ def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["eval_pooler"] == "cls_before_pooler" and results["args"]["num_pos"] == 3
+    proc = run_script("eval_sts.py", "--model_name_or_path", out / "best", "--pooler", "cls_before_pooler",
+                      "--senteval_dir", senteval_dir, "--json", tmp_path / "s.json")
+    assert json.loads((tmp_path / "s.json").read_text()) == results["test"]
 
 
 def test_batch_narrower_than_a_group_is_skipped(tiny_model, senteval_dir, tmp_path):
