@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,10 @@ def gather(t: torch.Tensor) -> torch.Tensor:
     sizes = [torch.zeros(1, dtype=torch.long, device=t.device) for _ in range(world_size())]
     dist.all_gather(sizes, torch.tensor([len(t)], device=t.device))
     padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, int(max(sizes)) - len(t)))
-    return torch.cat([part[:int(n)] for part, n in zip(dist_nn.all_gather(padded), sizes)])
+    with warnings.catch_warnings():  # torch 2.13 points to a private module instead; this public one still works
+        warnings.simplefilter("ignore", FutureWarning)
+        parts = dist_nn.all_gather(padded)
+    return torch.cat([part[:int(n)] for part, n in zip(parts, sizes)])
 
 
 def average_gradients(params) -> None:
