@@ -134,7 +134,10 @@ def write():
         lines.append(f"| {name} | {r['steps_per_second']:.3f} | {r['steps_per_second'] / base['steps_per_second']:.2f}"
                      f" | {r['peak_memory_mb']:.0f} | {r['peak_memory_mb'] / base['peak_memory_mb']:.2f} |")
     lines += ["", f"Steps/s exclude the dev evaluations. Memory is the process's peak RSS on CPU "
-              f"(`{base['peak_memory_kind']}`), model loading and evaluation included.", "",
+              f"(`{base['peak_memory_kind']}`), model loading and evaluation included. The runs go one after "
+              "another and are timed as they ran: on a machine that other work shared (as in the run on this "
+              "page, where the first three shared the 2 cores with test and evaluation jobs), steps/s are not "
+              "comparable across rows; `bench.py` measures speed ratios in one session.", "",
               "## Dev curves", "", "![STS-B dev Spearman against step](results/dev_curves.png)", "",
               "## Commands", "", "```bash",
               f"python eval_sts.py --model_name_or_path {MODEL} --pooler cls_before_pooler "
