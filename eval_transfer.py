@@ -56,8 +56,11 @@ def _bad_row(path, number, why):
     return eval_sts.UsageError(f"--senteval_dir: {path} line {number}: {why}")
 
 
-def _sorted(rows, key):
-    return sorted(rows, key=key)  # stable: ties keep file order, as SentEval's sorted() does
+def _in_senteval_order(rows) -> tuple[list[str], np.ndarray]:
+    """(sentences, labels) of (tokens, label) rows sorted by length, then label, as SentEval orders them (stable:
+    ties keep file order)."""
+    rows = sorted(rows, key=lambda z: (len(z[0]), z[1]))
+    return [" ".join(tokens) for tokens, _ in rows], np.array([label for _, label in rows])
 
 
 def load_task(senteval_dir, task: str) -> dict:
@@ -69,8 +72,7 @@ def load_task(senteval_dir, task: str) -> dict:
         folder, first, second = binary[task]  # SentEval: label 1 for the first file, 0 for the second
         tokens = [(line.split(), label) for name, label in ((first, 1), (second, 0))
                   for line in _lines(root / folder / name, "latin-1")]
-        rows = _sorted(tokens, key=lambda z: (len(z[0]), z[1]))
-        return {"all": ([" ".join(t) for t, _ in rows], np.array([l for _, l in rows]))}
+        return {"all": _in_senteval_order(tokens)}
     if task == "SST2":
         splits = {}
         for split in ("train", "dev", "test"):
@@ -80,8 +82,7 @@ def load_task(senteval_dir, task: str) -> dict:
                 if len(cols) < 2 or cols[1] not in ("0", "1"):
                     raise _bad_row(path, number, "expected 'sentence<TAB>0 or 1'")
                 rows.append((cols[0].split(), int(cols[1])))
-            rows = _sorted(rows, key=lambda z: (len(z[0]), z[1]))
-            splits[split] = ([" ".join(t) for t, _ in rows], np.array([l for _, l in rows]))
+            splits[split] = _in_senteval_order(rows)
         return splits
     if task == "TREC":
         splits = {}
@@ -92,8 +93,7 @@ def load_task(senteval_dir, task: str) -> dict:
                 if target not in TREC_CLASSES or " " not in sample:
                     raise _bad_row(path, number, "expected 'COARSE:fine question'")
                 rows.append((sample.split(" ", 1)[1].split(), TREC_CLASSES[target]))
-            rows = _sorted(rows, key=lambda z: (len(z[0]), z[1]))
-            splits[split] = ([" ".join(t) for t, _ in rows], np.array([l for _, l in rows]))
+            splits[split] = _in_senteval_order(rows)
         return splits
     if task == "MRPC":
         splits = {}
@@ -104,7 +104,7 @@ def load_task(senteval_dir, task: str) -> dict:
                 if len(cols) < 5 or cols[0] not in ("0", "1"):
                     raise _bad_row(path, number, "expected 'quality<TAB>id<TAB>id<TAB>sentence<TAB>sentence'")
                 rows.append((cols[3].split(), cols[4].split(), int(cols[0])))
-            rows = _sorted(rows, key=lambda z: (len(z[0]), len(z[1]), z[2]))
+            rows = sorted(rows, key=lambda z: (len(z[0]), len(z[1]), z[2]))  # stable, as SentEval's
             splits[split] = ([(" ".join(a), " ".join(b)) for a, b, _ in rows], np.array([l for _, _, l in rows]))
         return splits
     raise eval_sts.UsageError(f"unknown transfer task '{task}'; choose from {', '.join(TASKS)}")
