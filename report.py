@@ -1,17 +1,27 @@
-"""All methods under one protocol: train each, then write RESULTS.md and results/dev_curves.png.
+"""All methods under one protocol, over several seeds: train each, then write RESULTS.md and the plots.
 
-    python report.py run      # train every row of RUNS (and evaluate the initial model), then write
-    python report.py write    # regenerate RESULTS.md and the plot from results/*.json only
+    python report.py run                      # every row of RUNS and FEW_SHOT with seeds 42 43 44, then the page
+    python report.py run --seeds 42 43 --only simcse micse   # a part of it
+    python report.py run --no_transfer        # STS, dev curves and alignment/uniformity only (much cheaper)
+    python report.py write                    # RESULTS.md, results/dev_curves.png and results/align_uniform.png
+                                              # from results/*.json alone
 
-Every run uses the same model, corpus, seed, batch, steps and evaluation schedule (PROTOCOL); each method's own
-flags come after. The checkpoints go to runs/report/ (not committed); each run's results.json is copied to
-results/<name>.json, which is what RESULTS.md and the plot are made from. The plot needs matplotlib
-(`pip install matplotlib`); without it the plot is skipped with a message.
+Every run uses the same model, corpus, batch, steps and evaluation schedule (PROTOCOL) with its seed; each
+method's own flags come after. Resumable: a run whose results/<name>.seed<S>.json exists is not trained again,
+and a run whose JSON has no "transfer" yet only gets its transfer evaluation, so `report.py run` can be stopped
+and started again and completes in pieces. Checkpoints go to runs/report/ (not committed); each run's
+results.json is copied to results/ with the run's wall and CPU time under "report". The transfer tasks run
+with `eval_transfer.py --mode fasttest` on each best checkpoint (TRANSFER_MODE). The plots need matplotlib
+(`pip install matplotlib`); without it they are skipped with a message.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import math
+import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -22,44 +32,143 @@ ROOT = Path(__file__).resolve().parent
 SHARED = ROOT.parent / "shared"
 RESULTS = ROOT / "results"
 MODEL = "../shared/models/all-MiniLM-L6-v2"
+SENTEVAL = "../shared/data/senteval"
+SEEDS = [42, 43, 44]
+TRANSFER_MODE = "fasttest"  # SentEval's prototyping setting: the full protocol is ~4x the classifier time
 PROTOCOL = ["--model_name_or_path", MODEL, "--train_file", "../shared/data/wiki1m_head.txt",
-            "--senteval_dir", "../shared/data/senteval", "--seed", "42", "--batch_size", "32", "--lr", "3e-5",
+            "--senteval_dir", SENTEVAL, "--batch_size", "32", "--lr", "3e-5",
             "--warmup_steps", "0", "--max_steps", "150", "--eval_steps", "50"]
-# name, script, method flags, the paper's BERT-base 7-task average for that row (the paper's, not ours)
+# name, script, method flags, the paper's BERT-base 7-task average for that row (the paper's, not ours), source
 RUNS = [
-    ("simcse", "simcse.py", [], 76.25, "SimCSE, Table 5"),
-    ("simcsepp", "simcsepp.py", [], 78.05, "SimCSE++, Table 3"),
-    ("simcsepp_off_dropout_only", "simcsepp.py", ["--dcl_weight", "0"], 77.13, "SimCSE++ Table 3, +Off-Info"),
-    ("simcsepp_dcl_only", "simcsepp.py", ["--no_off_dropout", "--m", "1"], 77.40, "SimCSE++ Table 3, +DCL"),
-    ("sscl", "sscl.py", [], 77.90, "SSCL, Table 2"),
-    ("whitenedcse", "whitenedcse.py", ["--num_groups", "192"], 78.78, "WhitenedCSE, Table 1"),
-    ("micse", "micse.py", [], 78.13, "miCSE, Table 2 (100%)"),
-    ("micse_no_queue", "micse.py", ["--queue_size", "0"], 76.88, "miCSE Table 2, AMI+SimCSE (100%)"),
+    ("simcse", "simcse.py", [], "76.25", "SimCSE, Table 5"),
+    ("simcsepp", "simcsepp.py", [], "78.05", "SimCSE++, Table 3"),
+    ("simcsepp_off_dropout_only", "simcsepp.py", ["--dcl_weight", "0"], "77.13", "SimCSE++ Table 3, +Off-Info"),
+    ("simcsepp_dcl_only", "simcsepp.py", ["--no_off_dropout", "--m", "1"], "77.40", "SimCSE++ Table 3, +DCL"),
+    ("sscl", "sscl.py", [], "77.90", "SSCL, Table 2"),
+    ("whitenedcse", "whitenedcse.py", ["--num_groups", "192"], "78.78", "WhitenedCSE, Table 1"),
+    ("micse", "micse.py", [], "78.13", "miCSE, Table 2 (100%)"),
+    ("micse_no_queue", "micse.py", ["--queue_size", "0"], "76.88", "miCSE Table 2, AMI+SimCSE (100%)"),
 ]
-TASK_COLUMNS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness", "avg"]
+# The few-shot protocol on the shared corpus: --fraction of wiki1m_head.txt, a different subset per seed.
+FEW_SHOT = [
+    ("simcse_10pct", "simcse.py", ["--fraction", "0.1"], "75.76 ± 0.24", "miCSE Table 2, SimCSE 10%"),
+    ("micse_10pct", "micse.py", ["--fraction", "0.1"], "76.38 ± 0.35", "miCSE Table 2, miCSE 10%"),
+    ("simcse_1pct", "simcse.py", ["--fraction", "0.01"], "74.96 ± 0.65", "miCSE Table 2, SimCSE 1%"),
+    ("micse_1pct", "micse.py", ["--fraction", "0.01"], "76.40 ± 0.48", "miCSE Table 2, miCSE 1%"),
+]
+BASELINE = {"simcse_10pct": None, "micse_10pct": "simcse_10pct", "simcse_1pct": None, "micse_1pct": "simcse_1pct",
+            "simcse": None, **{name: "simcse" for name, *_ in RUNS[1:]}}
+STS_COLUMNS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness", "avg"]
+TRANSFER_COLUMNS = ["MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC", "avg"]
 
 
-def command(script, flags, out_dir):
-    return [sys.executable, script, *PROTOCOL, *flags, "--output_dir", str(out_dir), "--overwrite_output_dir"]
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
-def run_all():
+# ---- aggregation (pure; tested against hand-computed numbers) ----
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1); the deviation is nan for a single value."""
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
+    return mean, std
+
+
+def paired_difference(run: dict[int, float], base: dict[int, float]) -> tuple[float, float, bool, int]:
+    """Mean of run - base over the seeds both have, its standard error, whether |mean| > 2 SE, and the pair count."""
+    diffs = [run[s] - base[s] for s in sorted(run) if s in base]
+    if not diffs:
+        return math.nan, math.nan, False, 0
+    mean, std = mean_std(diffs)
+    se = std / math.sqrt(len(diffs))
+    return mean, se, len(diffs) > 1 and abs(mean) > 2 * se, len(diffs)
+
+
+def fmt(mean: float, std: float, digits: int = 2) -> str:
+    return f"{mean:.{digits}f}" if math.isnan(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def fmt_diff(mean: float, se: float, marked: bool) -> str:
+    if math.isnan(mean):
+        return "—"
+    text = f"{mean:+.2f}" if math.isnan(se) else f"{mean:+.2f} ± {se:.2f}"
+    return f"**{text}**" if marked else text
+
+
+# ---- running ----
+def command(script, flags, seed, out_dir):
+    return [sys.executable, script, *PROTOCOL, "--seed", str(seed), *flags, "--output_dir", str(out_dir),
+            "--overwrite_output_dir"]
+
+
+def timed(cmd) -> dict:
+    """Run cmd in ROOT (an error stops the report); its wall time and its processes' CPU time."""
+    print("== " + " ".join(str(c) for c in cmd[1:]), flush=True)
+    cpu_before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cost = {"wall_s": round(time.perf_counter() - start, 1),
+            "cpu_s": round(cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime, 1)}
+    print(f"== took {cost['wall_s']:.0f}s wall, {cost['cpu_s']:.0f}s CPU", flush=True)
+    return cost
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)  # a stopped report never leaves half a file, which a resumed one would skip
+
+
+def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
     RESULTS.mkdir(exist_ok=True)
+    rows = [r for r in RUNS + FEW_SHOT if not only or r[0] in only]
     initial = RESULTS / "initial.json"
-    subprocess.run([sys.executable, "eval_sts.py", "--model_name_or_path", MODEL, "--pooler", "cls_before_pooler",
-                    "--senteval_dir", "../shared/data/senteval", "--json", str(initial)], cwd=ROOT, check=True)
-    for name, script, flags, _, _ in RUNS:
-        out = ROOT / "runs" / "report" / name
-        print(f"== {name}: {' '.join(command(script, flags, out)[1:])}", flush=True)
-        start = time.perf_counter()
-        subprocess.run(command(script, flags, out), cwd=ROOT, check=True)
-        print(f"== {name} took {time.perf_counter() - start:.0f}s", flush=True)
-        shutil.copy(out / "results.json", RESULTS / f"{name}.json")
+    if not initial.exists():
+        tmp = RESULTS / "initial.tmp.json"
+        cost = timed([sys.executable, "eval_sts.py", "--model_name_or_path", MODEL, "--pooler", "cls_before_pooler",
+                      "--senteval_dir", SENTEVAL, "--json", str(tmp)])
+        write_json(initial, {**json.loads(tmp.read_text()), "report": cost})
+        tmp.unlink()
+    for seed in seeds:  # every row of a seed first: a report stopped early still has comparable rows
+        for name, script, flags, _, _ in rows:
+            path = RESULTS / f"{name}.seed{seed}.json"
+            if path.exists():
+                continue
+            out = ROOT / "runs" / "report" / f"{name}.seed{seed}"
+            cost = timed(command(script, flags, seed, out))
+            write_json(path, {**json.loads((out / "results.json").read_text()), "report": cost})
     (RESULTS / "machine.json").write_text(json.dumps(machine(), indent=2))
+    if not transfer:
+        return
+    initial_transfer = RESULTS / "initial_transfer.json"
+    if not initial_transfer.exists():
+        tmp = RESULTS / "initial_transfer.tmp.json"
+        cost = timed([sys.executable, "eval_transfer.py", "--model_name_or_path", MODEL, "--pooler",
+                      "cls_before_pooler", "--senteval_dir", SENTEVAL, "--mode", TRANSFER_MODE, "--json", str(tmp)])
+        write_json(initial_transfer, {**json.loads(tmp.read_text()), "report": cost})
+        tmp.unlink()
+    for seed in seeds:
+        for name, *_ in rows:
+            path = RESULTS / f"{name}.seed{seed}.json"
+            data = json.loads(path.read_text())
+            if "transfer" in data:
+                continue
+            best = ROOT / "runs" / "report" / f"{name}.seed{seed}" / "best"
+            if not best.is_dir():
+                print(f"== {name} seed {seed}: no checkpoint at {best}; delete {path} to train it again", flush=True)
+                continue
+            tmp = RESULTS / f"{name}.seed{seed}.transfer.tmp.json"
+            cost = timed([sys.executable, "eval_transfer.py", "--model_name_or_path", str(best), "--pooler",
+                          data["eval_pooler"], "--senteval_dir", SENTEVAL, "--mode", TRANSFER_MODE, "--json", str(tmp)])
+            data["transfer"] = {**json.loads(tmp.read_text()), "mode": TRANSFER_MODE}
+            data["report"]["transfer_wall_s"], data["report"]["transfer_cpu_s"] = cost["wall_s"], cost["cpu_s"]
+            write_json(path, data)
+            tmp.unlink()
 
 
 def machine():
-    import os
     import torch
     import transformers
     cpu = platform.processor() or platform.machine()
@@ -71,94 +180,246 @@ def machine():
             "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
 
 
-def plot(results):
+# ---- the page ----
+def load(results_dir: Path) -> dict[str, dict[int, dict]]:
+    """{row name: {seed: results.json}} for every results/<name>.seed<S>.json of a known row."""
+    runs = {}
+    for name, *_ in RUNS + FEW_SHOT:
+        for path in sorted(results_dir.glob(f"{name}.seed*.json")):
+            seed = path.name[len(name) + len(".seed"):-len(".json")]
+            if seed.isdigit():
+                runs.setdefault(name, {})[int(seed)] = json.loads(path.read_text())
+    return runs
+
+
+def metric_rows(runs, names, columns, get):
+    """Table rows 'name | n | mean ± std per column | paired difference of the last column to the baseline'."""
+    lines = []
+    for name in names:
+        if name not in runs:
+            continue
+        values = {seed: get(r) for seed, r in runs[name].items() if get(r) is not None}
+        if not values:
+            continue
+        cells = [fmt(*mean_std([v[c] for v in values.values()])) for c in columns]
+        base = BASELINE[name]
+        diff = "—"
+        if base and base in runs:
+            base_values = {s: get(r) for s, r in runs[base].items() if get(r) is not None}
+            diff = fmt_diff(*paired_difference({s: v[columns[-1]] for s, v in values.items()},
+                                               {s: v[columns[-1]] for s, v in base_values.items()})[:3])
+        lines.append(f"| {name} | {len(values)} | " + " | ".join(cells) + f" | {diff} |")
+    return lines
+
+
+def write(results_dir: Path | None = None, page: Path | None = None, plots: bool = True) -> None:
+    results_dir = results_dir or RESULTS
+    page = page or ROOT / "RESULTS.md"
+    runs = load(results_dir)
+    if "simcse" not in runs:
+        fail(f"no {results_dir.name}/simcse.seed*.json; run `python report.py run` first")
+    initial = json.loads((results_dir / "initial.json").read_text())
+    initial_transfer_path = results_dir / "initial_transfer.json"
+    initial_transfer = json.loads(initial_transfer_path.read_text()) if initial_transfer_path.exists() else None
+    info = json.loads((results_dir / "machine.json").read_text())
+    main_names = [name for name, *_ in RUNS]
+    few_names = [name for name, *_ in FEW_SHOT]
+    rows = {name: (script, flags, paper, source) for name, script, flags, paper, source in RUNS + FEW_SHOT}
+    seeds = sorted({s for by_seed in runs.values() for s in by_seed})
+    done = sum(len(by_seed) for by_seed in runs.values())
+    with_transfer = sum("transfer" in r for by_seed in runs.values() for r in by_seed.values())
+    costs = [r.get("report", {}) for by_seed in runs.values() for r in by_seed.values()] + [initial.get("report", {})]
+    if initial_transfer:
+        costs.append(initial_transfer.get("report", {}))
+    cpu_s = sum(c.get("cpu_s", 0) + c.get("transfer_cpu_s", 0) for c in costs)
+    wall_s = sum(c.get("wall_s", 0) + c.get("transfer_wall_s", 0) for c in costs)
+    untimed = sum("wall_s" not in c for c in costs)
+    diff_header = "avg − SimCSE (paired)"
+
+    L = ["# Results: every method under one protocol, over seeds", "",
+         "Generated by `python report.py run` (training + this page) or `python report.py write` (this page and",
+         "the plots from `results/*.json`). Do not edit by hand.", "",
+         f"Machine: {info['cpu']}, {info['cores']} cores, CPU only; Python {info['python']}, torch {info['torch']}, "
+         f"transformers {info['transformers']}; last run on {info['date']}.", "",
+         "## What these numbers can and cannot show", "",
+         "Every run starts from all-MiniLM-L6-v2, a 6-layer encoder *already trained for sentence embeddings* on a "
+         "billion sentence pairs, and takes 150 steps of batch 32 on `wiki1m_head.txt` (11,900 Wikipedia "
+         "sentences, about 40% of one pass). The rows show whether each method runs under one protocol, how it "
+         "moves an already-tuned encoder, and how large seed noise is at this scale. They cannot show the papers' "
+         "gains, which are measured from `bert-base-uncased` (no sentence training) on the full million "
+         "sentences; the papers' column is theirs, not ours. A difference marked in **bold** exceeds two "
+         "standard errors of the seed-paired differences (n = 3: a rough screen, not a test).", "",
+         "## Protocol", "",
+         f"Every run: `{' '.join(PROTOCOL)} --seed S` plus the method's own flags (Commands, below), seeds "
+         f"{', '.join(map(str, seeds))}. Each run's best STS-B dev checkpoint (steps 0, 50, 100, 150) is evaluated "
+         "on the 7 STS test tasks (Spearman × 100, \"all\"), on SentEval's 7 transfer tasks "
+         f"(`eval_transfer.py --mode {TRANSFER_MODE}`: SentEval's prototyping setting, since the full protocol does "
+         "not fit this CPU budget) and for ℓ_align/ℓ_uniform on STS-B dev. Cells are mean ± sample standard "
+         "deviation over the seeds (n runs); the last column is the mean of the seed-paired differences of the "
+         "average to SimCSE ± its standard error.", "",
+         f"Runs on this page: {done} ({with_transfer} with transfer scores). Total cost: "
+         f"{cpu_s / 3600:.1f} CPU-hours, {wall_s / 3600:.1f} hours of wall time on {info['cores']} cores"
+         + (f" ({untimed} runs made before report.py timed its runs are not counted)" if untimed else "") + ".", "",
+         "## STS test (best STS-B dev checkpoint)", "",
+         "| run | n | " + " | ".join(STS_COLUMNS) + f" | {diff_header} |", "|---|---|" + "---|" * (len(STS_COLUMNS) + 1),
+         "| initial checkpoint ([CLS]) | 1 | " + " | ".join(f"{initial[t]:.2f}" for t in STS_COLUMNS) + " | — |"]
+    L += metric_rows(runs, main_names, STS_COLUMNS, lambda r: r.get("test"))
+    L += ["", "SSCL trains and evaluates with the average pooler, as its released scripts do (the others evaluate "
+          "[CLS]); the initial checkpoint's STS-B dev figure with that pooler is 86.72, not 79.73, so compare "
+          "SSCL's row with its own start.", "",
+          "| run | best dev STS-B | best step (per seed) | paper's BERT-base avg (not ours) |", "|---|---|---|---|"]
+    for name in main_names + few_names:
+        if name in runs:
+            by_seed = runs[name]
+            steps = ", ".join(str(by_seed[s]["best_step"]) for s in sorted(by_seed))
+            dev = fmt(*mean_std([r["best_dev_stsb"] for r in by_seed.values()]))
+            L.append(f"| {name} | {dev} | {steps} | {rows[name][2]} ({rows[name][3]}) |")
+
+    L += ["", "## Few-shot: SimCSE and miCSE on a fraction of the corpus", "",
+          "The same protocol on `--fraction 0.1` (1,190 sentences, about 4 passes in 150 steps) and `--fraction "
+          "0.01` (119 sentences, about 40 passes) of `wiki1m_head.txt`; each seed draws its own subset (common."
+          "subsample), as miCSE's five subsets do, and miCSE takes its per-fraction λ (FEW_SHOT_SETTINGS) while "
+          "the protocol's batch, learning rate and steps override the rest of those settings. The paper's column "
+          "is miCSE's Table 2: BERT-base on fractions of the full wiki1m, mean ± std over 5 subsets. The last "
+          "column pairs miCSE with SimCSE on the same subsets.", "",
+          "| run | n | " + " | ".join(STS_COLUMNS) + " | miCSE − SimCSE (paired) |",
+          "|---|---|" + "---|" * (len(STS_COLUMNS) + 1)]
+    L += metric_rows(runs, few_names, STS_COLUMNS, lambda r: r.get("test"))
+
+    L += ["", f"## Transfer tasks (`--mode {TRANSFER_MODE}`, accuracy × 100)", "",
+          "| run | n | " + " | ".join(TRANSFER_COLUMNS) + f" | {diff_header} |",
+          "|---|---|" + "---|" * (len(TRANSFER_COLUMNS) + 1)]
+    if initial_transfer:
+        L.append("| initial checkpoint ([CLS]) | 1 | " + " | ".join(f"{initial_transfer[t]:.2f}"
+                                                                    for t in TRANSFER_COLUMNS) + " | — |")
+    L += metric_rows(runs, main_names + few_names, TRANSFER_COLUMNS, lambda r: r.get("transfer"))
+    L += ["", "Papers, BERT-base, `--mode test` (not ours): SimCSE 85.81 (SimCSE Table E.1), SSCL-BERT (avg.) "
+          "83.68 (SSCL Table 3), WhitenedCSE +0.59 over SimCSE (WhitenedCSE §4.3).", "",
+          "## Alignment and uniformity (STS-B dev, lower is better for both)", "",
+          "| run | n | ℓ_align initial | ℓ_align best | ℓ_uniform initial | ℓ_uniform best |", "|---|---|---|---|---|---|"]
+    for name in main_names + few_names:
+        if name in runs:
+            au = [r["align_uniform"] for r in runs[name].values() if "align_uniform" in r]
+            if au:
+                cells = [fmt(*mean_std([a[when][m] for a in au]), digits=3) for m in ("align", "uniform")
+                         for when in ("initial", "best")]
+                L.append(f"| {name} | {len(au)} | " + " | ".join(cells) + " |")
+    L += ["", "![ℓ_align against ℓ_uniform](results/align_uniform.png)", "",
+          "## Dev curves", "", "![STS-B dev Spearman against step, band over seeds](results/dev_curves.png)", "",
+          "## Speed and memory (same runs)", "", "| run | steps/s | × simcse | peak memory MiB | × simcse |",
+          "|---|---|---|---|---|"]
+    base_speed = mean_std([r["steps_per_second"] for r in runs["simcse"].values()])[0]
+    base_memory = mean_std([r["peak_memory_mb"] for r in runs["simcse"].values()])[0]
+    for name in main_names + few_names:
+        if name in runs:
+            speed = mean_std([r["steps_per_second"] for r in runs[name].values()])[0]
+            memory = mean_std([r["peak_memory_mb"] for r in runs[name].values()])[0]
+            L.append(f"| {name} | {speed:.3f} | {speed / base_speed:.2f} | {memory:.0f} | {memory / base_memory:.2f} |")
+    L += ["", "Means over the seeds. Steps/s exclude the dev evaluations; memory is the process's peak RSS on CPU, "
+          "model loading and evaluation included. Runs go one after another and are timed as they ran, so work "
+          "sharing the machine slows some rows: `bench.py` measures speed ratios in one session.", "",
+          "## Commands", "", "```bash",
+          f"python report.py run --seeds {' '.join(map(str, seeds))}     # all of the below, resumable",
+          f"python eval_sts.py --model_name_or_path {MODEL} --pooler cls_before_pooler --senteval_dir {SENTEVAL} "
+          "--json results/initial.json"]
+    for name in main_names + few_names:
+        if name in runs:
+            script, flags, _, _ = rows[name]
+            L.append(" ".join(["python", script, *PROTOCOL, "--seed", "S", *flags, "--output_dir",
+                               f"runs/report/{name}.seedS", "--overwrite_output_dir"]))
+    L += [f"python eval_transfer.py --model_name_or_path runs/report/NAME.seedS/best --pooler POOLER "
+          f"--senteval_dir {SENTEVAL} --mode {TRANSFER_MODE}", "```", "",
+          "The papers' setting on a GPU (`bert-base-uncased`, the full wiki1m, the scripts' defaults are the "
+          "papers' hyper-parameters; downloads from the Hugging Face Hub):", "", "```bash"]
+    for script, extra in (("simcse.py", ""), ("simcsepp.py", ""), ("sscl.py", ""), ("whitenedcse.py", ""),
+                          ("micse.py", ""), ("micse.py", " --fraction 0.01 --seed 48   # miCSE's 1% subset")):
+        L.append(f"python {script} --model_name_or_path bert-base-uncased --seed S --eval_transfer{extra}")
+    L += ["```", ""]
+    page.write_text("\n".join(L))
+    print(f"wrote {page}")
+    if not plots:
+        return
+    plot_dev_curves(runs, results_dir, main_names, few_names)
+    plot_align_uniform(runs, results_dir, main_names + few_names)
+
+
+def pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        return plt
     except ImportError:
-        print("matplotlib is not installed: skipping results/dev_curves.png (pip install matplotlib)")
+        print("matplotlib is not installed: skipping the plots (pip install matplotlib)")
+        return None
+
+
+def plot_dev_curves(runs, results_dir, main_names, few_names):
+    plt = pyplot()
+    if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, r in results.items():
-        steps, scores = zip(*r["dev_curve"])
-        ax.plot(steps, scores, marker="o", label=name)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("STS-B dev Spearman x 100")
-    ax.set_title("STS-B dev during training (all-MiniLM-L6-v2, wiki1m head, same protocol)")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for ax, names, title in ((axes[0], main_names, "every method, full wiki1m head"),
+                             (axes[1], few_names, "few-shot (fraction of the head)")):
+        for name in names:
+            if name not in runs:
+                continue
+            curves = [dict(map(tuple, r["dev_curve"])) for r in runs[name].values()]
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            per_step = [[c[s] for c in curves] for s in steps]
+            line, = ax.plot(steps, [sum(v) / len(v) for v in per_step], marker="o", label=f"{name} (n={len(curves)})")
+            ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(),
+                            alpha=0.15)
+        ax.set_title(title)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    axes[0].set_ylabel("STS-B dev Spearman × 100 (mean; band: min–max over seeds)")
+    fig.suptitle("STS-B dev during training (all-MiniLM-L6-v2, same protocol)")
+    fig.tight_layout()
+    fig.savefig(results_dir / "dev_curves.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {results_dir / 'dev_curves.png'}")
+
+
+def plot_align_uniform(runs, results_dir, names):
+    """SimCSE's Figure 2 style: each run's initial -> best checkpoint (means over seeds) as an arrow."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 6))
+    for name in names:
+        au = [r["align_uniform"] for r in runs.get(name, {}).values() if "align_uniform" in r]
+        if not au:
+            continue
+        (x0, y0), (x1, y1) = [(mean_std([a[w]["align"] for a in au])[0], mean_std([a[w]["uniform"] for a in au])[0])
+                              for w in ("initial", "best")]
+        color = ax.plot([x1], [y1], marker="o", linestyle="none", label=name)[0].get_color()
+        ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="->", color=color))
+        ax.plot([x0], [y0], marker="x", color=color)
+    ax.set_xlabel("ℓ_align (lower is better)")
+    ax.set_ylabel("ℓ_uniform (lower is better)")
+    ax.set_title("initial (x) → best checkpoint (o), STS-B dev, mean over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "dev_curves.png", dpi=120)
-    print(f"wrote {RESULTS / 'dev_curves.png'}")
+    fig.savefig(results_dir / "align_uniform.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {results_dir / 'align_uniform.png'}")
 
 
-def write():
-    results = {name: json.loads((RESULTS / f"{name}.json").read_text()) for name, *_ in RUNS
-               if (RESULTS / f"{name}.json").exists()}
-    if "simcse" not in results:
-        raise SystemExit("error: results/simcse.json is missing; run `python report.py run` first")
-    initial = json.loads((RESULTS / "initial.json").read_text())
-    info = json.loads((RESULTS / "machine.json").read_text())
-    base = results["simcse"]
-    paper = {name: (value, source) for name, _, _, value, source in RUNS}
-    scripts = {name: (script, flags) for name, script, flags, _, _ in RUNS}
-
-    lines = ["# Results: every method under one protocol", "",
-             "Generated by `python report.py run` (training + this page) or `python report.py write` (this page",
-             "and the plot from `results/*.json`). Do not edit by hand.", "",
-             f"Machine: {info['cpu']}, {info['cores']} cores, CPU only; Python {info['python']}, torch "
-             f"{info['torch']}, transformers {info['transformers']}; run on {info['date']}.", "",
-             "## Protocol", "",
-             f"Every run: `{' '.join(PROTOCOL)}` plus the method's own flags below. Each run's best STS-B dev",
-             "checkpoint (steps 0, 50, ..., the last) is evaluated on the 7 STS test tasks (Spearman x 100, \"all\").", "",
-             "## STS test results (best STS-B dev checkpoint)", "",
-             "| run | " + " | ".join(TASK_COLUMNS) + " | best dev (step) | paper's BERT-base avg |",
-             "|---|" + "---|" * (len(TASK_COLUMNS) + 2)]
-    lines.append("| initial checkpoint ([CLS]) | " + " | ".join(f"{initial[t]:.2f}" for t in TASK_COLUMNS)
-                 + f" | {base['dev_curve'][0][1]:.2f} (0) | — |")
-    for name, r in results.items():
-        lines.append(f"| {name} | " + " | ".join(f"{r['test'][t]:.2f}" for t in TASK_COLUMNS)
-                     + f" | {r['best_dev_stsb']:.2f} ({r['best_step']}) | {paper[name][0]:.2f} ({paper[name][1]}) |")
-    lines += ["", "The last column is the paper's number for BERT-base trained on the full million sentences, not "
-              "ours: these runs start from all-MiniLM-L6-v2, a small encoder already trained for sentence "
-              "embeddings on a billion pairs, and see at most a few thousand of 11,900 Wikipedia sentences, so "
-              "neither the starting point nor the data can reproduce the BERT-base gains; the table checks that "
-              "every method runs under one protocol and shows how each moves an already-tuned encoder.", "",
-              "SSCL trains and evaluates with the average pooler, as its released scripts do (the others evaluate "
-              "[CLS]); the initial checkpoint's STS-B dev figure with that pooler is 86.72, not 79.73, so compare "
-              "SSCL's row with its own start.", "",
-              "## Speed and memory (same runs)", "",
-              "| run | steps/s | x simcse | peak memory MiB | x simcse |", "|---|---|---|---|---|"]
-    for name, r in results.items():
-        lines.append(f"| {name} | {r['steps_per_second']:.3f} | {r['steps_per_second'] / base['steps_per_second']:.2f}"
-                     f" | {r['peak_memory_mb']:.0f} | {r['peak_memory_mb'] / base['peak_memory_mb']:.2f} |")
-    lines += ["", f"Steps/s exclude the dev evaluations. Memory is the process's peak RSS on CPU "
-              f"(`{base['peak_memory_kind']}`), model loading and evaluation included. The runs go one after "
-              "another and are timed as they ran: on a machine that other work shared (as in the run on this "
-              "page, where the first three shared the 2 cores with test and evaluation jobs), steps/s are not "
-              "comparable across rows; `bench.py` measures speed ratios in one session.", "",
-              "## Dev curves", "", "![STS-B dev Spearman against step](results/dev_curves.png)", "",
-              "## Commands", "", "```bash",
-              f"python eval_sts.py --model_name_or_path {MODEL} --pooler cls_before_pooler "
-              "--senteval_dir ../shared/data/senteval --json results/initial.json"]
-    for name in results:
-        script, flags = scripts[name]
-        lines.append(" ".join(["python", script, *PROTOCOL, *flags, "--output_dir", f"runs/report/{name}",
-                               "--overwrite_output_dir"]))
-    lines += ["```", ""]
-    (ROOT / "RESULTS.md").write_text("\n".join(lines))
-    print(f"wrote {ROOT / 'RESULTS.md'}")
-    plot(results)
-
-
-def main():
-    if len(sys.argv) != 2 or sys.argv[1] not in ("run", "write"):
-        raise SystemExit("usage: python report.py run|write")
-    if sys.argv[1] == "run":
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["run", "write"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS, help="seeds of every run (default 42 43 44)")
+    parser.add_argument("--only", nargs="+", choices=[r[0] for r in RUNS + FEW_SHOT], help="run these rows only")
+    parser.add_argument("--no_transfer", action="store_true", help="skip the transfer evaluations")
+    args = parser.parse_args(argv)
+    if args.action == "run":
         if not (SHARED / "models" / "all-MiniLM-L6-v2").is_dir():
-            raise SystemExit("error: report.py needs ../shared (all-MiniLM-L6-v2, wiki1m_head.txt, senteval)")
-        run_all()
+            fail("report.py run needs ../shared (all-MiniLM-L6-v2, wiki1m_head.txt, senteval)")
+        run_all(args.seeds, args.only, not args.no_transfer)
     write()
 
 

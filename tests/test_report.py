@@ -1,48 +1,146 @@
-"""report.py write: RESULTS.md is made from results/*.json and shows exactly their numbers."""
+"""report.py: the seed aggregation against hand-computed numbers, the page made from results/*.json only,
+and the resumable run."""
 import json
+import math
 import sys
+from pathlib import Path
 
 import pytest
 
 import report
 
-TASKS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness", "avg"]
+STS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness", "avg"]
+TRANSFER = ["MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC", "avg"]
+REPO = Path(report.__file__).resolve().parent
 
 
-def fake_results(tmp_path, names):
-    results = tmp_path / "results"
-    results.mkdir()
-    for k, name in enumerate(names):
-        test = {t: round(70 + k + i / 7, 2) for i, t in enumerate(TASKS)}
-        (results / f"{name}.json").write_text(json.dumps({
-            "test": test, "best_dev_stsb": 80.0 + k, "best_step": 50 * k, "dev_curve": [[0, 79.73], [50, 80.0 + k]],
-            "steps_per_second": 1.0 / (k + 1), "peak_memory_mb": 1000.0 + 100 * k, "peak_memory_kind": "cpu_max_rss"}))
-    (results / "initial.json").write_text(json.dumps({t: 60.0 for t in TASKS}))
-    (results / "machine.json").write_text(json.dumps({"cpu": "test cpu", "cores": 2, "python": "3", "torch": "t",
-                                                      "transformers": "x", "date": "2026-01-01"}))
-    return results
+def test_mean_and_sample_std_by_hand():
+    # mean 7/3; squared deviations 16/9 + 1/9 + 25/9 = 42/9, over n - 1 = 2 -> 7/3
+    mean, std = report.mean_std([1.0, 2.0, 4.0])
+    assert mean == pytest.approx(7 / 3) and std == pytest.approx(math.sqrt(7 / 3))
+    assert report.mean_std([76.0, 78.0]) == (77.0, pytest.approx(math.sqrt(2.0)))
+    mean, std = report.mean_std([5.0])
+    assert mean == 5.0 and math.isnan(std)
 
 
-def test_write_uses_the_json_numbers(tmp_path, monkeypatch):
-    names = ["simcse", "simcsepp", "micse_no_queue"]
-    monkeypatch.setattr(report, "ROOT", tmp_path)
-    monkeypatch.setattr(report, "RESULTS", fake_results(tmp_path, names))
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the plot is optional
-    report.write()
+def test_paired_difference_by_hand():
+    # diffs 1.0, 0.5, 1.5: mean 1, sample std 0.5, SE 0.5/sqrt(3) = 0.2887 < 0.5 = mean/2 -> marked
+    mean, se, marked, n = report.paired_difference({42: 77.0, 43: 76.0, 44: 78.0}, {42: 76.0, 43: 75.5, 44: 76.5})
+    assert (mean, n, marked) == (pytest.approx(1.0), 3, True) and se == pytest.approx(0.5 / math.sqrt(3))
+    # diffs 1.0, -0.5, 0.8: mean 0.4333, std 0.8145, SE 0.4702 -> 2 SE = 0.94 > 0.43, not marked
+    mean, se, marked, n = report.paired_difference({42: 1.0, 43: -0.5, 44: 0.8}, {42: 0.0, 43: 0.0, 44: 0.0})
+    assert mean == pytest.approx(0.43333, abs=1e-5) and se == pytest.approx(0.47022, abs=1e-5) and not marked
+    # only the seeds both runs have are paired; one pair has no standard error and is never marked
+    mean, se, marked, n = report.paired_difference({42: 3.0, 43: 5.0}, {43: 4.0, 44: 0.0})
+    assert (mean, marked, n) == (1.0, False, 1) and math.isnan(se)
+    assert report.paired_difference({42: 1.0}, {43: 1.0})[3] == 0
+    assert report.fmt_diff(1.0, 0.2887, True) == "**+1.00 ± 0.29**" and report.fmt_diff(-0.5, 0.3, False) == "-0.50 ± 0.30"
+
+
+def fake_run(avg, dev, step, transfer_avg=None, align=0.2, speed=1.0, seed_curve=0.0):
+    test = {t: avg - 1.0 for t in STS[:-1]}
+    test["avg"] = avg
+    run = {"test": test, "best_dev_stsb": dev, "best_step": step, "eval_pooler": "cls",
+           "dev_curve": [[0, 79.0], [50, dev - seed_curve], [100, dev]], "steps_per_second": speed,
+           "peak_memory_mb": 1000.0, "align_uniform": {"initial": {"align": 0.1, "uniform": -1.7},
+                                                        "best": {"align": align, "uniform": -2.5}},
+           "report": {"wall_s": 1800.0, "cpu_s": 3600.0}}
+    if transfer_avg is not None:
+        run["transfer"] = {**{t: transfer_avg for t in TRANSFER}, "mode": "fasttest"}
+        run["report"].update(transfer_wall_s=900.0, transfer_cpu_s=1800.0)
+    return run
+
+
+def fake_results(folder: Path) -> Path:
+    folder.mkdir()
+    runs = {("simcse", 42): fake_run(76.0, 84.0, 100, 80.0), ("simcse", 43): fake_run(75.0, 83.0, 50, 81.0),
+            ("simcse", 44): fake_run(77.0, 85.0, 100, 82.0),
+            ("micse", 42): fake_run(77.0, 84.5, 150, 80.0, align=0.3, speed=0.5),
+            ("micse", 43): fake_run(76.5, 83.5, 100, 80.0, align=0.4, speed=0.5),
+            ("micse", 44): fake_run(77.5, 85.5, 150, 80.0, align=0.5, speed=0.5),
+            ("sscl", 42): fake_run(80.0, 87.0, 150)}
+    for (name, seed), data in runs.items():
+        (folder / f"{name}.seed{seed}.json").write_text(json.dumps(data))
+    (folder / "simcse.seedX.json").write_text("{not a run}")  # not a seed file: ignored
+    (folder / "initial.json").write_text(json.dumps({**{t: 60.0 for t in STS}, "report": {"wall_s": 60, "cpu_s": 120}}))
+    (folder / "machine.json").write_text(json.dumps({"cpu": "test cpu", "cores": 2, "python": "3", "torch": "t",
+                                                     "transformers": "x", "date": "2026-01-01"}))
+    return folder
+
+
+def test_write_reproduces_a_known_page(tmp_path):
+    results = fake_results(tmp_path / "results")
+    report.write(results, tmp_path / "RESULTS.md", plots=False)
     page = (tmp_path / "RESULTS.md").read_text()
-    for name in names:
-        data = json.loads((tmp_path / "results" / f"{name}.json").read_text())
-        row = next(line for line in page.splitlines() if line.startswith(f"| {name} | 7"))
-        assert all(f"{data['test'][t]:.2f}" in row for t in TASKS)
-        assert f"{data['best_dev_stsb']:.2f} ({data['best_step']})" in row
-    assert "| simcsepp | 0.500 | 0.50 | 1100 | 1.10 |" in page
-    assert "76.88 (miCSE Table 2, AMI+SimCSE (100%))" in page and "test cpu, 2 cores" in page
-    assert "| initial checkpoint ([CLS]) | 60.00" in page
-    assert not (tmp_path / "results" / "dev_curves.png").exists()
+    lines = page.splitlines()
+    # simcse: avg 76, 75, 77 -> 76.00 ± 1.00; every other task 1 lower
+    assert "| simcse | 3 | " + " | ".join(["75.00 ± 1.00"] * 7) + " | 76.00 ± 1.00 | — |" in lines
+    # micse - simcse paired on the avg: 1.0, 1.5, 0.5 -> +1.00, SE 0.29, beyond 2 SE -> bold
+    assert "| micse | 3 | " + " | ".join(["76.00 ± 0.50"] * 7) + " | 77.00 ± 0.50 | **+1.00 ± 0.29** |" in lines
+    # one seed: no deviation, one pair, no standard error, not marked
+    assert "| sscl | 1 | " + " | ".join(["79.00"] * 7) + " | 80.00 | +4.00 |" in lines
+    assert "| initial checkpoint ([CLS]) | 1 | " + " | ".join(["60.00"] * 8) + " | — |" in lines
+    # transfer: simcse 80, 81, 82; micse 80 each -> -1.00 ± 0.58 (diffs 0, -1, -2), not beyond 2 SE
+    assert "| simcse | 3 | " + " | ".join(["81.00 ± 1.00"] * 8) + " | — |" in lines
+    assert "| micse | 3 | " + " | ".join(["80.00 ± 0.00"] * 8) + " | -1.00 ± 0.58 |" in lines
+    assert "| micse | 84.50 ± 1.00 | 150, 100, 150 | 78.13 (miCSE, Table 2 (100%)) |" in lines
+    assert "| micse | 3 | 0.100 ± 0.000 | 0.400 ± 0.100 | -1.700 ± 0.000 | -2.500 ± 0.000 |" in lines
+    assert "| micse | 0.500 | 0.50 | 1000 | 1.00 |" in lines
+    # wall: 7 x 1800 + 6 x 900 (transfer) + 60 (initial) s; CPU: twice that, + 120 - 60
+    assert "Runs on this page: 7 (6 with transfer scores). Total cost: 10.0 CPU-hours, 5.0 hours of wall time" in page
+    assert "seeds 42, 43, 44." in page and "test cpu, 2 cores" in page
+    assert "--seed S --fraction 0.1" not in page  # few-shot rows absent: no command for them
+    assert not (results / "dev_curves.png").exists()
 
 
-def test_write_without_results_is_a_clear_error(tmp_path, monkeypatch):
+def test_write_without_results_is_one_line_and_status_2(tmp_path, capsys):
     (tmp_path / "results").mkdir()
+    with pytest.raises(SystemExit) as stop:
+        report.write(tmp_path / "results", tmp_path / "RESULTS.md")
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0 and not (tmp_path / "RESULTS.md").exists()
+
+
+def test_committed_page_is_made_from_committed_results(tmp_path):
+    """RESULTS.md is exactly what `report.py write` makes of results/*.json: every number on it is theirs."""
+    report.write(REPO / "results", tmp_path / "RESULTS.md", plots=False)
+    assert (tmp_path / "RESULTS.md").read_text() == (REPO / "RESULTS.md").read_text()
+
+
+def test_run_is_resumable(tmp_path, monkeypatch):
+    """A run whose JSON exists is not trained again; one without transfer scores gets only its transfer run."""
+    monkeypatch.setattr(report, "ROOT", tmp_path)
     monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
-    with pytest.raises(SystemExit, match="report.py run"):
-        report.write()
+    monkeypatch.setattr(report, "machine", lambda: {"cpu": "c", "cores": 2})
+    calls = []
+
+    def fake_timed(cmd):
+        calls.append(cmd[1])
+        value = lambda flag: cmd[cmd.index(flag) + 1]
+        if cmd[1] in ("eval_sts.py", "eval_transfer.py"):
+            Path(value("--json")).write_text(json.dumps({"avg": 1.0}))
+        else:
+            out = Path(value("--output_dir"))
+            (out / "best").mkdir(parents=True)
+            (out / "results.json").write_text(json.dumps({"eval_pooler": "cls", "seed": int(value("--seed"))}))
+        return {"wall_s": 1.0, "cpu_s": 2.0}
+
+    monkeypatch.setattr(report, "timed", fake_timed)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "simcse.seed42.json").write_text(json.dumps({"eval_pooler": "cls", "transfer": {}}))
+    report.run_all([42, 43], ["simcse", "micse"], transfer=True)
+    assert calls == ["eval_sts.py", "micse.py", "simcse.py", "micse.py",  # simcse seed 42 exists: not trained
+                     "eval_transfer.py", "eval_transfer.py", "eval_transfer.py", "eval_transfer.py"]
+    saved = json.loads((tmp_path / "results" / "micse.seed43.json").read_text())
+    assert saved["seed"] == 43 and saved["transfer"] == {"avg": 1.0, "mode": "fasttest"}
+    assert saved["report"] == {"wall_s": 1.0, "cpu_s": 2.0, "transfer_wall_s": 1.0, "transfer_cpu_s": 2.0}
+    assert not list((tmp_path / "results").glob("*.tmp*"))
+    calls.clear()
+    report.run_all([42, 43], ["simcse", "micse"], transfer=True)  # everything there: nothing runs
+    assert calls == []
+
+
+def test_bad_row_name_is_one_line_and_status_2(capsys):
+    with pytest.raises(SystemExit) as stop:
+        report.main(["run", "--only", "nosuchmethod"])
+    assert stop.value.code == 2 and "invalid choice" in capsys.readouterr().err
