@@ -171,7 +171,9 @@ def load_pretrained(name_or_path: str, attn_implementation: str | None = None):
 
     def load(local_files_only):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)
-        return tokenizer, AutoModel.from_pretrained(name_or_path, local_files_only=local_files_only, **kwargs)
+        # transformers 5 keeps a checkpoint's own dtype; fp32 here: evaluation in fp32, fp32 master weights
+        return tokenizer, AutoModel.from_pretrained(name_or_path, local_files_only=local_files_only,
+                                                    dtype=torch.float32, **kwargs)
 
     path = Path(name_or_path)
     try:

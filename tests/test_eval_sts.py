@@ -216,3 +216,18 @@ def test_bad_evaluator_arguments_are_one_line(tiny_model, senteval_dir, tmp_path
     proc = run_script("eval_sts.py", "--model_name_or_path", tiny_model, "--senteval_dir", senteval_dir, *extra)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
+
+
+def test_half_precision_checkpoint_loads_in_fp32(tiny_model, tmp_path):
+    """transformers 5 keeps a checkpoint's dtype: a bf16 checkpoint must still evaluate and train in fp32."""
+    import shutil
+    import torch
+    from transformers import AutoModel
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(tiny_model, bf16)
+    AutoModel.from_pretrained(tiny_model).to(torch.bfloat16).save_pretrained(bf16)
+    assert next(AutoModel.from_pretrained(bf16).parameters()).dtype == torch.bfloat16  # the library's default
+    _, backbone = eval_sts.load_pretrained(str(bf16))
+    assert {p.dtype for p in backbone.parameters()} == {torch.float32}
+    embeddings = eval_sts.load_encode(str(bf16), "avg", torch.device("cpu"))(["a b c", "d e"])
+    assert embeddings.dtype == np.float32
