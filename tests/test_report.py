@@ -89,6 +89,8 @@ def test_write_reproduces_a_known_page(tmp_path):
     # wall: 7 x 1800 + 6 x 900 (transfer) + 60 (initial) s; CPU: twice that, + 120 - 60
     assert "Runs on this page: 7 (6 with transfer scores). Total cost: 10.0 CPU-hours, 5.0 hours of wall time" in page
     assert "seeds 42, 43, 44." in page and "test cpu, 2 cores" in page
+    assert "resumes with them): simcsepp (seeds 42, 43, 44); " in page and "; sscl (seeds 43, 44); " in page
+    assert "micse_1pct (seeds 42, 43, 44). Transfer scores are missing for 1 of the 7 runs." in page
     assert "--seed S --fraction 0.1" not in page  # few-shot rows absent: no command for them
     assert not (results / "dev_curves.png").exists()
 
