@@ -337,7 +337,8 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
           "The papers' setting on a GPU (`bert-base-uncased`, the full wiki1m, the scripts' defaults are the "
           "papers' hyper-parameters; downloads from the Hugging Face Hub):", "", "```bash"]
     for script, extra in (("simcse.py", ""), ("simcsepp.py", ""), ("sscl.py", ""), ("whitenedcse.py", ""),
-                          ("micse.py", ""), ("micse.py", " --fraction 0.01 --seed 48   # miCSE's 1% subset")):
+                          ("micse.py", ""), ("simcse.py", " --fraction 0.01   # S in 48-52: miCSE's released 1% subsets"),
+                          ("micse.py", " --fraction 0.01   # Table 2's few-shot row, with its per-fraction settings")):
         L.append(f"python {script} --model_name_or_path bert-base-uncased --seed S --eval_transfer{extra}")
     L += ["```", ""]
     page.write_text("\n".join(L))
