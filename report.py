@@ -218,6 +218,9 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     runs = load(results_dir)
     if "simcse" not in runs:
         fail(f"no {results_dir.name}/simcse.seed*.json; run `python report.py run` first")
+    for needed in ("initial.json", "machine.json"):
+        if not (results_dir / needed).exists():
+            fail(f"no {results_dir.name}/{needed}; run `python report.py run` first")
     initial = json.loads((results_dir / "initial.json").read_text())
     initial_transfer_path = results_dir / "initial_transfer.json"
     initial_transfer = json.loads(initial_transfer_path.read_text()) if initial_transfer_path.exists() else None

@@ -103,6 +103,15 @@ def test_write_without_results_is_one_line_and_status_2(tmp_path, capsys):
     assert capsys.readouterr().err.strip().count("\n") == 0 and not (tmp_path / "RESULTS.md").exists()
 
 
+def test_write_without_initial_evaluation_is_one_line_and_status_2(tmp_path, capsys):
+    results = fake_results(tmp_path / "results")
+    (results / "initial.json").unlink()
+    with pytest.raises(SystemExit) as stop:
+        report.write(results, tmp_path / "RESULTS.md")
+    assert stop.value.code == 2 and "initial.json" in capsys.readouterr().err
+    assert not (tmp_path / "RESULTS.md").exists()
+
+
 def test_committed_page_is_made_from_committed_results(tmp_path):
     """RESULTS.md is exactly what `report.py write` makes of results/*.json: every number on it is theirs."""
     report.write(REPO / "results", tmp_path / "RESULTS.md", plots=False)
