@@ -238,6 +238,18 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     wall_s = sum(c.get("wall_s", 0) + c.get("transfer_wall_s", 0) for c in costs)
     untimed = sum("wall_s" not in c for c in costs)
     diff_header = "avg − SimCSE (paired)"
+    expected = len(RUNS + FEW_SHOT) * len(SEEDS)
+    run_cpu = [r["report"]["cpu_s"] for by_seed in runs.values() for r in by_seed.values() if "cpu_s" in r.get("report", {})]
+    transfer_cpu = [r["report"]["transfer_cpu_s"] for by_seed in runs.values() for r in by_seed.values()
+                    if "transfer_cpu_s" in r.get("report", {})]
+    estimate = ""
+    if run_cpu and (done < expected or with_transfer < expected):
+        per_run, per_transfer = sum(run_cpu) / len(run_cpu), sum(transfer_cpu) / max(len(transfer_cpu), 1)
+        estimate = (f" At the mean cost of the timed runs ({per_run / 60:.0f} CPU-minutes a run"
+                    + (f", {per_transfer / 60:.0f} a transfer evaluation), " if transfer_cpu else "; transfer "
+                       "evaluations not timed yet), ")
+                    + f"all {expected} runs{' and their transfer evaluations' if transfer_cpu else ''} are about "
+                    f"{expected * (per_run + per_transfer * bool(transfer_cpu)) / 3600:.1f} CPU-hours.")
     missing = [f"{name} (seeds {', '.join(str(s) for s in SEEDS if s not in runs.get(name, {}))})"
                for name in main_names + few_names if any(s not in runs.get(name, {}) for s in SEEDS)]
 
@@ -267,7 +279,8 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
          + (f" ({untimed} runs made before report.py timed its runs are not counted)" if untimed else "") + ".",
          "", ("Not run yet (`python report.py run` resumes with them): " + "; ".join(missing) + "." if missing
               else f"Every row has every default seed ({', '.join(map(str, SEEDS))}).")
-         + (f" Transfer scores are missing for {done - with_transfer} of the {done} runs." if done > with_transfer else ""), "",
+         + (f" Transfer scores are missing for {done - with_transfer} of the {done} runs." if done > with_transfer else "")
+         + estimate, "",
          "## STS test (best STS-B dev checkpoint)", "",
          "| run | n | " + " | ".join(STS_COLUMNS) + f" | {diff_header} |", "|---|---|" + "---|" * (len(STS_COLUMNS) + 1),
          "| initial checkpoint ([CLS]) | 1 | " + " | ".join(f"{initial[t]:.2f}" for t in STS_COLUMNS) + " | — |"]

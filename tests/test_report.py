@@ -91,6 +91,9 @@ def test_write_reproduces_a_known_page(tmp_path):
     assert "seeds 42, 43, 44." in page and "test cpu, 2 cores" in page
     assert "resumes with them): simcsepp (seeds 42, 43, 44); " in page and "; sscl (seeds 43, 44); " in page
     assert "micse_1pct (seeds 42, 43, 44). Transfer scores are missing for 1 of the 7 runs." in page
+    # 12 rows x 3 seeds at 60 CPU-min a run and 30 a transfer evaluation: 36 x 1.5 h
+    assert ("(60 CPU-minutes a run, 30 a transfer evaluation), all 36 runs and their transfer evaluations are "
+            "about 54.0 CPU-hours.") in page
     assert "--seed S --fraction 0.1" not in page  # few-shot rows absent: no command for them
     assert not (results / "dev_curves.png").exists()
 
