@@ -265,7 +265,7 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
          "moves an already-tuned encoder, and how large seed noise is at this scale. They cannot show the papers' "
          "gains, which are measured from `bert-base-uncased` (no sentence training) on the full million "
          "sentences; the papers' column is theirs, not ours. A difference marked in **bold** exceeds two "
-         "standard errors of the seed-paired differences (n = 3: a rough screen, not a test).", "",
+         "standard errors of the seed-paired differences (over 2 or 3 seeds: a rough screen, not a test).", "",
          "## Protocol", "",
          f"Every run: `{' '.join(PROTOCOL)} --seed S` plus the method's own flags (Commands, below), seeds "
          f"{', '.join(map(str, seeds))}. Each run's best STS-B dev checkpoint (steps 0, 50, 100, 150) is evaluated "
