@@ -397,6 +397,8 @@ def plot_dev_curves(runs, results_dir, main_names, few_names):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no runs yet", transform=ax.transAxes, ha="center", color="gray")
     axes[0].set_ylabel("STS-B dev Spearman × 100 (mean; band: min–max over seeds)")
     fig.suptitle("STS-B dev during training (all-MiniLM-L6-v2, same protocol)")
     fig.tight_layout()
