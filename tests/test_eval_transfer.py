@@ -195,8 +195,17 @@ def minilm_transfer(tmp_path, *tasks):
 
 
 @needs_shared
+def test_minilm_fasttest_on_cr(tmp_path):
+    """CR: the nested k-fold protocol of four of the seven tasks, on real data (~30 s on 2 cores)."""
+    scores = minilm_transfer(tmp_path, "CR")
+    assert list(scores) == ["CR", "avg"] and 70.0 < scores["CR"] <= 100.0
+
+
+@needs_shared
+@pytest.mark.skipif(not os.environ.get("SUITE_SLOW"), reason="over 2 minutes on 2 CPU cores (the 10-minute CI "
+                    "budget); set SUITE_SLOW=1 to run it")
 def test_minilm_fasttest_on_one_task_of_each_protocol(tmp_path):
-    """CR (nested k-fold), TREC (k-fold, then test) and MRPC (pair features): about a minute on 2 cores."""
+    """CR (nested k-fold), TREC (k-fold, then test) and MRPC (pair features)."""
     scores = minilm_transfer(tmp_path, "CR", "TREC", "MRPC")
     assert list(scores) == ["CR", "TREC", "MRPC", "avg"] and all(50.0 < scores[t] <= 100.0 for t in ("CR", "TREC", "MRPC"))
 
