@@ -22,11 +22,12 @@ import math
 import os
 import platform
 import resource
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from eval_sts import write_json  # atomic: a stopped report never leaves half a file, which a resumed one would skip
 
 ROOT = Path(__file__).resolve().parent
 SHARED = ROOT.parent / "shared"
@@ -115,10 +116,12 @@ def timed(cmd) -> dict:
     return cost
 
 
-def write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)  # a stopped report never leaves half a file, which a resumed one would skip
+def timed_scores(cmd: list, tmp: Path) -> tuple[dict, dict]:
+    """Run an evaluator's CLI with `--json tmp`: (its scores, its cost); tmp is removed."""
+    cost = timed([*cmd, "--json", str(tmp)])
+    scores = json.loads(tmp.read_text())
+    tmp.unlink()
+    return scores, cost
 
 
 def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
@@ -126,11 +129,9 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
     rows = [r for r in RUNS + FEW_SHOT if not only or r[0] in only]
     initial = RESULTS / "initial.json"
     if not initial.exists():
-        tmp = RESULTS / "initial.tmp.json"
-        cost = timed([sys.executable, "eval_sts.py", "--model_name_or_path", MODEL, "--pooler", "cls_before_pooler",
-                      "--senteval_dir", SENTEVAL, "--json", str(tmp)])
-        write_json(initial, {**json.loads(tmp.read_text()), "report": cost})
-        tmp.unlink()
+        scores, cost = timed_scores([sys.executable, "eval_sts.py", "--model_name_or_path", MODEL, "--pooler",
+                                     "cls_before_pooler", "--senteval_dir", SENTEVAL], RESULTS / "initial.tmp.json")
+        write_json(initial, {**scores, "report": cost})
     for seed in seeds:  # every row of a seed first: a report stopped early still has comparable rows
         for name, script, flags, _, _ in rows:
             path = RESULTS / f"{name}.seed{seed}.json"
@@ -144,11 +145,10 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
         return
     initial_transfer = RESULTS / "initial_transfer.json"
     if not initial_transfer.exists():
-        tmp = RESULTS / "initial_transfer.tmp.json"
-        cost = timed([sys.executable, "eval_transfer.py", "--model_name_or_path", MODEL, "--pooler",
-                      "cls_before_pooler", "--senteval_dir", SENTEVAL, "--mode", TRANSFER_MODE, "--json", str(tmp)])
-        write_json(initial_transfer, {**json.loads(tmp.read_text()), "report": cost})
-        tmp.unlink()
+        scores, cost = timed_scores([sys.executable, "eval_transfer.py", "--model_name_or_path", MODEL, "--pooler",
+                                     "cls_before_pooler", "--senteval_dir", SENTEVAL, "--mode", TRANSFER_MODE],
+                                    RESULTS / "initial_transfer.tmp.json")
+        write_json(initial_transfer, {**scores, "report": cost})
     for seed in seeds:
         for name, *_ in rows:
             path = RESULTS / f"{name}.seed{seed}.json"
@@ -159,13 +159,12 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
             if not best.is_dir():
                 print(f"== {name} seed {seed}: no checkpoint at {best}; delete {path} to train it again", flush=True)
                 continue
-            tmp = RESULTS / f"{name}.seed{seed}.transfer.tmp.json"
-            cost = timed([sys.executable, "eval_transfer.py", "--model_name_or_path", str(best), "--pooler",
-                          data["eval_pooler"], "--senteval_dir", SENTEVAL, "--mode", TRANSFER_MODE, "--json", str(tmp)])
-            data["transfer"] = {**json.loads(tmp.read_text()), "mode": TRANSFER_MODE}
+            scores, cost = timed_scores([sys.executable, "eval_transfer.py", "--model_name_or_path", str(best),
+                                         "--pooler", data["eval_pooler"], "--senteval_dir", SENTEVAL, "--mode",
+                                         TRANSFER_MODE], RESULTS / f"{name}.seed{seed}.transfer.tmp.json")
+            data["transfer"] = {**scores, "mode": TRANSFER_MODE}
             data["report"]["transfer_wall_s"], data["report"]["transfer_cpu_s"] = cost["wall_s"], cost["cpu_s"]
             write_json(path, data)
-            tmp.unlink()
 
 
 def machine():
