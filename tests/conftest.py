@@ -2,6 +2,7 @@
 
 Nothing here needs the network or ../shared.
 """
+import json
 import os
 import random
 import subprocess
@@ -100,6 +101,14 @@ def run_script(script, *args, env_extra=None, timeout=600):
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env_extra or {}))
     return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=timeout)
+
+
+def in_process_scores(evaluator, *args):
+    """An evaluator's main() run in this process (each CLI has its own subprocess tests): the scores it writes."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        evaluator.main([*map(str, args), "--json", f"{tmp}/scores.json"])
+        return json.loads(Path(f"{tmp}/scores.json").read_text())
 
 
 def smoke_args(tiny_model, corpus, senteval_dir, out, *extra):

@@ -3,7 +3,8 @@
 With dropout switched off both runs compute the same function, so after two steps the parameters must agree to
 1e-5: this is what proves the gathers (negatives over the global batch, DCL's and the whitening's batch
 statistics, miCSE's queue) and the gradient averaging. The driver runs a method's own main() under torchrun and
-records, at every dev gate, the parameters it evaluates.
+records, at every dev gate, the parameters it evaluates; the one-process reference runs the same main() in the
+test's own process with the same recording gate.
 """
 import json
 import os
@@ -41,28 +42,44 @@ def no_dropout_model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny_no_dropout"), dropout=0.0)
 
 
-def launch(script, nproc, args, workdir):
+def run_in_this_process(script, args, out, monkeypatch):
+    """The one-process reference: the method's main() here, its dev gate recording parameters as DRIVER's does."""
+    import importlib
+    import common
+    out.mkdir(parents=True)
+    real_dev_score = common.dev_score
+
+    def dev_score(modules, encode, senteval_dir):
+        torch.save({f"{i}.{k}": v.detach().clone() for i, m in enumerate(modules) for k, v in m.state_dict().items()},
+                   out / "params_rank0.pt")
+        return real_dev_score(modules, encode, senteval_dir)
+
+    monkeypatch.setattr(common, "dev_score", dev_score)
+    importlib.import_module(script).main([*map(str, args), "--output_dir", str(out), "--overwrite_output_dir"])
+    return out
+
+
+def launch(script, args, workdir):
+    """DRIVER under torchrun with two processes."""
     workdir.mkdir(parents=True, exist_ok=True)
     driver = workdir / "driver.py"
     driver.write_text(DRIVER.format(root=str(ROOT)))
     out = workdir / "run"
     out.mkdir(parents=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
-        if nproc > 1 else [sys.executable]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = subprocess.run([*launcher, str(driver), script, str(out), *map(str, args), "--output_dir", str(out),
                            "--overwrite_output_dir"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     return proc, out
 
 
 @pytest.mark.parametrize("script", list(METHOD_FLAGS))
-def test_two_processes_train_like_one(script, no_dropout_model, corpus, senteval_dir, tmp_path):
+def test_two_processes_train_like_one(script, no_dropout_model, corpus, senteval_dir, tmp_path, monkeypatch):
     args = smoke_args(no_dropout_model, corpus, senteval_dir, "unused")[:-4]  # without --output_dir and --device
     args += ["--device", "cpu", "--max_steps", 2, "--eval_steps", 1, "--batch_size", 8, "--no_test_eval",
              *METHOD_FLAGS[script]]  # argparse: the last occurrence of a flag wins
-    one, one_out = launch(script, 1, args, tmp_path / "one")
-    assert one.returncode == 0, one.stderr
-    two, two_out = launch(script, 2, args, tmp_path / "two")
+    one_out = run_in_this_process(script, args, tmp_path / "one", monkeypatch)
+    two, two_out = launch(script, args, tmp_path / "two")
     assert two.returncode == 0, two.stderr[-3000:]
     single, rank0, rank1 = (torch.load(p) for p in (one_out / "params_rank0.pt", two_out / "params_rank0.pt",
                                                     two_out / "params_rank1.pt"))
@@ -82,7 +99,7 @@ def test_two_processes_train_like_one(script, no_dropout_model, corpus, senteval
 
 def test_global_batch_must_divide_over_the_processes(no_dropout_model, corpus, senteval_dir, tmp_path):
     args = smoke_args(no_dropout_model, corpus, senteval_dir, "unused")[:-4] + ["--device", "cpu", "--batch_size", 7]
-    proc, out = launch("simcse", 2, args, tmp_path)
+    proc, out = launch("simcse", args, tmp_path)
     assert proc.returncode != 0
     assert "--batch_size 7 must be divisible by the 2 processes" in proc.stderr
     assert not (out / "results.json").exists()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import eval_transfer as et
-from conftest import SHARED, WORDS, needs_shared, run_script
+from conftest import SHARED, WORDS, in_process_scores, needs_shared, run_script
 
 
 def sentence_classifier_reference(X, y, train, validation, l2, n_classes, mode):
@@ -231,6 +231,5 @@ def test_eval_transfer_flag_in_a_training_run(tiny_model, corpus, senteval_dir, 
     results = json.loads((out / "results.json").read_text())
     assert list(results["transfer"]) == et.TASKS + ["avg"] and "test" not in results
     # The same numbers as eval_transfer.py on the saved checkpoint.
-    proc = run_script("eval_transfer.py", "--model_name_or_path", out / "best", "--pooler", "avg", "--senteval_dir",
-                      root, "--mode", "fasttest", "--json", tmp_path / "t.json")
-    assert json.loads((tmp_path / "t.json").read_text()) == results["transfer"]
+    assert in_process_scores(et, "--model_name_or_path", out / "best", "--pooler", "avg", "--senteval_dir",
+                             root, "--mode", "fasttest") == results["transfer"]

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import common
+import eval_sts
 import micse
-from conftest import run_script, smoke_args
+from conftest import in_process_scores, run_script, smoke_args
 
 
 def random_attention(n=3, layers=4, heads=2, length=4, seed=0, padded_keys=None):
@@ -185,9 +186,8 @@ def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
     assert results["num_train_examples"] == 20 and results["args"]["ami_lambda"] == 5e-4
     assert results["args"]["ami_min_layer"] == 0 and results["args"]["ami_max_layer"] == 2
     assert results["micse_subset"] is None  # --train_file given: subsampled with the seed
-    proc = run_script("eval_sts.py", "--model_name_or_path", out / "best", "--pooler", "cls_before_pooler",
-                      "--senteval_dir", senteval_dir, "--json", tmp_path / "s.json")
-    assert json.loads((tmp_path / "s.json").read_text()) == results["test"]
+    assert in_process_scores(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
+                             "--pooler", "cls_before_pooler") == results["test"]
 
 
 def test_released_subset_offline_names_the_file_and_the_flag(tmp_path):

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import common
+import eval_sts
 import simcsepp
-from conftest import run_script, smoke_args
+from conftest import in_process_scores, run_script, smoke_args
 
 
 def cos(a, b):
@@ -108,6 +109,5 @@ def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["method"] == "simcsepp" and results["args"]["m"] == 0.9 and len(results["dev_curve"]) == 3
-    proc = run_script("eval_sts.py", "--model_name_or_path", out / "best", "--pooler", "cls_before_pooler",
-                      "--senteval_dir", senteval_dir, "--json", tmp_path / "s.json")
-    assert json.loads((tmp_path / "s.json").read_text()) == results["test"]
+    assert in_process_scores(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
+                             "--pooler", "cls_before_pooler") == results["test"]

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import common
+import eval_sts
 import sscl
-from conftest import run_script, smoke_args
+from conftest import in_process_scores, run_script, smoke_args
 
 
 def loop_sscl(z1, z2, negatives, temp):
@@ -94,9 +95,8 @@ def test_smoke_run_with_oversmoothing_report(tiny_model, corpus, senteval_dir, t
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["eval_pooler"] == {"cls": "cls_before_pooler", "avg": "avg"}[pooler]
-    proc = run_script("eval_sts.py", "--model_name_or_path", out / "best", "--pooler", results["eval_pooler"],
-                      "--senteval_dir", senteval_dir, "--json", tmp_path / "s.json")
-    assert json.loads((tmp_path / "s.json").read_text()) == results["test"]
+    assert in_process_scores(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
+                             "--pooler", results["eval_pooler"]) == results["test"]
     for when in ("before", "after"):
         assert list(results["setsim"][when]) == ["1-2"]  # the tiny model has 2 layers
         assert -1.0 <= results["setsim"][when]["1-2"] <= 1.0
