@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,6 @@ def run_script(script, *args, env_extra=None, timeout=600):
 
 def in_process_scores(evaluator, *args):
     """An evaluator's main() run in this process (each CLI has its own subprocess tests): the scores it writes."""
-    import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         evaluator.main([*map(str, args), "--json", f"{tmp}/scores.json"])
         return json.loads(Path(f"{tmp}/scores.json").read_text())

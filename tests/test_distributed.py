@@ -10,27 +10,36 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, run_script, smoke_args, write_tiny_model
+from conftest import ROOT, smoke_args, write_tiny_model
 
 DRIVER = '''
-import sys, torch
-sys.path.insert(0, {root!r})
-import common, distributed, importlib
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import common, importlib
+from test_distributed import recording_dev_score
 script, out, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-real_dev_score = common.dev_score
-
-def dev_score(modules, encode, senteval_dir):
-    state = {{f"{{i}}.{{k}}": v.detach().clone() for i, m in enumerate(modules) for k, v in m.state_dict().items()}}
-    torch.save(state, f"{{out}}/params_rank{{distributed.rank()}}.pt")  # the last gate's: after the last step
-    return real_dev_score(modules, encode, senteval_dir)
-
-common.dev_score = dev_score
+common.dev_score = recording_dev_score(common.dev_score, out)
 common.cli(lambda: importlib.import_module(script).main(argv))
 '''
+
+
+def recording_dev_score(real_dev_score, out):
+    """The dev gate, saving first the parameters it evaluates to out/params_rank<rank>.pt (the last gate's file
+    is what remains: the parameters after the last step)."""
+    import distributed
+
+    def dev_score(modules, encode, senteval_dir):
+        state = {f"{i}.{k}": v.detach().clone() for i, m in enumerate(modules) for k, v in m.state_dict().items()}
+        torch.save(state, Path(out) / f"params_rank{distributed.rank()}.pt")
+        return real_dev_score(modules, encode, senteval_dir)
+    return dev_score
+
+
 METHOD_FLAGS = {
     "simcse": [], "simcsepp": [], "sscl": ["--neg_layers", "1"], "whitenedcse": ["--num_groups", "16"],
     "micse": ["--ami_lambda", "0", "--momentum_dropout", "0", "--queue_size", "12"],  # AMI is per process
@@ -43,18 +52,11 @@ def no_dropout_model(tmp_path_factory):
 
 
 def run_in_this_process(script, args, out, monkeypatch):
-    """The one-process reference: the method's main() here, its dev gate recording parameters as DRIVER's does."""
+    """The one-process reference: the method's main() here, behind the same recording dev gate as DRIVER's."""
     import importlib
     import common
     out.mkdir(parents=True)
-    real_dev_score = common.dev_score
-
-    def dev_score(modules, encode, senteval_dir):
-        torch.save({f"{i}.{k}": v.detach().clone() for i, m in enumerate(modules) for k, v in m.state_dict().items()},
-                   out / "params_rank0.pt")
-        return real_dev_score(modules, encode, senteval_dir)
-
-    monkeypatch.setattr(common, "dev_score", dev_score)
+    monkeypatch.setattr(common, "dev_score", recording_dev_score(common.dev_score, out))
     importlib.import_module(script).main([*map(str, args), "--output_dir", str(out), "--overwrite_output_dir"])
     return out
 
@@ -63,7 +65,7 @@ def launch(script, args, workdir):
     """DRIVER under torchrun with two processes."""
     workdir.mkdir(parents=True, exist_ok=True)
     driver = workdir / "driver.py"
-    driver.write_text(DRIVER.format(root=str(ROOT)))
+    driver.write_text(DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests")))
     out = workdir / "run"
     out.mkdir(parents=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
