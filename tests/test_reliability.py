@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch

@@ -5,7 +5,6 @@ import random
 
 import numpy as np
 import pytest
-import torch
 
 import common
 import eval_sts
