@@ -95,16 +95,16 @@ def digests(folder):
 
 
 def test_second_run_into_the_same_folder_is_refused_and_leaves_files_identical(tiny_model, corpus, senteval_dir,
-                                                                              tmp_path):
+                                                                              tmp_path, capsys):
     out = tmp_path / "run"
     args = smoke_args(tiny_model, corpus, senteval_dir, out) + ["--no_test_eval"]
-    assert run_script("simcse.py", *args).returncode == 0
+    assert run_in_process("simcse", args, capsys)[0] == 0
     before = digests(out)
     assert any(str(p).startswith("best") for p in before) and "results.json" in map(str, before)
-    proc = run_script("simcse.py", *args, "--seed", "7")
-    assert proc.returncode == 2 and "--overwrite_output_dir" in proc.stderr and "Traceback" not in proc.stderr
+    code, lines = run_in_process("simcse", args + ["--seed", "7"], capsys)
+    assert code == 2 and len(lines) == 1 and "--overwrite_output_dir" in lines[0], lines
     assert digests(out) == before
-    assert run_script("simcse.py", *args, "--seed", "7", "--overwrite_output_dir").returncode == 0
+    assert run_in_process("simcse", args + ["--seed", "7", "--overwrite_output_dir"], capsys)[0] == 0
     assert json.loads((out / "results.json").read_text())["args"]["seed"] == 7
 
 
@@ -154,13 +154,13 @@ def test_signal_stops_at_a_step_boundary_and_keeps_what_the_run_reached(signum, 
     AutoModel.from_pretrained(out / "best")
 
 
-def test_same_seed_same_losses_other_seed_other_losses(tiny_model, corpus, senteval_dir, tmp_path):
-    def losses(seed, name):
+def test_same_seed_same_losses_other_seed_other_losses(tiny_model, corpus, senteval_dir, tmp_path, capsys):
+    def losses(seed, name):  # in-process: a run must not depend on what ran before it in the same process either
         args = smoke_args(tiny_model, corpus, senteval_dir, tmp_path / name)
         args[args.index("--max_steps") + 1] = 20
         args[args.index("--eval_steps") + 1] = 20
-        proc = run_script("simcse.py", *args, "--seed", seed, "--no_test_eval")
-        assert proc.returncode == 0, proc.stderr
+        code, lines = run_in_process("simcse", args + ["--seed", seed, "--no_test_eval"], capsys)
+        assert code == 0, lines
         return json.loads((tmp_path / name / "results.json").read_text())["train_loss"]
     first, again, other = losses(1, "a"), losses(1, "b"), losses(2, "c")
     assert len(first) == 20 and first == again  # bit-identical floats
