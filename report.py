@@ -163,7 +163,7 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
                                          "--pooler", data["eval_pooler"], "--senteval_dir", SENTEVAL, "--mode",
                                          TRANSFER_MODE], RESULTS / f"{name}.seed{seed}.transfer.tmp.json")
             data["transfer"] = {**scores, "mode": TRANSFER_MODE}
-            data["report"]["transfer_wall_s"], data["report"]["transfer_cpu_s"] = cost["wall_s"], cost["cpu_s"]
+            data.setdefault("report", {}).update(transfer_wall_s=cost["wall_s"], transfer_cpu_s=cost["cpu_s"])
             write_json(path, data)
 
 

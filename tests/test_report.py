@@ -140,10 +140,14 @@ def test_run_is_resumable(tmp_path, monkeypatch):
 
     monkeypatch.setattr(report, "timed", fake_timed)
     (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "simcse.seed42.json").write_text(json.dumps({"eval_pooler": "cls", "transfer": {}}))
+    # simcse seed 42 exists, trained before report.py timed its runs (no "report" key) and without transfer scores
+    (tmp_path / "results" / "simcse.seed42.json").write_text(json.dumps({"eval_pooler": "cls"}))
+    (tmp_path / "runs" / "report" / "simcse.seed42" / "best").mkdir(parents=True)
     report.run_all([42, 43], ["simcse", "micse"], transfer=True)
-    assert calls == ["eval_sts.py", "micse.py", "simcse.py", "micse.py",  # simcse seed 42 exists: not trained
-                     "eval_transfer.py", "eval_transfer.py", "eval_transfer.py", "eval_transfer.py"]
+    assert calls == ["eval_sts.py", "micse.py", "simcse.py", "micse.py",  # simcse seed 42 is not trained again
+                     "eval_transfer.py"] + ["eval_transfer.py"] * 4  # the initial checkpoint, then the 4 runs
+    untimed = json.loads((tmp_path / "results" / "simcse.seed42.json").read_text())
+    assert untimed["report"] == {"transfer_wall_s": 1.0, "transfer_cpu_s": 2.0}
     saved = json.loads((tmp_path / "results" / "micse.seed43.json").read_text())
     assert saved["seed"] == 43 and saved["transfer"] == {"avg": 1.0, "mode": "fasttest"}
     assert saved["report"] == {"wall_s": 1.0, "cpu_s": 2.0, "transfer_wall_s": 1.0, "transfer_cpu_s": 2.0}
