@@ -35,6 +35,8 @@ RESULTS = ROOT / "results"
 MODEL = "../shared/models/all-MiniLM-L6-v2"
 SENTEVAL = "../shared/data/senteval"
 SEEDS = [42, 43, 44]
+# the pretrained model under each pooler a row evaluates with (SSCL: avg), so every row has its own start
+INITIAL = (("initial", "cls_before_pooler", "[CLS]"), ("initial_avg", "avg", "avg"))
 TRANSFER_MODE = "fasttest"  # SentEval's prototyping setting: the full protocol is ~4x the classifier time
 PROTOCOL = ["--model_name_or_path", MODEL, "--train_file", "../shared/data/wiki1m_head.txt",
             "--senteval_dir", SENTEVAL, "--batch_size", "32", "--lr", "3e-5",
@@ -127,11 +129,11 @@ def timed_scores(cmd: list, tmp: Path) -> tuple[dict, dict]:
 def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
     RESULTS.mkdir(exist_ok=True)
     rows = [r for r in RUNS + FEW_SHOT if not only or r[0] in only]
-    initial = RESULTS / "initial.json"
-    if not initial.exists():
-        scores, cost = timed_scores([sys.executable, "eval_sts.py", "--model_name_or_path", MODEL, "--pooler",
-                                     "cls_before_pooler", "--senteval_dir", SENTEVAL], RESULTS / "initial.tmp.json")
-        write_json(initial, {**scores, "report": cost})
+    for stem, pooler, _ in INITIAL:
+        if not (RESULTS / f"{stem}.json").exists():
+            scores, cost = timed_scores([sys.executable, "eval_sts.py", "--model_name_or_path", MODEL, "--pooler",
+                                         pooler, "--senteval_dir", SENTEVAL], RESULTS / f"{stem}.tmp.json")
+            write_json(RESULTS / f"{stem}.json", {**scores, "report": cost})
     for seed in seeds:  # every row of a seed first: a report stopped early still has comparable rows
         for name, script, flags, _, _ in rows:
             path = RESULTS / f"{name}.seed{seed}.json"
@@ -143,12 +145,12 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
     (RESULTS / "machine.json").write_text(json.dumps(machine(), indent=2))
     if not transfer:
         return
-    initial_transfer = RESULTS / "initial_transfer.json"
-    if not initial_transfer.exists():
-        scores, cost = timed_scores([sys.executable, "eval_transfer.py", "--model_name_or_path", MODEL, "--pooler",
-                                     "cls_before_pooler", "--senteval_dir", SENTEVAL, "--mode", TRANSFER_MODE],
-                                    RESULTS / "initial_transfer.tmp.json")
-        write_json(initial_transfer, {**scores, "report": cost})
+    for stem, pooler, _ in INITIAL:
+        if not (RESULTS / f"{stem}_transfer.json").exists():
+            scores, cost = timed_scores([sys.executable, "eval_transfer.py", "--model_name_or_path", MODEL, "--pooler",
+                                         pooler, "--senteval_dir", SENTEVAL, "--mode", TRANSFER_MODE],
+                                        RESULTS / f"{stem}_transfer.tmp.json")
+            write_json(RESULTS / f"{stem}_transfer.json", {**scores, "report": cost})
     for seed in seeds:
         for name, *_ in rows:
             path = RESULTS / f"{name}.seed{seed}.json"
@@ -220,9 +222,13 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     for needed in ("initial.json", "machine.json"):
         if not (results_dir / needed).exists():
             fail(f"no {results_dir.name}/{needed}; run `python report.py run` first")
-    initial = json.loads((results_dir / "initial.json").read_text())
-    initial_transfer_path = results_dir / "initial_transfer.json"
-    initial_transfer = json.loads(initial_transfer_path.read_text()) if initial_transfer_path.exists() else None
+    # {label: scores} of the pretrained model per pooler, STS and transfer; only initial.json is required
+    initial_sts, initial_transfer = {}, {}
+    for stem, _, label in INITIAL:
+        for found, path in ((initial_sts, results_dir / f"{stem}.json"),
+                            (initial_transfer, results_dir / f"{stem}_transfer.json")):
+            if path.exists():
+                found[label] = json.loads(path.read_text())
     info = json.loads((results_dir / "machine.json").read_text())
     main_names = [name for name, *_ in RUNS]
     few_names = [name for name, *_ in FEW_SHOT]
@@ -230,9 +236,8 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     seeds = sorted({s for by_seed in runs.values() for s in by_seed})
     done = sum(len(by_seed) for by_seed in runs.values())
     with_transfer = sum("transfer" in r for by_seed in runs.values() for r in by_seed.values())
-    costs = [r.get("report", {}) for by_seed in runs.values() for r in by_seed.values()] + [initial.get("report", {})]
-    if initial_transfer:
-        costs.append(initial_transfer.get("report", {}))
+    costs = [r.get("report", {}) for by_seed in runs.values() for r in by_seed.values()]
+    costs += [scores.get("report", {}) for scores in [*initial_sts.values(), *initial_transfer.values()]]
     cpu_s = sum(c.get("cpu_s", 0) + c.get("transfer_cpu_s", 0) for c in costs)
     wall_s = sum(c.get("wall_s", 0) + c.get("transfer_wall_s", 0) for c in costs)
     untimed = sum("wall_s" not in c for c in costs)
@@ -284,12 +289,13 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
          + (f" Transfer scores are missing for {done - with_transfer} of the {done} runs." if done > with_transfer else "")
          + estimate, "",
          "## STS test (best STS-B dev checkpoint)", "",
-         "| run | n | " + " | ".join(STS_COLUMNS) + f" | {diff_header} |", "|---|---|" + "---|" * (len(STS_COLUMNS) + 1),
-         "| initial checkpoint ([CLS]) | 1 | " + " | ".join(f"{initial[t]:.2f}" for t in STS_COLUMNS) + " | — |"]
+         "| run | n | " + " | ".join(STS_COLUMNS) + f" | {diff_header} |", "|---|---|" + "---|" * (len(STS_COLUMNS) + 1)]
+    L += [f"| initial checkpoint ({label}) | 1 | " + " | ".join(f"{scores[t]:.2f}" for t in STS_COLUMNS) + " | — |"
+          for label, scores in initial_sts.items()]
     L += metric_rows(runs, main_names, STS_COLUMNS, lambda r: r.get("test"))
     L += ["", "SSCL trains and evaluates with the average pooler, as its released scripts do (the others evaluate "
-          "[CLS]); the initial checkpoint's STS-B dev figure with that pooler is 86.72, not 79.73, so compare "
-          "SSCL's row with its own start.", "",
+          "[CLS]), so compare SSCL's rows with the initial checkpoint (avg) here and in the transfer table; the "
+          "initial checkpoint's STS-B dev figure with that pooler is 86.72, not 79.73.", "",
           "| run | best dev STS-B | best step (per seed) | paper's BERT-base avg (not ours) |", "|---|---|---|---|"]
     for name in main_names + few_names:
         if name in runs:
@@ -312,9 +318,8 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     L += ["", f"## Transfer tasks (`--mode {TRANSFER_MODE}`, accuracy × 100)", "",
           "| run | n | " + " | ".join(TRANSFER_COLUMNS) + f" | {diff_header} |",
           "|---|---|" + "---|" * (len(TRANSFER_COLUMNS) + 1)]
-    if initial_transfer:
-        L.append("| initial checkpoint ([CLS]) | 1 | " + " | ".join(f"{initial_transfer[t]:.2f}"
-                                                                    for t in TRANSFER_COLUMNS) + " | — |")
+    L += [f"| initial checkpoint ({label}) | 1 | " + " | ".join(f"{scores[t]:.2f}" for t in TRANSFER_COLUMNS)
+          + " | — |" for label, scores in initial_transfer.items()]
     L += metric_rows(runs, main_names + few_names, TRANSFER_COLUMNS, lambda r: r.get("transfer"))
     L += ["", "Papers, BERT-base, `--mode test` (not ours): SimCSE 85.81 (SimCSE Table E.1), SSCL-BERT (avg.) "
           "83.68 (SSCL Table 3), WhitenedCSE +0.59 over SimCSE (WhitenedCSE §4.3).", "",
@@ -343,8 +348,8 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
           "sharing the machine slows some rows: `bench.py` measures speed ratios in one session.", "",
           "## Commands", "", "```bash",
           f"python report.py run --seeds {' '.join(map(str, seeds))}     # all of the below, resumable",
-          f"python eval_sts.py --model_name_or_path {MODEL} --pooler cls_before_pooler --senteval_dir {SENTEVAL} "
-          "--json results/initial.json"]
+          *[f"python eval_sts.py --model_name_or_path {MODEL} --pooler {pooler} --senteval_dir {SENTEVAL} "
+            f"--json results/{stem}.json" for stem, pooler, _ in INITIAL]]
     for name in main_names + few_names:
         if name in runs:
             script, flags, _, _ = rows[name]

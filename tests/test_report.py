@@ -62,6 +62,10 @@ def fake_results(folder: Path) -> Path:
         (folder / f"{name}.seed{seed}.json").write_text(json.dumps(data))
     (folder / "simcse.seedX.json").write_text("{not a run}")  # not a seed file: ignored
     (folder / "initial.json").write_text(json.dumps({**{t: 60.0 for t in STS}, "report": {"wall_s": 60, "cpu_s": 120}}))
+    (folder / "initial_avg.json").write_text(json.dumps({**{t: 70.0 for t in STS},
+                                                         "report": {"wall_s": 1800, "cpu_s": 3600}}))
+    (folder / "initial_avg_transfer.json").write_text(json.dumps({**{t: 65.0 for t in report.TRANSFER_COLUMNS},
+                                                                  "report": {"wall_s": 900, "cpu_s": 1800}}))
     (folder / "machine.json").write_text(json.dumps({"cpu": "test cpu", "cores": 2, "python": "3", "torch": "t",
                                                      "transformers": "x", "date": "2026-01-01"}))
     return folder
@@ -79,14 +83,20 @@ def test_write_reproduces_a_known_page(tmp_path):
     # one seed: no deviation, one pair, no standard error, not marked
     assert "| sscl | 1 | " + " | ".join(["79.00"] * 7) + " | 80.00 | +4.00 |" in lines
     assert "| initial checkpoint ([CLS]) | 1 | " + " | ".join(["60.00"] * 8) + " | — |" in lines
+    assert "| initial checkpoint (avg) | 1 | " + " | ".join(["70.00"] * 8) + " | — |" in lines
+    # transfer: only the avg pooler's initial evaluation exists, so only its row
+    assert "| initial checkpoint (avg) | 1 | " + " | ".join(["65.00"] * 8) + " | — |" in lines
+    assert sum(line.startswith("| initial checkpoint") for line in lines) == 3
+    assert "--pooler avg --senteval_dir ../shared/data/senteval --json results/initial_avg.json" in page
     # transfer: simcse 80, 81, 82; micse 80 each -> -1.00 ± 0.58 (diffs 0, -1, -2), not beyond 2 SE
     assert "| simcse | 3 | " + " | ".join(["81.00 ± 1.00"] * 8) + " | — |" in lines
     assert "| micse | 3 | " + " | ".join(["80.00 ± 0.00"] * 8) + " | -1.00 ± 0.58 |" in lines
     assert "| micse | 84.50 ± 1.00 | 150, 100, 150 | 78.13 (miCSE, Table 2 (100%)) |" in lines
     assert "| micse | 3 | 0.100 ± 0.000 | 0.400 ± 0.100 | -1.700 ± 0.000 | -2.500 ± 0.000 |" in lines
     assert "| micse | 0.500 | 0.50 | 1000 | 1.00 |" in lines
-    # wall: 7 x 1800 + 6 x 900 (transfer) + 60 (initial) s; CPU: twice that, + 120 - 60
-    assert "Runs on this page: 7 (6 with transfer scores). Total cost: 10.0 CPU-hours, 5.0 hours of wall time" in page
+    # wall: 7 x 1800 + 6 x 900 (transfer) + 60 + 1800 + 900 (initial evaluations) s = 5.77 h;
+    # CPU: 2 x (7 x 1800 + 6 x 900) + 120 + 3600 + 1800 s = 11.53 h
+    assert "Runs on this page: 7 (6 with transfer scores). Total cost: 11.5 CPU-hours, 5.8 hours of wall time" in page
     assert "seeds 42, 43, 44." in page and "test cpu, 2 cores" in page
     assert "resumes with them): simcsepp (seeds 42, 43, 44); " in page and "; sscl (seeds 43, 44); " in page
     assert "micse_1pct (seeds 42, 43, 44). Transfer scores are missing for 1 of the 7 runs." in page
@@ -125,10 +135,11 @@ def test_run_is_resumable(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "ROOT", tmp_path)
     monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
     monkeypatch.setattr(report, "machine", lambda: {"cpu": "c", "cores": 2})
-    calls = []
+    calls, commands = [], []
 
     def fake_timed(cmd):
         calls.append(cmd[1])
+        commands.append(cmd)
         value = lambda flag: cmd[cmd.index(flag) + 1]
         if cmd[1] in ("eval_sts.py", "eval_transfer.py"):
             Path(value("--json")).write_text(json.dumps({"avg": 1.0}))
@@ -144,8 +155,10 @@ def test_run_is_resumable(tmp_path, monkeypatch):
     (tmp_path / "results" / "simcse.seed42.json").write_text(json.dumps({"eval_pooler": "cls"}))
     (tmp_path / "runs" / "report" / "simcse.seed42" / "best").mkdir(parents=True)
     report.run_all([42, 43], ["simcse", "micse"], transfer=True)
-    assert calls == ["eval_sts.py", "micse.py", "simcse.py", "micse.py",  # simcse seed 42 is not trained again
-                     "eval_transfer.py"] + ["eval_transfer.py"] * 4  # the initial checkpoint, then the 4 runs
+    assert calls == ["eval_sts.py"] * 2 + ["micse.py", "simcse.py", "micse.py"] + ["eval_transfer.py"] * 6
+    # the initial checkpoint under both poolers, simcse seed 42 not trained again, then 2 + 4 transfer evaluations
+    poolers = [cmd[cmd.index("--pooler") + 1] for cmd in commands if cmd[1].startswith("eval_")]
+    assert poolers == ["cls_before_pooler", "avg", "cls_before_pooler", "avg"] + ["cls"] * 4
     untimed = json.loads((tmp_path / "results" / "simcse.seed42.json").read_text())
     assert untimed["report"] == {"transfer_wall_s": 1.0, "transfer_cpu_s": 2.0}
     saved = json.loads((tmp_path / "results" / "micse.seed43.json").read_text())
