@@ -321,6 +321,9 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     L += [f"| initial checkpoint ({label}) | 1 | " + " | ".join(f"{scores[t]:.2f}" for t in TRANSFER_COLUMNS)
           + " | — |" for label, scores in initial_transfer.items()]
     L += metric_rows(runs, main_names + few_names, TRANSFER_COLUMNS, lambda r: r.get("transfer"))
+    if "avg" in initial_transfer:
+        L += ["", "SSCL's row is avg-pooled, the others [CLS]: its difference to SimCSE mixes the method with the "
+              "pooler, and what SSCL's training changed is its distance to the initial checkpoint (avg)."]
     L += ["", "Papers, BERT-base, `--mode test` (not ours): SimCSE 85.81 (SimCSE Table E.1), SSCL-BERT (avg.) "
           "83.68 (SSCL Table 3), WhitenedCSE +0.59 over SimCSE (WhitenedCSE §4.3).", "",
           "## Alignment and uniformity (STS-B dev, lower is better for both)", "",

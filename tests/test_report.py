@@ -87,6 +87,7 @@ def test_write_reproduces_a_known_page(tmp_path):
     # transfer: only the avg pooler's initial evaluation exists, so only its row
     assert "| initial checkpoint (avg) | 1 | " + " | ".join(["65.00"] * 8) + " | — |" in lines
     assert sum(line.startswith("| initial checkpoint") for line in lines) == 3
+    assert "what SSCL's training changed is its distance to the initial checkpoint (avg)." in page
     assert "--pooler avg --senteval_dir ../shared/data/senteval --json results/initial_avg.json" in page
     # transfer: simcse 80, 81, 82; micse 80 each -> -1.00 ± 0.58 (diffs 0, -1, -2), not beyond 2 SE
     assert "| simcse | 3 | " + " | ".join(["81.00 ± 1.00"] * 8) + " | — |" in lines
