@@ -247,7 +247,7 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     transfer_cpu = [r["report"]["transfer_cpu_s"] for by_seed in runs.values() for r in by_seed.values()
                     if "transfer_cpu_s" in r.get("report", {})]
     estimate = ""
-    if run_cpu and (done < expected or with_transfer < expected):
+    if run_cpu and (done < expected or with_transfer < expected or untimed):  # the measured total falls short of a full run
         per_run, per_transfer = sum(run_cpu) / len(run_cpu), sum(transfer_cpu) / max(len(transfer_cpu), 1)
         estimate = (f" At the mean cost of the timed runs ({per_run / 60:.0f} CPU-minutes a run"
                     + (f", {per_transfer / 60:.0f} a transfer evaluation), " if transfer_cpu else "; transfer "

@@ -108,6 +108,39 @@ def test_write_reproduces_a_known_page(tmp_path):
     assert not (results / "dev_curves.png").exists()
 
 
+def test_complete_page_with_untimed_runs_still_states_the_full_cost(tmp_path):
+    """Every run present, one made before report.py timed its runs: the measured total is short, so the page
+    keeps the estimate of a full `report.py run`; with every run timed, the measured total is the cost."""
+    folder = tmp_path / "results"
+    folder.mkdir()
+    for name, *_ in report.RUNS + report.FEW_SHOT:
+        for seed in report.SEEDS:
+            (folder / f"{name}.seed{seed}.json").write_text(json.dumps(fake_run(76.0, 84.0, 100, 80.0)))
+    for name in ("initial", "initial_avg"):
+        (folder / f"{name}.json").write_text(json.dumps({t: 60.0 for t in STS}))
+    (folder / "machine.json").write_text(json.dumps({"cpu": "c", "cores": 2, "python": "3", "torch": "t",
+                                                     "transformers": "x", "date": "2026-01-01"}))
+    report.write(folder, tmp_path / "complete.md", plots=False)
+    page = (tmp_path / "complete.md").read_text()
+    assert "Every row has every default seed (42, 43, 44). At the mean cost" in page  # nothing missing, yet estimated
+    assert "runs made before report.py timed" in page  # the two initial evaluations carry no timing
+    # 36 runs x (60 + 30) CPU-min = 54 h, stated although nothing is missing
+    assert "all 36 runs and their transfer evaluations are about 54.0 CPU-hours." in page
+    untimed = json.loads((folder / "simcse.seed42.json").read_text())
+    del untimed["report"]
+    (folder / "simcse.seed42.json").write_text(json.dumps(untimed))
+    for name in ("initial", "initial_avg"):
+        (folder / f"{name}.json").write_text(json.dumps({**{t: 60.0 for t in STS}, "report": {"wall_s": 1, "cpu_s": 1}}))
+    report.write(folder, tmp_path / "one_untimed.md", plots=False)
+    assert "1 runs made before" in (tmp_path / "one_untimed.md").read_text()
+    assert "about 54.0 CPU-hours." in (tmp_path / "one_untimed.md").read_text()
+    (folder / "simcse.seed42.json").write_text(json.dumps(fake_run(76.0, 84.0, 100, 80.0)))
+    report.write(folder, tmp_path / "all_timed.md", plots=False)
+    all_timed = (tmp_path / "all_timed.md").read_text()
+    assert "At the mean cost" not in all_timed and "not counted" not in all_timed
+    assert "Total cost: 54.0 CPU-hours" in all_timed  # 36 x 90 CPU-min, plus 2 s of initial evaluations
+
+
 def test_write_without_results_is_one_line_and_status_2(tmp_path, capsys):
     (tmp_path / "results").mkdir()
     with pytest.raises(SystemExit) as stop:
