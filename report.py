@@ -423,18 +423,22 @@ def plot_align_uniform(runs, results_dir, names):
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 6))
-    for name in names:
+    tab20 = plt.get_cmap("tab20").colors
+    colors = tab20[0::2] + tab20[1::2]  # 20 distinct colours: the default cycle repeats after 10 rows
+    few_names = {name for name, *_ in FEW_SHOT}
+    for i, name in enumerate(names):
         au = [r["align_uniform"] for r in runs.get(name, {}).values() if "align_uniform" in r]
         if not au:
             continue
         (x0, y0), (x1, y1) = [(mean_std([a[w]["align"] for a in au])[0], mean_std([a[w]["uniform"] for a in au])[0])
                               for w in ("initial", "best")]
-        color = ax.plot([x1], [y1], marker="o", linestyle="none", label=name)[0].get_color()
+        color = colors[i % len(colors)]
+        ax.plot([x1], [y1], marker="s" if name in few_names else "o", linestyle="none", color=color, label=name)
         ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="->", color=color))
         ax.plot([x0], [y0], marker="x", color=color)
     ax.set_xlabel("ℓ_align (lower is better)")
     ax.set_ylabel("ℓ_uniform (lower is better)")
-    ax.set_title("initial (x) → best checkpoint (o), STS-B dev, mean over seeds")
+    ax.set_title("initial (x) → best checkpoint (o; few-shot □), STS-B dev, mean over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
