@@ -141,6 +141,19 @@ def test_complete_page_with_untimed_runs_still_states_the_full_cost(tmp_path):
     assert "Total cost: 54.0 CPU-hours" in all_timed  # 36 x 90 CPU-min, plus 2 s of initial evaluations
 
 
+def test_plots_are_written_or_skipped_with_a_message(tmp_path, capsys):
+    results = fake_results(tmp_path / "results")
+    report.write(results, tmp_path / "RESULTS.md")
+    plots = [results / "dev_curves.png", results / "align_uniform.png"]
+    try:
+        import matplotlib  # noqa: F401  (optional dependency)
+    except ImportError:
+        assert "matplotlib is not installed: skipping the plots" in capsys.readouterr().out
+        assert not any(p.exists() for p in plots)
+        return
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in plots)
+
+
 def test_write_without_results_is_one_line_and_status_2(tmp_path, capsys):
     (tmp_path / "results").mkdir()
     with pytest.raises(SystemExit) as stop:
