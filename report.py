@@ -247,7 +247,8 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     transfer_cpu = [r["report"]["transfer_cpu_s"] for by_seed in runs.values() for r in by_seed.values()
                     if "transfer_cpu_s" in r.get("report", {})]
     estimate = ""
-    if run_cpu and (done < expected or with_transfer < expected or untimed):  # the measured total falls short of a full run
+    # the measured total falls short of a full run while runs are missing or untimed
+    if run_cpu and (done < expected or with_transfer < expected or untimed):
         per_run, per_transfer = sum(run_cpu) / len(run_cpu), sum(transfer_cpu) / max(len(transfer_cpu), 1)
         estimate = (f" At the mean cost of the timed runs ({per_run / 60:.0f} CPU-minutes a run"
                     + (f", {per_transfer / 60:.0f} a transfer evaluation), " if transfer_cpu else "; transfer "
@@ -372,7 +373,7 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     if not plots:
         return
     plot_dev_curves(runs, results_dir, main_names, few_names)
-    plot_align_uniform(runs, results_dir, main_names + few_names)
+    plot_align_uniform(runs, results_dir, main_names, few_names)
 
 
 def pyplot():
@@ -417,7 +418,7 @@ def plot_dev_curves(runs, results_dir, main_names, few_names):
     print(f"wrote {results_dir / 'dev_curves.png'}")
 
 
-def plot_align_uniform(runs, results_dir, names):
+def plot_align_uniform(runs, results_dir, main_names, few_names):
     """SimCSE's Figure 2 style: each run's initial -> best checkpoint (means over seeds) as an arrow."""
     plt = pyplot()
     if plt is None:
@@ -425,8 +426,7 @@ def plot_align_uniform(runs, results_dir, names):
     fig, ax = plt.subplots(figsize=(7, 6))
     tab20 = plt.get_cmap("tab20").colors
     colors = tab20[0::2] + tab20[1::2]  # 20 distinct colours: the default cycle repeats after 10 rows
-    few_names = {name for name, *_ in FEW_SHOT}
-    for i, name in enumerate(names):
+    for i, name in enumerate(main_names + few_names):
         au = [r["align_uniform"] for r in runs.get(name, {}).values() if "align_uniform" in r]
         if not au:
             continue
