@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import functools
 import math
 import random
 import resource
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ import eval_transfer
 from eval_sts import POOLERS, UsageError, check_range, cli, load_pretrained, pool, pooled_encode  # noqa: F401
 
 MICSE_DATA_REPO = "sap-ai-research/datasets-for-micse"
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
 MICSE_SUBSETS = {0.000064: "000.0064", 0.0001: "000.01", 0.0005: "000.05", 0.001: "000.10", 0.005: "000.50",
                  0.01: "001.00", 0.1: "010.00"}  # miCSE's released subsets (seeds 48-52): fraction -> name
 
@@ -58,7 +59,11 @@ def base_parser(doc: str, method: str) -> eval_sts.Parser:
                    help="also evaluate the best checkpoint on SentEval's 7 transfer tasks (eval_transfer.py)")
     g.add_argument("--device", default=None, help="cuda, cuda:N, cpu (default: cuda if available)")
     g.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes")
-    g.add_argument("--fp32", action="store_true", help="disable bf16 autocast on CUDA")
+    g.add_argument("--precision", default="auto", choices=PRECISIONS, help="the encoder's forward pass: auto = bf16 "
+                   "on a CUDA GPU that has it, else fp16 with a GradScaler, fp32 on CPU; losses are always fp32")
+    g.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="alias of --precision fp32")
+    g.add_argument("--compile", action="store_true", help="torch.compile the encoder for the training passes "
+                   "(batches padded to a multiple of 8, so that few shapes compile)")
     p.set_defaults(method=method)
     return p
 
@@ -74,13 +79,26 @@ def check_args(args) -> None:
                                  "max_steps": non_negative, "warmup_steps": non_negative,
                                  "max_grad_norm": non_negative, "num_workers": non_negative}.items():
         check_range(args, name, ok, accepted)
-    eval_sts.resolve_device(args.device)
+    args.precision = resolve_precision(args.precision, eval_sts.resolve_device(args.device))
     args.output_dir = str(args.output_dir or Path("runs") / args.method)
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output_dir {out} is a file; give a folder")
     if not args.overwrite_output_dir and ((out / "results.json").exists() or (out / "best").exists()):
         raise UsageError(f"--output_dir {out} already holds a run; pass --overwrite_output_dir or another folder")
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """"auto": bf16 on a CUDA GPU that supports it, fp16 (with a GradScaler) on an older one, fp32 on CPU."""
+    cuda = device.type == "cuda"
+    bf16_ok = not cuda or torch.cuda.is_bf16_supported(including_emulation=False)
+    if precision == "auto":
+        return ("bf16" if bf16_ok else "fp16") if cuda else "fp32"
+    if precision == "bf16" and not bf16_ok:
+        raise UsageError("--precision bf16: this GPU has no bf16; use --precision fp16 (or auto)")
+    if precision == "fp16" and not cuda:
+        raise UsageError("--precision fp16 needs a CUDA device; on CPU use --precision bf16 or fp32")
+    return precision
 
 
 def eval_pooler(args) -> str:
@@ -95,7 +113,8 @@ def micse_subset(fraction: float, seed: int) -> str | None:
 
 
 def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplets: bool = False):
-    """(examples, path, miCSE subset or None), loaded with `datasets`; --fraction applied deterministically."""
+    """(examples, path, miCSE subset or None): a `datasets` Dataset with a "text" column (lines stripped, empty
+    ones skipped) or NLI's sent0/sent1/hard_neg columns, --fraction applied deterministically."""
     subset = None if args.train_file or triplets else micse_subset(args.fraction, args.seed)
     repo, name = (MICSE_DATA_REPO, subset) if subset else (eval_sts.SIMCSE_DATA_REPO, default_file)
     path = args.train_file or eval_sts.hub_file(repo, name, "--train_file")
@@ -111,16 +130,18 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
     datasets.disable_progress_bars()
     if triplets:  # keep_default_na: a sentence "NA" or "null" stays a sentence
         data = datasets.load_dataset("csv", data_files=str(path), split="train", keep_default_na=False)
-        examples = [(r["sent0"], r["sent1"], r["hard_neg"]) for r in data if r["sent0"] and r["sent1"]]
+        data = data.select_columns(["sent0", "sent1", "hard_neg"])
+        data = data.filter(lambda b: [bool(a and p) for a, p in zip(b["sent0"], b["sent1"])], batched=True)
     else:
         data = datasets.load_dataset("text", data_files=str(path), split="train")
-        examples = [s.strip() for s in data["text"] if s.strip()]
-    if not examples:
+        data = data.map(lambda b: {"text": [s.strip() for s in b["text"]]}, batched=True)
+        data = data.filter(lambda b: [bool(s) for s in b["text"]], batched=True)
+    if len(data) == 0:
         raise UsageError(f"--train_file {path} holds no sentences")
-    return (examples if subset else subsample(examples, args.fraction, args.seed)), str(path), subset
+    return (data if subset else data.select(subsample(range(len(data)), args.fraction, args.seed))), str(path), subset
 
 
-def subsample(items: list, fraction: float, seed: int) -> list:
+def subsample(items, fraction: float, seed: int) -> list:
     """A deterministic random subset of round(fraction * n) items, kept in file order (miCSE's few-shot sets)."""
     k = round(fraction * len(items))
     if k < 1:
@@ -151,22 +172,52 @@ class BatchSampler:
                 yield rows[len(rows) * self.rank // self.world:len(rows) * (self.rank + 1) // self.world]
 
 
-def collate(items, tokenizer, max_length: int) -> dict:
-    """Tokenise sentences, or tuples of sentences laid out column-major (all sent0, then all sent1, ...)."""
-    columns = list(zip(*items)) if isinstance(items[0], tuple) else [items]
-    return dict(tokenizer([s for column in columns for s in column], padding=True, truncation=True,
-                          max_length=max_length, return_tensors="pt"))
+
+class TokenizedCorpus:
+    """Every example tokenised once (datasets' batched `map`, cached as SimCSE's train.py does), its token ids kept
+    in one flat array with each sequence's offsets. `collate(rows)` gathers those rows and pads them to their
+    longest; a triplet's sequences are laid out column-major (all sent0, then all sent1, then all hard_neg)."""
+
+    def __init__(self, examples, tokenizer, max_length: int, pad_to_multiple_of: int = 1):
+        columns = examples.column_names  # ["text"] or ["sent0", "sent1", "hard_neg"]
+
+        def tokenize(batch):
+            return {f"{c}_ids": tokenizer(batch[c], truncation=True, max_length=max_length)["input_ids"] for c in columns}
+        ids = examples.map(tokenize, batched=True, remove_columns=columns).with_format("arrow")
+        flat, offsets = [], [np.zeros(1, dtype=np.int64)]
+        for c in columns:
+            sequences = ids[f"{c}_ids"].combine_chunks()
+            flat.append(sequences.flatten().to_numpy())
+            offsets.append(np.diff(sequences.offsets.to_numpy()).cumsum() + offsets[-1][-1])
+        self.flat, self.offsets, self.num_columns = np.concatenate(flat), np.concatenate(offsets), len(columns)
+        self.pad_id, self.multiple, self.left = tokenizer.pad_token_id, pad_to_multiple_of, tokenizer.padding_side == "left"
+        self.with_token_types = "token_type_ids" in tokenizer.model_input_names
+
+    def __len__(self):
+        return (len(self.offsets) - 1) // self.num_columns
+
+    def collate(self, rows: list[int]) -> dict:
+        """What tokenizer(sentences, padding=True) returns for these rows (one sequence each, token types 0)."""
+        sequences = np.array([c * len(self) + r for c in range(self.num_columns) for r in rows])
+        starts, lengths = self.offsets[sequences], self.offsets[sequences + 1] - self.offsets[sequences]
+        width = -(-int(lengths.max()) // self.multiple) * self.multiple
+        position = np.arange(width) - (width - lengths[:, None] if self.left else 0)
+        valid = (position >= 0) & (position < lengths[:, None])
+        input_ids = np.where(valid, self.flat[np.clip(starts[:, None] + position, 0, len(self.flat) - 1)], self.pad_id)
+        batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(valid.astype(np.int64))}
+        if self.with_token_types:
+            batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+        return batch
 
 
-def make_loader(examples, tokenizer, args, device, min_rows: int = 2) -> torch.utils.data.DataLoader:
+def make_loader(corpus: TokenizedCorpus, args, device, min_rows: int = 2) -> torch.utils.data.DataLoader:
     world = distributed.world_size()
-    if args.batch_size > len(examples):
-        raise UsageError(f"--batch_size {args.batch_size} is larger than the {len(examples)} training examples")
+    if args.batch_size > len(corpus):
+        raise UsageError(f"--batch_size {args.batch_size} is larger than the {len(corpus)} training examples")
     if args.batch_size % world:
         raise UsageError(f"--batch_size {args.batch_size} must be divisible by the {world} processes")
-    sampler = BatchSampler(len(examples), args.batch_size, args.seed, min_rows, distributed.rank(), world)
-    collate_fn = functools.partial(collate, tokenizer=tokenizer, max_length=args.max_seq_length)
-    return torch.utils.data.DataLoader(examples, batch_sampler=sampler, collate_fn=collate_fn,
+    sampler = BatchSampler(len(corpus), args.batch_size, args.seed, min_rows, distributed.rank(), world)
+    return torch.utils.data.DataLoader(range(len(corpus)), batch_sampler=sampler, collate_fn=corpus.collate,
                                        num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
@@ -184,9 +235,11 @@ class MLPHead(nn.Sequential):
 
 
 def embed(hidden_states, attention_mask, pooler: str, head=None) -> torch.Tensor:
-    """Training embedding z (float32): the pooled sentence; for "cls" the last [CLS] through the head."""
-    z = head(hidden_states[-1][:, 0]) if pooler == "cls" else pool(hidden_states, attention_mask, pooler)
-    return z.float()
+    """Training embedding z in fp32: the pooled sentence; for "cls" the last [CLS] through the head. Called
+    after the autocast block, so the head and pooling run in fp32 whatever precision the encoder ran in."""
+    if pooler == "cls":
+        return head(hidden_states[-1][:, 0].float())
+    return pool(hidden_states, attention_mask, pooler).float()
 
 
 def model_encode(backbone, head, tokenizer, eval_pooler: str, device):
@@ -213,24 +266,37 @@ def info_nce(z1, z2, temp: float = 0.05, z3=None, hard_negative_weight: float = 
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
 
 # ------------------------------------------------------------------------------------------------- training
-def autocast(device: torch.device, enabled: bool = True):
-    """bf16 autocast on CUDA where supported; fp32 elsewhere (and always for evaluation)."""
-    use = enabled and device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=use)
+def autocast(device: torch.device, precision: str):
+    """Mixed precision for the encoder's forward pass only (--precision); fp32 is no autocast at all."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
+    """fp16 needs loss scaling (the authors' --fp16 runs had it through the Trainer); otherwise a pass-through."""
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
 def make_optimizer(params, args, total_steps: int):
-    """AdamW without weight decay and transformers' get_linear_schedule_with_warmup (the authors' Trainer)."""
-    optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    """AdamW without weight decay and transformers' get_linear_schedule_with_warmup (the authors' Trainer).
+    Fused on CUDA: one kernel, and with a GradScaler no host sync to check for inf gradients."""
+    params = [p for p in params if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=params[0].is_cuda or None)
     warmup = args.warmup_steps  # linear warm-up, then linear decay to 0 at total_steps
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: s / max(1, warmup) if s < warmup
                                                         else max(0.0, (total_steps - s) / max(1, total_steps - warmup)))
 
 
-def check_finite(loss: torch.Tensor, step: int) -> float:
-    if not math.isfinite(value := loss.item()):
-        raise UsageError(f"the loss became {value} at step {step}: the run diverged (a lower --lr may help)")
-    return value
+def read_losses(pending: list, losses: list) -> None:
+    """Move the steps' losses still on the device (`pending`) to `losses` as floats: one host sync, at log and
+    dev steps only. The first NaN or inf stops the run with its step (step k's loss is losses[k - 1])."""
+    if pending:
+        values = torch.stack(pending).tolist()
+        pending.clear()
+        for step, value in enumerate(values, start=len(losses) + 1):
+            if not math.isfinite(value):
+                raise UsageError(f"the loss became {value} at step {step}: the run diverged (a lower --lr may help)")
+        losses.extend(values)
 
 # ------------------------------------------------------------------------------------- evaluation and saving
 def dev_score(modules, encode, senteval_dir) -> float:
@@ -267,15 +333,20 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> Non
 
 
 def finish(args, eval_pooler: str, senteval_dir, device, stop, **run) -> dict:
-    """The final report: peak memory, the best checkpoint reloaded as a plain AutoModel (what `eval_sts.py` sees)
-    on the STS test tasks in fp32, its alignment/uniformity, then results.json. An interrupted run records what
-    it reached instead and exits 130 (Ctrl-C) / 143 (SIGTERM)."""
-    out_dir, cuda = Path(args.output_dir), device.type == "cuda"
-    peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-    results = {"method": args.method, "args": {k: v for k, v in vars(args).items() if k != "method"},
-               "device": str(device), "world_size": distributed.world_size(), "eval_pooler": eval_pooler, **run,
-               "peak_memory_mb": round(peak / 2**20, 1), "interrupted": stop.signum is not None,
-               "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss"}
+    """The final report, on process 0 alone (call distributed.shutdown() first: the others just exit): peak
+    memory, the best checkpoint reloaded as a plain AutoModel (what `eval_sts.py` sees) on the STS test tasks in
+    fp32, its alignment/uniformity, then results.json. An interrupted run records what it reached instead and
+    exits 130 (Ctrl-C) / 143 (SIGTERM)."""
+    out_dir, cuda, results = Path(args.output_dir), device.type == "cuda", {}
+    if distributed.rank() == 0:
+        peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+        results = {"method": args.method, "args": {k: v for k, v in vars(args).items() if k != "method"},
+                   "device": str(device), "world_size": distributed.world_size(), "precision": args.precision,
+                   "eval_pooler": eval_pooler, **run, "peak_memory_mb": round(peak / 2**20, 1),
+                   "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
+                   "interrupted": stop.signum is not None}
+        if cuda:
+            results["peak_memory_reserved_mb"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
     if distributed.rank() == 0 and stop.signum is None:
         distributed.log(f"best STS-B dev {run['best_dev_stsb']:.2f} at step {run['best_step']}; evaluating it")
         encode = eval_sts.load_encode(str(out_dir / "best"), eval_pooler, device)
@@ -293,7 +364,6 @@ def finish(args, eval_pooler: str, senteval_dir, device, stop, **run) -> dict:
             eval_sts.print_table(results["transfer"])
             eval_sts.write_json(out_dir / "results.json", results)
         distributed.log(f"wrote {out_dir / 'results.json'} (best checkpoint: {out_dir / 'best'})")
-    distributed.shutdown()
     if stop.signum is not None:
         raise SystemExit(128 + stop.signum)
     return results

@@ -9,6 +9,7 @@ average divides by N, so the update is exactly the one-process update on the glo
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import warnings
@@ -19,35 +20,41 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
 
+_RANK, _WORLD, _HOST_GROUP = 0, 1, None  # kept after shutdown(): a process still knows who it was
+
+
 def init(device: torch.device) -> torch.device:
-    """Under torchrun (RANK set): join the process group (NCCL on CUDA, gloo on CPU); this process's device."""
+    """Under torchrun (RANK set): join the process group (NCCL on CUDA, gloo on CPU); this process's device.
+
+    A second gloo group carries the host-side values (row counts, the stop flag), so that exchanging them never
+    waits for the GPU.
+    """
+    global _RANK, _WORLD, _HOST_GROUP
     if "RANK" not in os.environ or dist.is_initialized():
         return device
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    _RANK, _WORLD = dist.get_rank(), dist.get_world_size()
+    _HOST_GROUP = dist.new_group(backend="gloo") if device.type == "cuda" else None
     return device
 
 
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return _WORLD
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _device() -> str:
-    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return _RANK
 
 
 def gather(t: torch.Tensor) -> torch.Tensor:
     """The rows of every process in rank order (sizes may differ by one), gradients flowing back to each own rows."""
     if world_size() == 1:
         return t
-    sizes = [torch.zeros(1, dtype=torch.long, device=t.device) for _ in range(world_size())]
-    dist.all_gather(sizes, torch.tensor([len(t)], device=t.device))
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world_size())]
+    dist.all_gather(sizes, torch.tensor([len(t)]), group=_HOST_GROUP)  # row counts are host values: no GPU sync
     padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, int(max(sizes)) - len(t)))
     with warnings.catch_warnings():  # torch 2.13 points to a private module instead; this public one still works
         warnings.simplefilter("ignore", FutureWarning)
@@ -71,8 +78,8 @@ def any_process(flag: bool) -> bool:
     """True on every process when `flag` is true on any of them (so that they stop together)."""
     if world_size() == 1:
         return flag
-    t = torch.tensor([float(flag)], device=_device())
-    dist.all_reduce(t)
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, group=_HOST_GROUP)  # on the host: asked every step, it must not wait for the GPU
     return bool(t.item())
 
 
@@ -80,8 +87,8 @@ def broadcast_float(value: float) -> float:
     """Process 0's `value` on every process."""
     if world_size() == 1:
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=_device())
-    dist.broadcast(t, 0)
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.broadcast(t, 0, group=_HOST_GROUP)
     return float(t.item())
 
 
@@ -109,11 +116,26 @@ def log(message: str) -> None:
 
 
 def barrier() -> None:
-    if world_size() > 1:
+    if dist.is_initialized():
         dist.barrier()
 
 
+@contextlib.contextmanager
+def main_process_first():
+    """Process 0 runs the block first (downloads, unpacking senteval.tar, datasets' tokenisation cache), then the
+    others, which find its results. If process 0 fails, the others run the block and fail the same way."""
+    if rank() != 0:
+        barrier()
+    try:
+        yield
+    finally:
+        if rank() == 0:
+            barrier()
+
+
 def shutdown() -> None:
+    """The processes part once training is over: the process group is torn down, so process 0's final evaluation
+    (longer than NCCL's 10-minute timeout for BERT-base transfer) holds nobody in a barrier. rank() still answers."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -210,7 +210,7 @@ def pool(hidden_states, attention_mask, pooler: str, pooler_output=None) -> torc
         return pooler_output
     if pooler == "cls_before_pooler":
         return hidden_states[-1][:, 0]
-    mask = attention_mask.unsqueeze(-1).to(hidden_states[-1].dtype)
+    mask = attention_mask.unsqueeze(-1).float()  # means in fp32, whatever precision the encoder ran in
     if pooler == "avg":
         layer = hidden_states[-1]
     elif pooler == "avg_top2":
@@ -219,7 +219,7 @@ def pool(hidden_states, attention_mask, pooler: str, pooler_output=None) -> torc
         layer = (hidden_states[1] + hidden_states[-1]) / 2.0
     else:
         raise UsageError(f"unknown pooler '{pooler}'; choose one of {', '.join(POOLERS)}")
-    return (layer * mask).sum(1) / mask.sum(1)
+    return (layer.float() * mask).sum(1) / mask.sum(1)
 
 
 def make_encode(embed_batch, tokenizer, device):

@@ -104,6 +104,7 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     valid = (tiles1 > 0) & (tiles2 > 0)
     counts = valid.sum(dim=1)
     valid_fraction = counts.sum().to(tiles1.dtype) / valid.numel()
+    # Data-dependent shapes, as the authors' code has them: these lines wait for the GPU (host syncs).
     if counts.max() < num_samples:  # no tile has enough: use the smallest tile's count for all
         k = int(counts.min())
     else:  # drop the tiles with fewer than num_samples valid entries
@@ -131,9 +132,8 @@ def moco_info_nce(z1, z2, queue, temp: float = 0.05) -> torch.Tensor:
 
 @torch.no_grad()
 def ema_update(target: torch.nn.Module, source: torch.nn.Module, momentum: float) -> None:
-    """target <- momentum * target + (1 - momentum) * source, parameter by parameter."""
-    for t, s in zip(target.parameters(), source.parameters()):
-        t.mul_(momentum).add_(s.detach(), alpha=1.0 - momentum)
+    """target <- momentum * target + (1 - momentum) * source, all parameters in one foreach kernel (a lerp)."""
+    torch._foreach_lerp_(list(target.parameters()), list(source.parameters()), 1.0 - momentum)
 
 
 class EmbeddingQueue:
@@ -162,13 +162,15 @@ def default_ami_layers(num_layers: int) -> tuple[int, int]:
 
 def main(argv=None):
     args = parse_args(argv)
-    common.check_args(args)  # every flag, the device and --output_dir, before any work
+    common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
     transformers.set_seed(args.seed)
     device = distributed.init(eval_sts.resolve_device(args.device))
 
-    examples, train_file, subset = common.training_examples(args)  # miCSE's own subset where they released one
-    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
-    tokenizer, backbone = common.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
+    with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
+        examples, train_file, subset = common.training_examples(args)  # miCSE's own subset where they released one
+        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
+        tokenizer, backbone = common.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
+        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
     num_layers = backbone.config.num_hidden_layers
     default_min, default_max = default_ami_layers(num_layers)
     args.ami_min_layer = default_min if args.ami_min_layer is None else args.ami_min_layer
@@ -176,74 +178,87 @@ def main(argv=None):
     if not 0 <= args.ami_min_layer < args.ami_max_layer <= num_layers or (args.ami_max_layer - args.ami_min_layer) % 2:
         raise common.UsageError(f"--ami_min_layer/--ami_max_layer {args.ami_min_layer}:{args.ami_max_layer} must be "
                                 f"an even number of layers within the model's {num_layers}")
-    loader = common.make_loader(examples, tokenizer, args, device)
+    loader = common.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless --no-mlp_only_train.
     backbone.to(device).train()
+    forward = torch.compile(backbone) if args.compile else backbone  # --compile: the training passes only
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
+    scaler = common.grad_scaler(device, args.precision)  # loss scaling for fp16; a pass-through otherwise
     generator = torch.Generator(device=device).manual_seed(args.seed)  # AMI's samples
-    # The momentum encoder: an EMA copy of the encoder (dropout 0.3, no gradients) sharing the online head.
+    # The momentum encoder: an EMA copy of the encoder (dropout 0.3, no gradients) sharing the online head. It needs
+    # no attention weights, so it runs SDPA attention.
     momentum_backbone = copy.deepcopy(backbone).requires_grad_(False) if args.queue_size else None
     if momentum_backbone is not None:
+        momentum_backbone.set_attn_implementation("sdpa")
         set_dropout(momentum_backbone, args.momentum_dropout)
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
-    distributed.log(f"micse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
-                    f"steps, device {device} x {distributed.world_size()}")
+    distributed.log(f"micse: {len(corpus)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
+                    f"steps, device {device} x {distributed.world_size()}, precision {args.precision}")
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
-    best_dev, best_step, dev_curve, losses, train_time = -math.inf, None, [], [], 0.0
+    best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
+    train_time, clock = 0.0, time.perf_counter()
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
         if step > 0:
-            start = time.perf_counter()
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            with common.autocast(device, not args.fp32):
-                views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two dropout views
-                outputs = backbone(**views, output_hidden_states=True, output_attentions=True)
-                if not outputs.attentions or outputs.attentions[0] is None:
-                    raise RuntimeError("no attention weights: load the encoder with attn_implementation='eager'")
-                z1, z2 = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head).chunk(2)
-                loss = moco_info_nce(distributed.gather(z1), distributed.gather(z2), queue.tensor, args.temp)
-                attn1, attn2 = torch.stack(outputs.attentions, dim=1).float().chunk(2)  # AMI is per sample: local
-                loss = loss + args.ami_lambda * ami_loss(attn1, attn2, args.ami_min_layer, args.ami_max_layer,
-                                                         args.ami_samples, generator)
-            losses.append(common.check_finite(loss, step))
+            views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two dropout views
+            with common.autocast(device, args.precision):  # the encoder only: embeddings and losses are fp32
+                outputs = forward(**views, output_hidden_states=True, output_attentions=True)
+            if not outputs.attentions or outputs.attentions[0] is None:
+                raise RuntimeError("no attention weights: load the encoder with attn_implementation='eager'")
+            z1, z2 = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head).chunk(2)
+            loss = moco_info_nce(distributed.gather(z1), distributed.gather(z2), queue.tensor, args.temp)
+            # AMI's layers only, stacked (N, K, H, n, n) and cast to fp32; AMI is per sample, so it stays local.
+            attn1, attn2 = torch.stack(outputs.attentions[args.ami_min_layer:args.ami_max_layer], 1).float().chunk(2)
+            loss = loss + args.ami_lambda * ami_loss(attn1, attn2, 0, args.ami_max_layer - args.ami_min_layer,
+                                                     args.ami_samples, generator)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
             distributed.average_gradients(params)  # what DDP does; nothing on one process
+            scaler.unscale_(optimizer)  # fp16: clip the true gradients
             if args.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            optimizer.step()
+            scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
+            scaler.update()
             scheduler.step()
             if momentum_backbone is not None:  # after the step: EMA update, then this batch's keys into the queue
                 ema_update(momentum_backbone, backbone, args.momentum)
-                with torch.no_grad(), common.autocast(device, not args.fp32):
-                    hidden_states = momentum_backbone(**batch, output_hidden_states=True).hidden_states
+                with torch.no_grad():
+                    with common.autocast(device, args.precision):
+                        hidden_states = momentum_backbone(**batch, output_hidden_states=True).hidden_states
                     keys = common.embed(hidden_states, batch["attention_mask"], args.pooler, head)
                 queue.push(distributed.gather(keys))  # the same queue on every process
-            train_time += time.perf_counter() - start
+            pending.append(loss.detach())  # stays on the device until the next dev step: no host sync per step
         stopping = stop.requested()
+        if step % args.eval_steps == 0 or step == total_steps or stopping:
+            common.read_losses(pending, losses)  # one host sync; the first NaN or inf stops the run with its step
+            train_time += time.perf_counter() - clock  # the device has finished every step up to here
         if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
             dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
             dev_curve.append([step, dev])
+            time_curve.append([step, round(train_time, 3)])
             if dev > best_dev:
                 best_dev, best_step = dev, step
                 common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
             distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  "
                             f"STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})  "
                             f"{step / max(train_time, 1e-9):.2f} steps/s")
+            clock = time.perf_counter()  # the gate is not training time
         if stopping:
             break
 
     common.finish(args, eval_pooler, senteval_dir, device, stop, train_file=train_file, micse_subset=subset,
-                  num_train_examples=len(examples), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
-                  dev_curve=dev_curve, train_loss=losses, train_time_s=round(train_time, 2),
+                  num_train_examples=len(corpus), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
+                  dev_curve=dev_curve, train_time_curve=time_curve, train_loss=losses,
+                  train_time_s=round(train_time, 2),
                   steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 
 

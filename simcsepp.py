@@ -101,72 +101,84 @@ def dropout_off(module: nn.Module):
 
 def main(argv=None):
     args = parse_args(argv)
-    common.check_args(args)  # every flag, the device and --output_dir, before any work
+    common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
     transformers.set_seed(args.seed)
     device = distributed.init(eval_sts.resolve_device(args.device))
 
-    examples, train_file, subset = common.training_examples(args)
-    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
-    tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
-    loader = common.make_loader(examples, tokenizer, args, device)
+    with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
+        examples, train_file, subset = common.training_examples(args)
+        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
+        tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
+        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
+    loader = common.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless --no-mlp_only_train.
     backbone.to(device).train()
+    forward = torch.compile(backbone) if args.compile else backbone  # --compile: the training passes only
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    distributed.log(f"simcsepp: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
-                    f"steps, device {device} x {distributed.world_size()}")
+    scaler = common.grad_scaler(device, args.precision)  # loss scaling for fp16; a pass-through otherwise
+    distributed.log(f"simcsepp: {len(corpus)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
+                    f"steps, device {device} x {distributed.world_size()}, precision {args.precision}")
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
-    best_dev, best_step, dev_curve, losses, train_time = -math.inf, None, [], [], 0.0
+    best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
+    train_time, clock = 0.0, time.perf_counter()
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
         if step > 0:
-            start = time.perf_counter()
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            with common.autocast(device, not args.fp32):
-                views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two dropout views
-                outputs = backbone(**views, output_hidden_states=True)
-                z1, z2 = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head).chunk(2)
-                z1, z2, z_dropout_off = distributed.gather(z1), distributed.gather(z2), None
-                if not args.no_off_dropout:  # a third pass with every dropout off gives the negatives (with grads)
-                    with dropout_off(backbone):
-                        outputs_off = backbone(**batch, output_hidden_states=True)
-                    z_dropout_off = distributed.gather(
-                        common.embed(outputs_off.hidden_states, batch["attention_mask"], args.pooler, head))
-                loss = off_dropout_info_nce(z1, z2, z_dropout_off, args.temp, args.m)
-                if args.dcl_weight > 0:  # DCL's per-dimension statistics are the global batch's (gathered)
-                    loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
-            losses.append(common.check_finite(loss, step))
+            views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two dropout views
+            with common.autocast(device, args.precision):  # the encoder only: embeddings and loss are fp32
+                outputs = forward(**views, output_hidden_states=True)
+            z1, z2 = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head).chunk(2)
+            z1, z2, z_dropout_off = distributed.gather(z1), distributed.gather(z2), None
+            if not args.no_off_dropout:  # a third pass with every dropout off gives the negatives (with grads)
+                with dropout_off(backbone), common.autocast(device, args.precision):
+                    outputs_off = forward(**batch, output_hidden_states=True)
+                z_dropout_off = distributed.gather(
+                    common.embed(outputs_off.hidden_states, batch["attention_mask"], args.pooler, head))
+            loss = off_dropout_info_nce(z1, z2, z_dropout_off, args.temp, args.m)
+            if args.dcl_weight > 0:  # DCL's per-dimension statistics are the global batch's (gathered)
+                loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
             distributed.average_gradients(params)  # what DDP does; nothing on one process
+            scaler.unscale_(optimizer)  # fp16: clip the true gradients
             if args.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            optimizer.step()
+            scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
+            scaler.update()
             scheduler.step()
-            train_time += time.perf_counter() - start
+            pending.append(loss.detach())  # stays on the device until the next dev step: no host sync per step
         stopping = stop.requested()
+        if step % args.eval_steps == 0 or step == total_steps or stopping:
+            common.read_losses(pending, losses)  # one host sync; the first NaN or inf stops the run with its step
+            train_time += time.perf_counter() - clock  # the device has finished every step up to here
         if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
             dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
             dev_curve.append([step, dev])
+            time_curve.append([step, round(train_time, 3)])
             if dev > best_dev:
                 best_dev, best_step = dev, step
                 common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
             distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  "
                             f"STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})  "
                             f"{step / max(train_time, 1e-9):.2f} steps/s")
+            clock = time.perf_counter()  # the gate is not training time
         if stopping:
             break
 
+    distributed.shutdown()  # the other processes exit here: process 0's final evaluation holds nobody in a barrier
     common.finish(args, eval_pooler, senteval_dir, device, stop, train_file=train_file, micse_subset=subset,
-                  num_train_examples=len(examples), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
-                  dev_curve=dev_curve, train_loss=losses, train_time_s=round(train_time, 2),
+                  num_train_examples=len(corpus), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
+                  dev_curve=dev_curve, train_time_curve=time_curve, train_loss=losses,
+                  train_time_s=round(train_time, 2),
                   steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 
 

@@ -57,7 +57,7 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
     Channels are taken in the order x[:, perm], split into `num_groups` consecutive groups, each centred over
     the batch and multiplied by the ZCA matrix of its covariance X^T X / N (+ eps I); the channels are then put
     back in their original order. W is computed from the detached covariance, as the authors' code does, so
-    gradients flow through X only.
+    gradients flow through X only. Everything runs in fp32 (fp64 for fp64 input), also inside an autocast block.
     """
     n, d = x.shape
     if d % num_groups:
@@ -66,15 +66,15 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
     if width > n - 1 and eps <= 0:
         raise ValueError(f"groups of {width} channels need a batch of more than {width} (got {n}): the covariance "
                          "is singular; use more groups, a larger batch or eps > 0")
-    groups = x[:, perm].reshape(n, num_groups, width).transpose(0, 1)  # (G, N, width)
-    centred = groups - groups.mean(dim=1, keepdim=True)
-    eig_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        c = centred.detach().to(eig_dtype)
-        covariance = c.transpose(1, 2) @ c / n + eps * torch.eye(width, dtype=eig_dtype, device=x.device)
-        eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
+    with torch.autocast(device_type=x.device.type, enabled=False):  # fp32 (or fp64) even inside an autocast block
+        x = x if x.dtype == torch.float64 else x.float()
+        groups = x[:, perm].reshape(n, num_groups, width).transpose(0, 1)  # (G, N, width)
+        centred = groups - groups.mean(dim=1, keepdim=True)
+        c = centred.detach()
+        covariance = c.transpose(1, 2) @ c / n + eps * torch.eye(width, dtype=x.dtype, device=x.device)
+        eigenvalues, eigenvectors = torch.linalg.eigh(covariance)  # checks convergence on the host: one sync
         whitening = eigenvectors @ torch.diag_embed(eigenvalues.clamp_min(1e-12).rsqrt()) @ eigenvectors.transpose(1, 2)
-    whitened = centred @ whitening.to(centred.dtype)
+        whitened = centred @ whitening
     return whitened.transpose(0, 1).reshape(n, d)[:, torch.argsort(perm)]
 
 
@@ -101,13 +101,15 @@ class WhitenedHead(nn.Module):
 
 def main(argv=None):
     args = parse_args(argv)
-    common.check_args(args)  # every flag, the device and --output_dir, before any work
+    common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
     transformers.set_seed(args.seed)
     device = distributed.init(eval_sts.resolve_device(args.device))
 
-    examples, train_file, subset = common.training_examples(args)
-    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
-    tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
+    with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
+        examples, train_file, subset = common.training_examples(args)
+        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
+        tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
+        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
     hidden = backbone.config.hidden_size
     if hidden % args.num_groups:
         raise common.UsageError(f"--num_groups {args.num_groups} does not divide the hidden size {hidden}; "
@@ -115,61 +117,71 @@ def main(argv=None):
     width = hidden // args.num_groups
     if width >= args.batch_size:
         raise common.UsageError(f"groups of {width} channels need --batch_size above {width}")
-    loader = common.make_loader(examples, tokenizer, args, device, min_rows=width + 1)  # fewer rows: singular
+    loader = common.make_loader(corpus, args, device, min_rows=width + 1)  # fewer rows: a singular covariance
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # Encoder and head: SGW -> Linear -> Tanh on [CLS], training only; evaluation reads [CLS] before it.
     backbone.to(device).train()
+    forward = torch.compile(backbone) if args.compile else backbone  # --compile: the training passes only
     head = WhitenedHead(hidden, args.num_groups, backbone.config.initializer_range).to(device)
     params = list(backbone.parameters()) + list(head.parameters())
     eval_pooler = "cls_before_pooler"
-    generator = torch.Generator().manual_seed(args.seed)  # the channel shuffles, the same on every process
+    generator = torch.Generator(device).manual_seed(args.seed)  # the channel shuffles, the same on every process
     encode = common.pooled_encode(backbone, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    distributed.log(f"whitenedcse: {len(examples)} examples from {train_file}, {len(loader)} steps/epoch, "
-                    f"{total_steps} steps, device {device} x {distributed.world_size()}")
+    scaler = common.grad_scaler(device, args.precision)  # loss scaling for fp16; a pass-through otherwise
+    distributed.log(f"whitenedcse: {len(corpus)} examples from {train_file}, {len(loader)} steps/epoch, "
+                    f"{total_steps} steps, device {device} x {distributed.world_size()}, precision {args.precision}")
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
-    best_dev, best_step, dev_curve, losses, train_time = -math.inf, None, [], [], 0.0
+    best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
+    train_time, clock = 0.0, time.perf_counter()
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
         if step > 0:
-            start = time.perf_counter()
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            with common.autocast(device, not args.fp32):
-                outputs = backbone(**common.repeat_views(batch, args.num_pos))  # m dropout views in one pass
-                # The [CLS] features of the global batch: each view's covariance is the whole batch's.
-                cls_views = [distributed.gather(c) for c in outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)]
-                perms = [torch.arange(hidden) if args.no_shuffle else torch.randperm(hidden, generator=generator)
-                         for _ in cls_views]  # a fresh shuffle per view and step (Eq. 11)
-                views = [head(cls, perm.to(device)) for cls, perm in zip(cls_views, perms)]
-                loss = multi_positive_info_nce(views, args.temp)
-            losses.append(common.check_finite(loss, step))
+            with common.autocast(device, args.precision):  # the encoder only: whitening and loss are fp32
+                outputs = forward(**common.repeat_views(batch, args.num_pos))  # m dropout views in one pass
+            # The [CLS] features of the global batch: each view's covariance is the whole batch's.
+            cls_views = [distributed.gather(c) for c in outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)]
+            perms = [torch.arange(hidden, device=device) if args.no_shuffle else
+                     torch.randperm(hidden, generator=generator, device=device) for _ in cls_views]  # Eq. 11
+            views = [head(cls, perm) for cls, perm in zip(cls_views, perms)]  # a fresh shuffle per view and step
+            loss = multi_positive_info_nce(views, args.temp)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
             distributed.average_gradients(params)  # what DDP does; nothing on one process
+            scaler.unscale_(optimizer)  # fp16: clip the true gradients
             if args.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            optimizer.step()
+            scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
+            scaler.update()
             scheduler.step()
-            train_time += time.perf_counter() - start
+            pending.append(loss.detach())  # stays on the device until the next dev step: no host sync per step
         stopping = stop.requested()
+        if step % args.eval_steps == 0 or step == total_steps or stopping:
+            common.read_losses(pending, losses)  # one host sync; the first NaN or inf stops the run with its step
+            train_time += time.perf_counter() - clock  # the device has finished every step up to here
         if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
             dev = common.dev_score([backbone, head], encode, senteval_dir)
             dev_curve.append([step, dev])
+            time_curve.append([step, round(train_time, 3)])
             if dev > best_dev:
                 best_dev, best_step = dev, step
                 common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
             distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  "
                             f"STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})  "
                             f"{step / max(train_time, 1e-9):.2f} steps/s")
+            clock = time.perf_counter()  # the gate is not training time
         if stopping:
             break
 
+    distributed.shutdown()  # the other processes exit here: process 0's final evaluation holds nobody in a barrier
     common.finish(args, eval_pooler, senteval_dir, device, stop, train_file=train_file, micse_subset=subset,
-                  num_train_examples=len(examples), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
-                  dev_curve=dev_curve, train_loss=losses, train_time_s=round(train_time, 2),
+                  num_train_examples=len(corpus), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
+                  dev_curve=dev_curve, train_time_curve=time_curve, train_loss=losses,
+                  train_time_s=round(train_time, 2),
                   steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 
 

@@ -93,7 +93,7 @@ def test_training_examples_skip_empty_lines_and_reject_bad_files(tmp_path):
     path = tmp_path / "c.txt"
     path.write_text("one\n\n  \ntwo  \n")
     examples, source, subset = common.training_examples(args_for(path))
-    assert examples == ["one", "two"] and source == str(path) and subset is None
+    assert examples["text"] == ["one", "two"] and source == str(path) and subset is None
     path.write_text("\n\n")
     with pytest.raises(common.UsageError, match="is empty"):
         common.training_examples(args_for(path))
@@ -108,7 +108,8 @@ def test_training_triplets_keep_na_strings_and_name_bad_rows(tmp_path):
     path = tmp_path / "nli.csv"
     path.write_text("sent0,sent1,hard_neg\nNA,None,null\na man,a person,a dog\n")
     examples, _, _ = common.training_examples(args_for(path), triplets=True)
-    assert examples == [("NA", "None", "null"), ("a man", "a person", "a dog")]
+    assert list(zip(examples["sent0"], examples["sent1"], examples["hard_neg"])) == [("NA", "None", "null"),
+                                                                                 ("a man", "a person", "a dog")]
     path.write_text("sent0,sent1,hard_neg\na,b,c\nd,e\n")
     with pytest.raises(common.UsageError, match="line 3 has 2 column"):
         common.training_examples(args_for(path), triplets=True)
@@ -137,7 +138,7 @@ def test_micse_subset_is_downloaded_from_its_repo(tmp_path, monkeypatch):
     args = types.SimpleNamespace(train_file=None, fraction=0.01, seed=50)
     examples, source, subset = common.training_examples(args)
     assert asked == [("sap-ai-research/datasets-for-micse", "wiki_subset_1M_001.00percent_seed50.txt", "--train_file")]
-    assert examples == ["s1", "s2", "s3"] and subset == "wiki_subset_1M_001.00percent_seed50.txt"  # not subsampled
+    assert examples["text"] == ["s1", "s2", "s3"] and subset == "wiki_subset_1M_001.00percent_seed50.txt"  # not subsampled
 
 
 def test_offline_micse_subset_names_the_file_and_the_flag(tmp_path, monkeypatch):
@@ -165,12 +166,90 @@ def test_batch_sampler_slices_are_the_global_batch():
 
 
 def test_collate_lays_out_triplets_column_major(tiny_model):
+    import datasets
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    batch = common.collate([("a man", "a dog", "the cat"), ("big red ball", "sun", "moon")], tokenizer, 6)
+    examples = datasets.Dataset.from_dict({"sent0": ["a man", "big red ball"], "sent1": ["a dog", "sun"],
+                                           "hard_neg": ["the cat", "moon"]})
+    batch = common.TokenizedCorpus(examples, tokenizer, 6).collate([0, 1])
     assert batch["input_ids"].shape[0] == 6 and batch["input_ids"].shape[1] <= 6
     decoded = [tokenizer.decode(ids, skip_special_tokens=True) for ids in batch["input_ids"]]
     assert decoded == ["a man", "big red ball", "a dog", "sun", "the cat", "moon"]
+
+
+def tokenize_each_batch(examples, tokenizer, rows, max_length):
+    """The loader before pre-tokenisation: every batch tokenised on its own (column-major for triplets)."""
+    columns = [examples[c] for c in examples.column_names]
+    return dict(tokenizer([column[r] for column in columns for r in rows], padding=True, truncation=True,
+                          max_length=max_length, return_tensors="pt"))
+
+
+@pytest.mark.parametrize("triplets", [False, True])
+def test_pretokenised_loader_gives_the_token_ids_of_tokenising_each_batch(triplets, tiny_model, corpus, tmp_path):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    if triplets:
+        import csv
+        import random
+        from conftest import random_sentence
+        rng, path = random.Random(3), tmp_path / "nli.csv"
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows([["sent0", "sent1", "hard_neg"]] + [
+                [random_sentence(rng, 1, 20), random_sentence(rng), random_sentence(rng, 0, 3)] for _ in range(30)])
+    args = types.SimpleNamespace(train_file=str(path if triplets else corpus), fraction=0.5, seed=4, batch_size=8,
+                                 num_workers=0)
+    examples, _, _ = common.training_examples(args, triplets=triplets)
+    loader = common.make_loader(common.TokenizedCorpus(examples, tokenizer, 12), args, torch.device("cpu"))
+    order = common.BatchSampler(len(examples), 8, seed=4)
+    steps = 0
+    for _ in range(2):  # two epochs: the kept last batch and the new order of the second epoch
+        for rows, batch in zip(order, loader):
+            expected = tokenize_each_batch(examples, tokenizer, rows, 12)
+            assert batch.keys() == expected.keys()
+            for key in expected:
+                assert torch.equal(batch[key], expected[key]), key
+            steps += 1
+    assert steps == 2 * len(loader) and len(loader) == -(-len(examples) // 8)
+
+
+def test_padding_to_a_multiple_of_8_and_on_the_left(tiny_model):
+    import datasets
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    examples = datasets.Dataset.from_dict({"text": ["a man runs in the park", "the dog", "sun"]})
+    expected = tokenize_each_batch(examples, tokenizer, [2, 0], 32)
+    batch = common.TokenizedCorpus(examples, tokenizer, 32, pad_to_multiple_of=8).collate([2, 0])
+    assert batch["input_ids"].shape == (2, 8) and expected["input_ids"].shape == (2, 8)  # 6 words, [CLS], [SEP]
+    batch = common.TokenizedCorpus(examples, tokenizer, 32, pad_to_multiple_of=16).collate([2, 0])
+    assert batch["input_ids"].shape == (2, 16)
+    assert torch.equal(batch["input_ids"][:, :8], expected["input_ids"]) and batch["attention_mask"][:, 8:].sum() == 0
+    tokenizer.padding_side = "left"
+    expected = tokenize_each_batch(examples, tokenizer, [1, 2, 0], 32)
+    batch = common.TokenizedCorpus(examples, tokenizer, 32).collate([1, 2, 0])
+    assert all(torch.equal(batch[k], expected[k]) for k in expected) and batch["attention_mask"][0, 0] == 0
+
+
+def test_read_losses_names_the_first_bad_step():
+    losses, pending = [1.5], [torch.tensor(1.25), torch.tensor(2.0)]
+    common.read_losses(pending, losses)
+    assert losses == [1.5, 1.25, 2.0] and pending == []
+    common.read_losses(pending, losses)  # nothing new: nothing changes
+    assert losses == [1.5, 1.25, 2.0]
+    pending += [torch.tensor(1.0), torch.tensor(float("inf")), torch.tensor(float("nan"))]
+    with pytest.raises(common.UsageError, match="became inf at step 5"):
+        common.read_losses(pending, losses)
+
+
+def test_precision_resolves_per_device():
+    cpu = torch.device("cpu")
+    assert common.resolve_precision("auto", cpu) == "fp32"
+    assert common.resolve_precision("bf16", cpu) == "bf16" and common.resolve_precision("fp32", cpu) == "fp32"
+    with pytest.raises(common.UsageError, match="fp16 needs a CUDA device"):
+        common.resolve_precision("fp16", cpu)
+    import simcse
+    assert simcse.parse_args(["--fp32"]).precision == "fp32"  # the old flag is an alias
+    assert simcse.parse_args([]).precision == "auto" and simcse.parse_args(["--precision", "bf16"]).precision == "bf16"
+    assert not common.grad_scaler(cpu, "bf16").is_enabled()
 
 
 def test_repeated_views_get_independent_dropout_masks(tiny_model):

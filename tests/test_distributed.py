@@ -105,3 +105,37 @@ def test_global_batch_must_divide_over_the_processes(no_dropout_model, corpus, s
     assert proc.returncode != 0
     assert "--batch_size 7 must be divisible by the 2 processes" in proc.stderr
     assert not (out / "results.json").exists()
+
+
+SLOW_FINAL_EVALUATION_DRIVER = '''
+import datetime, functools, sys, time
+sys.path[:0] = [{root!r}]
+import torch.distributed as dist
+dist.init_process_group = functools.partial(dist.init_process_group, timeout=datetime.timedelta(seconds={timeout}))
+import common, eval_sts, simcse
+real_evaluate = eval_sts.evaluate
+
+def slow_evaluate(encode, senteval_dir, tasks=None, mode="test", **kwargs):
+    if mode == "test":  # process 0's final evaluation outlasts the process group's timeout
+        time.sleep({sleep})
+    return real_evaluate(encode, senteval_dir, tasks, mode, **kwargs)
+
+eval_sts.evaluate = slow_evaluate
+common.cli(lambda: simcse.main(sys.argv[1:]))
+'''
+
+
+def test_a_final_evaluation_longer_than_the_group_timeout_ends_well(no_dropout_model, corpus, senteval_dir, tmp_path):
+    """NCCL's default timeout is 10 minutes and a BERT-base transfer evaluation is longer: the other processes must
+    not wait in a barrier for process 0's final evaluation. Here the timeout is 10 s and the evaluation 20 s."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(SLOW_FINAL_EVALUATION_DRIVER.format(root=str(ROOT), timeout=10, sleep=20))
+    out = tmp_path / "run"
+    args = smoke_args(no_dropout_model, corpus, senteval_dir, out)[:-2] + ["--device", "cpu", "--max_steps", 2]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(driver), *map(str, args)], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["world_size"] == 2 and results["steps"] == 2 and "test" in results

@@ -160,7 +160,8 @@ def test_default_ami_layers():
 
 def test_eager_attention_returns_weights_and_sdpa_does_not(tiny_model):
     tokenizer, backbone = common.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
-    batch = common.collate(["a man runs", "the dog eats food", "a red car", "sun and moon"], tokenizer, 16)
+    batch = dict(tokenizer(["a man runs", "the dog eats food", "a red car", "sun and moon"], padding=True,
+                           return_tensors="pt"))
     outputs = backbone(**common.repeat_views(batch, 2), output_attentions=True)
     assert len(outputs.attentions) == 2 and outputs.attentions[0].shape == (8, 4, 6, 6)
     assert torch.allclose(outputs.attentions[0].sum(-1), torch.ones(8, 4, 6))

@@ -90,7 +90,8 @@ def test_ablation_equals_info_nce_exactly():
 def test_dropout_off_pass_equals_eval_mode_and_restores_dropout(tiny_model):
     from transformers import AutoModel, AutoTokenizer
     tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
-    batch = common.collate(["a man runs", "the dog eats food", "a red car", "sun and moon"], tokenizer, 16)
+    batch = dict(tokenizer(["a man runs", "the dog eats food", "a red car", "sun and moon"], padding=True,
+                           return_tensors="pt"))
     backbone.eval()
     reference = backbone(**batch).last_hidden_state
     backbone.train()

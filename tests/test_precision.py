@@ -1,0 +1,117 @@
+"""Mixed precision on CPU (--precision bf16): the encoder runs under autocast, every loss gets fp32 tensors outside
+it and equals the same loss recomputed in fp32; WhitenedCSE's whitening is fp32 even inside an autocast block."""
+import importlib
+import json
+
+import pytest
+import torch
+
+import common
+from conftest import smoke_args
+from test_simcse import write_nli
+
+# Every loss a loop calls, by the module attribute the loop looks it up through.
+LOSSES = {
+    "simcse": [(common, "info_nce")],
+    "simcse_sup": [(common, "info_nce")],
+    "simcsepp": [("simcsepp", "off_dropout_info_nce"), ("simcsepp", "dcl_loss")],
+    "sscl": [("sscl", "sscl_loss")],
+    "whitenedcse": [("whitenedcse", "shuffled_group_whitening"), ("whitenedcse", "multi_positive_info_nce")],
+    "micse": [("micse", "moco_info_nce"), ("micse", "ami_loss")],
+}
+FLAGS = {"simcse_sup": ["--supervised"], "sscl": ["--neg_layers", "1"], "whitenedcse": ["--num_groups", "16"],
+         "micse": ["--queue_size", "16"]}
+
+
+def tensors_in(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from tensors_in(v)
+
+
+def as_fp32(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().float() if v.is_floating_point() else v
+    return type(v)(as_fp32(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+def recording(loss_fn, calls, device_type="cpu"):
+    """`loss_fn`, noting the dtypes it gets, whether autocast is on, and whether it equals an fp32 recomputation
+    (with the same random draws: a torch.Generator argument is rewound for the recomputation)."""
+    def wrapper(*args, **kwargs):
+        generators = [v for v in [*args, *kwargs.values()] if isinstance(v, torch.Generator)]
+        before = [g.get_state() for g in generators]
+        out = loss_fn(*args, **kwargs)
+        after = [g.get_state() for g in generators]
+        for g, state in zip(generators, before):
+            g.set_state(state)
+        with torch.no_grad(), torch.autocast(device_type, enabled=False):
+            reference = loss_fn(*as_fp32(args), **{k: as_fp32(v) for k, v in kwargs.items()})
+        for g, state in zip(generators, after):
+            g.set_state(state)
+        calls.append({"dtypes": {t.dtype for t in tensors_in([*args, *kwargs.values()]) if t.is_floating_point()},
+                      "autocast": torch.is_autocast_enabled(device_type), "out_dtype": out.dtype,
+                      "equal": torch.equal(out.detach(), reference)})
+        return out
+    return wrapper
+
+
+@pytest.mark.parametrize("run", list(LOSSES))
+def test_bf16_encoder_fp32_losses(run, tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    script = run.split("_")[0]
+    module = importlib.import_module(script)
+    calls = {name: [] for _, name in LOSSES[run]}
+    for owner, name in LOSSES[run]:
+        owner = importlib.import_module(owner) if isinstance(owner, str) else owner
+        monkeypatch.setattr(owner, name, recording(getattr(owner, name), calls[name]))
+    encoder_autocast = set()  # (enabled, dtype) at each call of the encoder
+    load_pretrained = common.load_pretrained
+
+    def load_and_watch(*args, **kwargs):
+        tokenizer, backbone = load_pretrained(*args, **kwargs)
+        backbone.register_forward_pre_hook(lambda m, a: encoder_autocast.add(
+            (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
+        return tokenizer, backbone
+    monkeypatch.setattr(common, "load_pretrained", load_and_watch)
+
+    data = write_nli(tmp_path / "nli.csv") if run == "simcse_sup" else corpus
+    out = tmp_path / "run"
+    args = smoke_args(tiny_model, data, senteval_dir, out, "--precision", "bf16", "--max_steps", 3,
+                      "--eval_steps", 3, "--no_test_eval", *FLAGS.get(run, []))
+    module.main([str(a) for a in args])
+    results = json.loads((out / "results.json").read_text())
+    assert results["precision"] == "bf16" and results["args"]["precision"] == "bf16" and results["steps"] == 3
+    assert (True, torch.bfloat16) in encoder_autocast  # the training passes ran in bf16
+    assert (False, torch.bfloat16) in encoder_autocast  # the dev gate in fp32
+    for name, seen in calls.items():
+        assert len(seen) >= 3, name  # once a step at least (the whitening once a view)
+        for call in seen:
+            assert call["dtypes"] == {torch.float32} and not call["autocast"], (name, call)
+            assert call["out_dtype"] == torch.float32 and call["equal"], (name, call)
+
+
+def test_whitening_under_bf16_autocast_equals_fp32():
+    import whitenedcse
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 48, generator=g) * 3 + 1
+    perm = torch.randperm(48, generator=g)
+    reference = whitenedcse.shuffled_group_whitening(x, 12, perm)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = whitenedcse.shuffled_group_whitening(x, 12, perm)
+        head = whitenedcse.WhitenedHead(48, 12)
+        assert head.linear(mixed).dtype == torch.bfloat16  # autocast is on around it
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, reference, atol=1e-6, rtol=1e-6)  # bf16 matmuls would be off by ~1e-2
+
+
+def test_fp16_is_refused_on_cpu_with_one_line(tiny_model, corpus, senteval_dir, tmp_path, capsys):
+    import simcse
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        common.cli(lambda: simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out,
+                                                                   "--precision", "fp16")]))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(lines) == 1 and "--precision fp16 needs a CUDA device" in lines[0]
+    assert not out.exists()
