@@ -3,13 +3,18 @@
     python bench.py --model_name_or_path ../shared/models/all-MiniLM-L6-v2 \\
         --train_file ../shared/data/wiki1m_head.txt --senteval_dir ../shared/data/senteval \\
         --methods simcse simcsepp sscl whitenedcse micse --method_args whitenedcse:--num_groups=192 \\
-        --steps 20 --batch_size 32
+        --steps 20 --batch_size 32 [--supervised_file ../shared/data/nli_snli_devtest.csv] [--compare_with DIR]
 
-Each method runs as a user runs it (`python <method>.py ... --max_steps N --no_test_eval`), one after another, and
-its own results.json gives steps/s (training steps only: the timer stops around each dev gate) and peak memory
-(CUDA: peak allocated; CPU: the process's peak RSS, model and evaluation included). Nothing is timed outside a
-training step, so the method files' loops are measured exactly as they train. Then the STS test evaluation of
-eval_sts.py (each distinct sentence once, length-sorted) is timed against a naive file-order evaluation.
+Each method runs as a user runs it (`python <method>.py ... --max_steps W+N --no_test_eval`), one after another,
+and its own results.json gives steps/s and peak memory (CUDA: peak allocated and reserved; CPU: the process's
+peak RSS, model and evaluation included). Steps/s counts the N steps after W warm-up steps (--warmup; the first
+steps of a GPU run pay for allocation, autotuning and compilation): the run logs at step W, where the losses are
+read from the device, so its training-time curve has the time of the first W steps. Dev gates are not training
+time. --supervised_file adds supervised SimCSE (`simcse.py --supervised`) on that NLI file. --compare_with DIR
+runs every row a second time from another checkout of this suite (a git worktree of an older commit), in the same
+session, and prints the ratio; its steps/s then include the warm-up on both sides, since an older checkout may not
+log at step W. Then the STS test evaluation of eval_sts.py (each distinct sentence once, length-sorted) is timed
+against a naive file-order evaluation.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import eval_sts
@@ -25,18 +31,57 @@ import eval_sts
 ROOT = Path(__file__).resolve().parent
 
 
-def bench_method(name, args, extra, workdir) -> dict:
-    out = Path(workdir) / name
-    cmd = [sys.executable, str(ROOT / f"{name}.py"), "--model_name_or_path", args.model_name_or_path,
-           "--train_file", args.train_file, "--batch_size", str(args.batch_size), "--max_steps", str(args.steps),
-           "--eval_steps", str(args.steps), "--max_seq_length", str(args.max_seq_length), "--seed", str(args.seed),
-           "--output_dir", str(out), "--no_test_eval", *extra,
+def bench_method(row, args, extra, workdir, root=ROOT, log_warmup=True) -> dict:
+    """Run one row (a method script, or "simcse-sup") from `root`; its results.json, with "timed_steps_per_second"."""
+    script, train_file = ("simcse", args.supervised_file) if row == "simcse-sup" else (row, args.train_file)
+    out = Path(workdir) / f"{row}-{'this' if root == ROOT else 'other'}"
+    total = args.warmup + args.steps
+    cmd = [sys.executable, str(root / f"{script}.py"), "--model_name_or_path", args.model_name_or_path,
+           "--train_file", train_file, "--batch_size", str(args.batch_size), "--max_steps", str(total),
+           "--eval_steps", str(total), "--max_seq_length", str(args.max_seq_length), "--seed", str(args.seed),
+           "--output_dir", str(out), "--no_test_eval", *(["--supervised"] if row == "simcse-sup" else []),
+           *(["--logging_steps", str(args.warmup)] if log_warmup and args.warmup else []), *extra,
            *(["--senteval_dir", args.senteval_dir] if args.senteval_dir else []),
            *(["--device", args.device] if args.device else [])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     if proc.returncode != 0:
-        raise eval_sts.UsageError(f"{name} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
-    return json.loads((out / "results.json").read_text())
+        raise eval_sts.UsageError(f"{row} ({root}) failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    results = json.loads((out / "results.json").read_text())
+    curve = dict(map(tuple, results.get("train_time_curve", [])))
+    if log_warmup and args.warmup and args.warmup in curve:
+        results["timed_steps_per_second"] = args.steps / (curve[total] - curve[args.warmup])
+    else:
+        results["timed_steps_per_second"] = results["steps_per_second"]
+    return results
+
+
+def bench_data(args) -> None:
+    """A batch's data time: tokenising its sentences every step (the loader before this layout) against gathering
+    and padding the pre-tokenised rows (common.TokenizedCorpus); the same token ids either way."""
+    import common
+    tokenizer = eval_sts.load_pretrained(args.model_name_or_path)[0]
+    files = [("sentences", args.train_file, False)] + ([("NLI triplets", args.supervised_file, True)]
+                                                       if args.supervised_file else [])
+    for label, path, triplets in files:
+        examples = common.training_examples(types.SimpleNamespace(train_file=path, fraction=1.0, seed=args.seed),
+                                            triplets=triplets)[0]
+        start = time.perf_counter()
+        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
+        setup = time.perf_counter() - start
+        columns = [examples[c] for c in examples.column_names]
+        batches = [rows for rows, _ in zip(common.BatchSampler(len(corpus), args.batch_size, args.seed), range(20))]
+        start = time.perf_counter()
+        for rows in batches:
+            tokenizer([column[r] for column in columns for r in rows], padding=True, truncation=True,
+                      max_length=args.max_seq_length, return_tensors="pt")
+        each_step = (time.perf_counter() - start) / len(batches)
+        start = time.perf_counter()
+        for rows in batches:
+            corpus.collate(rows)
+        gathered = (time.perf_counter() - start) / len(batches)
+        print(f"data, {label}, batch {args.batch_size} ({len(columns) * args.batch_size} sequences): tokenised every "
+              f"step {each_step * 1e3:.1f} ms, pre-tokenised {gathered * 1e3:.2f} ms (x{each_step / gathered:.0f}); "
+              f"tokenising all {len(corpus)} examples once: {setup:.1f} s (datasets' cache may hold it)")
 
 
 def bench_eval(args, device):
@@ -60,6 +105,9 @@ def main(argv=None):
     parser.add_argument("--senteval_dir", default=None, help="SentEval data (dev gate and evaluation timing)")
     parser.add_argument("--methods", nargs="+", default=["simcse"], help="method scripts; simcse is always included")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method")
+    parser.add_argument("--warmup", type=int, default=3, help="steps run before the timed ones (not timed)")
+    parser.add_argument("--supervised_file", default=None, help="NLI csv: also time simcse.py --supervised on it")
+    parser.add_argument("--compare_with", default=None, help="another checkout of this suite to time the same rows")
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--max_seq_length", type=int, default=32)
     parser.add_argument("--seed", type=int, default=42)
@@ -71,21 +119,45 @@ def main(argv=None):
     parser.add_argument("--skip_eval", action="store_true", help="time training only")
     args = parser.parse_args(argv)
     eval_sts.check_range(args, "steps", lambda v: v >= 1, "a positive integer")
+    eval_sts.check_range(args, "warmup", lambda v: v >= 0, "a non-negative integer")
+    if args.compare_with and not (Path(args.compare_with) / "simcse.py").is_file():
+        raise eval_sts.UsageError(f"--compare_with {args.compare_with}: no simcse.py there; "
+                                  "give a checkout of this suite")
     device = eval_sts.resolve_device(args.device)
+    for name in ("model_name_or_path", "train_file", "senteval_dir", "supervised_file"):  # the runs' cwd is the suite
+        path = getattr(args, name)
+        if path and Path(path).exists():
+            setattr(args, name, str(Path(path).resolve()))
     extra = {}
     for item in args.method_args:
         name, flag = item.split(":", 1)
         extra.setdefault(name, []).extend(flag.split("=", 1))
 
-    methods = ["simcse"] + [m for m in args.methods if m != "simcse"]
+    rows = ["simcse"] + [m for m in args.methods if m != "simcse"] + (["simcse-sup"] if args.supervised_file else [])
+    compare = Path(args.compare_with).resolve() if args.compare_with else None
+    new, old = {}, {}
     with tempfile.TemporaryDirectory() as workdir:
-        rows = {m: bench_method(m, args, extra.get(m, ()), workdir) for m in methods}
-    base = rows["simcse"]
-    print(f"\n{args.steps} steps, batch {args.batch_size}, {args.model_name_or_path}, {device}")
-    print(f"{'method':<14}{'steps/s':>9}{'x simcse':>10}{base['peak_memory_kind'] + ' MiB':>24}{'x simcse':>10}")
-    for m, r in rows.items():
-        print(f"{m:<14}{r['steps_per_second']:>9.2f}{r['steps_per_second'] / base['steps_per_second']:>10.2f}"
-              f"{r['peak_memory_mb']:>24.1f}{r['peak_memory_mb'] / base['peak_memory_mb']:>10.2f}")
+        for r in rows:  # the two checkouts alternate, so that a slower spell of the machine hits both
+            new[r] = bench_method(r, args, extra.get(r, ()), workdir, log_warmup=compare is None)
+            if compare:
+                old[r] = bench_method(r, args, extra.get(r, ()), workdir, compare, log_warmup=False)
+    base, cuda = new["simcse"], new["simcse"]["peak_memory_kind"] == "cuda_max_allocated"
+    timed = f"{args.steps} steps after {args.warmup} warm-up" if compare is None else \
+        f"{args.warmup + args.steps} steps"
+    print(f"\n{timed}, batch {args.batch_size}, {args.model_name_or_path}, {device}, "
+          f"precision {base.get('precision', '?')}")
+    print(f"{'method':<14}{'steps/s':>9}{'x simcse':>10}{base['peak_memory_kind'] + ' MiB':>24}{'x simcse':>10}"
+          + (f"{'reserved MiB':>14}" if cuda else "") + (f"{'old steps/s':>13}{'new/old':>9}" if compare else ""))
+    for r, res in new.items():
+        line = (f"{r:<14}{res['timed_steps_per_second']:>9.2f}"
+                f"{res['timed_steps_per_second'] / base['timed_steps_per_second']:>10.2f}"
+                f"{res['peak_memory_mb']:>24.1f}{res['peak_memory_mb'] / base['peak_memory_mb']:>10.2f}")
+        line += f"{res['peak_memory_reserved_mb']:>14.1f}" if cuda else ""
+        if compare:
+            before = old[r]["timed_steps_per_second"]
+            line += f"{before:>13.2f}{res['timed_steps_per_second'] / before:>9.2f}"
+        print(line)
+    bench_data(args)
     if not args.skip_eval:
         bench_eval(args, device)
 

@@ -51,6 +51,8 @@ def base_parser(doc: str, method: str) -> eval_sts.Parser:
     g.add_argument("--mlp_only_train", action=argparse.BooleanOptionalAction, default=True,
                    help="with --pooler cls, evaluate [CLS] before the MLP (SimCSE's unsupervised setting)")
     g.add_argument("--eval_steps", type=int, default=125, help="evaluate STS-B dev every this many steps")
+    g.add_argument("--logging_steps", type=int, default=None, help="log loss and steps/s every this many steps "
+                   "(default: at the dev steps); each log reads the losses from the device: one host sync")
     g.add_argument("--senteval_dir", default=None, help="SentEval data folder (default: HF senteval.tar)")
     g.add_argument("--output_dir", default=None, help="best checkpoint (best/) + results.json (default runs/<method>)")
     g.add_argument("--overwrite_output_dir", action="store_true", help="allow an --output_dir that holds a run")
@@ -76,9 +78,11 @@ def check_args(args) -> None:
                                  "batch_size": (lambda v: v >= 2, "at least 2 (one sentence has no negatives)"),
                                  "max_seq_length": (lambda v: 2 <= v <= 512, "2..512 tokens"),
                                  "lr": positive, "temp": positive, "epochs": positive, "eval_steps": positive,
+                                 "logging_steps": positive,
                                  "max_steps": non_negative, "warmup_steps": non_negative,
                                  "max_grad_norm": non_negative, "num_workers": non_negative}.items():
         check_range(args, name, ok, accepted)
+    args.logging_steps = args.logging_steps or args.eval_steps
     args.precision = resolve_precision(args.precision, eval_sts.resolve_device(args.device))
     args.output_dir = str(args.output_dir or Path("runs") / args.method)
     out = Path(args.output_dir)
@@ -182,7 +186,8 @@ class TokenizedCorpus:
         columns = examples.column_names  # ["text"] or ["sent0", "sent1", "hard_neg"]
 
         def tokenize(batch):
-            return {f"{c}_ids": tokenizer(batch[c], truncation=True, max_length=max_length)["input_ids"] for c in columns}
+            return {f"{c}_ids": tokenizer(batch[c], truncation=True, max_length=max_length)["input_ids"]
+                    for c in columns}
         ids = examples.map(tokenize, batched=True, remove_columns=columns).with_format("arrow")
         flat, offsets = [], [np.zeros(1, dtype=np.int64)]
         for c in columns:
@@ -190,7 +195,8 @@ class TokenizedCorpus:
             flat.append(sequences.flatten().to_numpy())
             offsets.append(np.diff(sequences.offsets.to_numpy()).cumsum() + offsets[-1][-1])
         self.flat, self.offsets, self.num_columns = np.concatenate(flat), np.concatenate(offsets), len(columns)
-        self.pad_id, self.multiple, self.left = tokenizer.pad_token_id, pad_to_multiple_of, tokenizer.padding_side == "left"
+        self.pad_id, self.multiple = tokenizer.pad_token_id, pad_to_multiple_of
+        self.left = tokenizer.padding_side == "left"
         self.with_token_types = "token_type_ids" in tokenizer.model_input_names
 
     def __len__(self):
@@ -298,6 +304,10 @@ def read_losses(pending: list, losses: list) -> None:
                 raise UsageError(f"the loss became {value} at step {step}: the run diverged (a lower --lr may help)")
         losses.extend(values)
 
+def progress(step: int, total_steps: int, losses: list, train_time: float) -> str:
+    loss = f"  loss {losses[-1]:.4f}  {step / max(train_time, 1e-9):.2f} steps/s" if losses else ""
+    return f"step {step}/{total_steps}{loss}"
+
 # ------------------------------------------------------------------------------------- evaluation and saving
 def dev_score(modules, encode, senteval_dir) -> float:
     """STS-B dev Spearman x100, in fp32 and eval mode; process 0 evaluates, every process gets the score."""
@@ -339,7 +349,8 @@ def finish(args, eval_pooler: str, senteval_dir, device, stop, **run) -> dict:
     exits 130 (Ctrl-C) / 143 (SIGTERM)."""
     out_dir, cuda, results = Path(args.output_dir), device.type == "cuda", {}
     if distributed.rank() == 0:
-        peak = torch.cuda.max_memory_allocated(device) if cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+        peak = torch.cuda.max_memory_allocated(device) if cuda else \
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
         results = {"method": args.method, "args": {k: v for k, v in vars(args).items() if k != "method"},
                    "device": str(device), "world_size": distributed.world_size(), "precision": args.precision,
                    "eval_pooler": eval_pooler, **run, "peak_memory_mb": round(peak / 2**20, 1),

@@ -22,7 +22,8 @@ epoch) and fp32 evaluation come from the HF Trainer it uses.
 Choices: AMI's layer range defaults to the paper's 7:11 (0-based, end excluded) for 12-layer encoders and to the
 same offsets from the top, (L-5):(L-1), for an L-layer one (all layers, an even count, below 6 layers); after each
 optimiser step the momentum encoder takes its EMA update, then encodes the batch into the queue, so those keys
-are negatives from the next step on; AMI's samples come from a generator seeded by --seed.
+are negatives from the next step on; AMI's samples come from a generator seeded by --seed; the momentum encoder
+runs SDPA attention (it needs no attention weights) and AMI gets its layers' attention maps in fp32.
 """
 from __future__ import annotations
 
@@ -236,22 +237,22 @@ def main(argv=None):
                         hidden_states = momentum_backbone(**batch, output_hidden_states=True).hidden_states
                     keys = common.embed(hidden_states, batch["attention_mask"], args.pooler, head)
                 queue.push(distributed.gather(keys))  # the same queue on every process
-            pending.append(loss.detach())  # stays on the device until the next dev step: no host sync per step
+            pending.append(loss.detach())  # stays on the device until the next log or dev step: no host sync
         stopping = stop.requested()
-        if step % args.eval_steps == 0 or step == total_steps or stopping:
+        if step % args.logging_steps == 0 or step % args.eval_steps == 0 or step == total_steps or stopping:
             common.read_losses(pending, losses)  # one host sync; the first NaN or inf stops the run with its step
             train_time += time.perf_counter() - clock  # the device has finished every step up to here
-        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
-            dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
-            dev_curve.append([step, dev])
             time_curve.append([step, round(train_time, 3)])
-            if dev > best_dev:
-                best_dev, best_step = dev, step
-                common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
-            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  "
-                            f"STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})  "
-                            f"{step / max(train_time, 1e-9):.2f} steps/s")
-            clock = time.perf_counter()  # the gate is not training time
+            message = common.progress(step, total_steps, losses, train_time)
+            if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+                dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
+                dev_curve.append([step, dev])
+                if dev > best_dev:
+                    best_dev, best_step = dev, step
+                    common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
+                message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
+            distributed.log(message)
+            clock = time.perf_counter()  # the dev gate and the log are not training time
         if stopping:
             break
 

@@ -17,7 +17,8 @@ GPU on 2 GPUs and lr 1e-5, and its README evaluates --pooler cls while its dev g
 this file follows the paper's per-view shuffles. Gradient clipping at 1.0, the last incomplete batch kept (a
 batch no wider than a group is skipped: its covariance is singular) and fp32 evaluation come from the HF Trainer.
 Choices: each view is one dropout pass of the batch (all m in one forward pass) with its own fresh
-permutation drawn from a generator seeded by --seed; eigenvalues are floored at 1e-12 before the inverse square
+permutation drawn on the device from a generator seeded by --seed; the whole whitening runs in fp32 whatever
+--precision the encoder uses; eigenvalues are floored at 1e-12 before the inverse square
 root so rounding cannot produce a NaN; evaluation takes [CLS] before the head (SGW is training-only).
 """
 from __future__ import annotations
@@ -158,22 +159,22 @@ def main(argv=None):
             scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
             scaler.update()
             scheduler.step()
-            pending.append(loss.detach())  # stays on the device until the next dev step: no host sync per step
+            pending.append(loss.detach())  # stays on the device until the next log or dev step: no host sync
         stopping = stop.requested()
-        if step % args.eval_steps == 0 or step == total_steps or stopping:
+        if step % args.logging_steps == 0 or step % args.eval_steps == 0 or step == total_steps or stopping:
             common.read_losses(pending, losses)  # one host sync; the first NaN or inf stops the run with its step
             train_time += time.perf_counter() - clock  # the device has finished every step up to here
-        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
-            dev = common.dev_score([backbone, head], encode, senteval_dir)
-            dev_curve.append([step, dev])
             time_curve.append([step, round(train_time, 3)])
-            if dev > best_dev:
-                best_dev, best_step = dev, step
-                common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
-            distributed.log(f"step {step}/{total_steps}  loss {losses[-1] if losses else math.nan:.4f}  "
-                            f"STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})  "
-                            f"{step / max(train_time, 1e-9):.2f} steps/s")
-            clock = time.perf_counter()  # the gate is not training time
+            message = common.progress(step, total_steps, losses, train_time)
+            if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+                dev = common.dev_score([backbone, head], encode, senteval_dir)
+                dev_curve.append([step, dev])
+                if dev > best_dev:
+                    best_dev, best_step = dev, step
+                    common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
+                message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
+            distributed.log(message)
+            clock = time.perf_counter()  # the dev gate and the log are not training time
         if stopping:
             break
 

@@ -134,7 +134,7 @@ def test_ema_update_arithmetic():
     target, source = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     before_t, before_s = target.weight.detach().clone(), source.weight.detach().clone()
     micse.ema_update(target, source, 0.9)
-    assert torch.allclose(target.weight, 0.9 * before_t + 0.1 * before_s)
+    assert torch.allclose(target.weight, 0.9 * before_t + 0.1 * before_s, atol=1e-7, rtol=0)
     assert torch.equal(source.weight, before_s)
 
 
@@ -150,6 +150,29 @@ def test_few_shot_settings_and_overrides(capsys):
     assert args.epochs == 50 and "settings of 0.01" in capsys.readouterr().out
     with pytest.raises(common.UsageError, match="--fraction"):
         micse.parse_args(["--fraction", "1.5"])
+
+
+def test_ami_on_the_kept_layers_alone_equals_ami_on_all_layers():
+    """The loop stacks only AMI's layers (min_layer:max_layer) and passes them as layers 0:K; the tiles by layer
+    parity, the samples and the value are the same."""
+    g = torch.Generator().manual_seed(0)
+    attn1, attn2 = (torch.softmax(torch.randn(3, 12, 4, 9, 9, generator=g), -1) for _ in range(2))
+    full = micse.ami_loss(attn1, attn2, 7, 11, 20, torch.Generator().manual_seed(1))
+    kept = micse.ami_loss(attn1[:, 7:11], attn2[:, 7:11], 0, 4, 20, torch.Generator().manual_seed(1))
+    assert torch.equal(full, kept) and full != micse.ami_loss(attn1, attn2, 6, 10, 20, torch.Generator().manual_seed(1))
+
+
+def test_momentum_encoder_copy_runs_sdpa_and_the_online_encoder_keeps_its_attentions(tiny_model):
+    import copy
+    _, backbone = common.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
+    momentum = copy.deepcopy(backbone)
+    momentum.set_attn_implementation("sdpa")  # as micse.main does
+    assert momentum.config._attn_implementation == "sdpa" and backbone.config._attn_implementation == "eager"
+    ids = torch.tensor([[2, 7, 8, 9, 3]])
+    assert backbone(input_ids=ids, output_attentions=True).attentions[0] is not None
+    backbone.eval(), momentum.eval()
+    torch.testing.assert_close(momentum(input_ids=ids).last_hidden_state, backbone(input_ids=ids).last_hidden_state,
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_default_ami_layers():
