@@ -26,8 +26,8 @@ _RANK, _WORLD, _HOST_GROUP = 0, 1, None  # kept after shutdown(): a process stil
 def init(device: torch.device) -> torch.device:
     """Under torchrun (RANK set): join the process group (NCCL on CUDA, gloo on CPU); this process's device.
 
-    A second gloo group carries the host-side values (row counts, the stop flag), so that exchanging them never
-    waits for the GPU.
+    A second gloo group carries the host-side values (row counts, the stop flag, the dev score) and the barriers,
+    so that they never wait for the GPU.
     """
     global _RANK, _WORLD, _HOST_GROUP
     if "RANK" not in os.environ or dist.is_initialized():
@@ -117,7 +117,7 @@ def log(message: str) -> None:
 
 def barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=_HOST_GROUP)  # a host-side rendezvous: nothing to wait for on the GPU
 
 
 @contextlib.contextmanager
@@ -137,5 +137,5 @@ def shutdown() -> None:
     """The processes part once training is over: the process group is torn down, so process 0's final evaluation
     (longer than NCCL's 10-minute timeout for BERT-base transfer) holds nobody in a barrier. rank() still answers."""
     if dist.is_initialized():
-        dist.barrier()
+        barrier()
         dist.destroy_process_group()
