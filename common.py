@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
 import random
 import resource
 import shutil
@@ -142,6 +143,9 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
         data = data.filter(lambda b: [bool(s) for s in b["text"]], batched=True)
     if len(data) == 0:
         raise UsageError(f"--train_file {path} holds no sentences")
+    if not triplets and {"sent0", "sent1"} <= set(data[0]["text"].split(",")):
+        raise UsageError(f"--train_file {path} is NLI triplets (a sent0,sent1,... header), not one sentence a line; "
+                         "simcse.py trains on it with --supervised")
     return (data if subset else data.select(subsample(range(len(data)), args.fraction, args.seed))), str(path), subset
 
 
@@ -335,6 +339,10 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> Non
         tokenizer.save_pretrained(tmp)
         eval_sts.write_sentence_transformers_config(tmp, eval_pooler, backbone.config.hidden_size,
                                                     head if eval_pooler == "cls" else None)
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in tmp.rglob("*"):  # save_pretrained writes the weights through a 0600 temporary file
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
         if target.exists():
             target.rename(old)  # a kill between the two renames leaves the previous best whole in best.old
         tmp.rename(target)

@@ -157,6 +157,12 @@ def hub_file(repo: str, filename: str, flag: str) -> str:
                          f"pass a local file with {flag}") from None
 
 
+def looks_local(name: str) -> bool:
+    """A path, not a hub id ("owner/name"): starts with . / or ~, has two or more slashes, or its parent exists."""
+    parent = Path(name).expanduser().parent
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (parent != Path(".") and parent.is_dir())
+
+
 def load_pretrained(name_or_path: str, attn_implementation: str | None = None):
     """(tokenizer, backbone) with AutoModel: a local directory, a cached hub copy, else a download.
 
@@ -175,7 +181,9 @@ def load_pretrained(name_or_path: str, attn_implementation: str | None = None):
         return tokenizer, AutoModel.from_pretrained(name_or_path, local_files_only=local_files_only,
                                                     dtype=torch.float32, **kwargs)
 
-    path = Path(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if not path.exists() and looks_local(name_or_path):  # e.g. runs/simcse/best before the run wrote it
+        raise UsageError(f"--model_name_or_path {name_or_path}: no such folder")
     try:
         if path.exists():
             if not path.is_dir():

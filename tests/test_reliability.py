@@ -177,3 +177,42 @@ def test_malformed_sentEval_file_is_found_before_training(tiny_model, corpus, se
                                  capsys)
     assert code == 2 and len(lines) == 1 and "STS.gs.headlines.txt line 3" in lines[0], lines
     assert not out.exists()
+
+
+def test_a_missing_local_model_folder_is_no_such_folder_not_a_hub_error(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                        capsys):
+    import eval_sts
+    out = tmp_path / "out"
+    for missing in ["runs/simcse/best", str(tmp_path / "best")]:
+        args = smoke_args(tiny_model, corpus, senteval_dir, out)
+        args[args.index("--model_name_or_path") + 1] = missing
+        code, lines = run_in_process("simcse", args, capsys)
+        assert code == 2 and lines == [f"error: --model_name_or_path {missing}: no such folder"], lines
+        with pytest.raises(SystemExit) as exit_info:
+            common.cli(lambda: eval_sts.main(["--model_name_or_path", missing, "--senteval_dir", str(senteval_dir)]))
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines() == [f"error: --model_name_or_path {missing}: no such folder"]
+    assert not out.exists()
+
+
+def test_nli_triplets_given_to_an_unsupervised_run_are_refused(tiny_model, senteval_dir, tmp_path, capsys):
+    nli = tmp_path / "nli.csv"
+    nli.write_text("sent0,sent1,hard_neg\na man runs,a person runs,a dog sleeps\nthe sun,a star,the moon\n")
+    out = tmp_path / "out"
+    code, lines = run_in_process("sscl", smoke_args(tiny_model, nli, senteval_dir, out), capsys)
+    assert code == 2 and len(lines) == 1 and "is NLI triplets" in lines[0] and "--supervised" in lines[0], lines
+    assert not out.exists()
+
+
+def test_checkpoint_files_get_the_users_umask(tiny_model, tmp_path):
+    import os
+    from transformers import AutoModel, AutoTokenizer
+    tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
+    saved = os.umask(0o022)
+    try:
+        common.save_checkpoint(backbone, common.MLPHead(backbone.config), tokenizer, "cls", tmp_path)
+    finally:
+        os.umask(saved)
+    best = tmp_path / "best"
+    modes = {p.name: p.stat().st_mode & 0o777 for p in best.rglob("*")}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644 and modes["2_Dense"] == 0o755, modes
