@@ -314,12 +314,17 @@ def progress(step: int, total_steps: int, losses: list, train_time: float) -> st
 
 # ------------------------------------------------------------------------------------- evaluation and saving
 def dev_score(modules, encode, senteval_dir) -> float:
-    """STS-B dev Spearman x100, in fp32 and eval mode; process 0 evaluates, every process gets the score."""
+    """STS-B dev Spearman x100, in fp32 and eval mode; process 0 evaluates, every process gets the score (-inf
+    when it is undefined)."""
     score = math.nan
     if distributed.rank() == 0:
         for m in modules:
             m.eval()
         score = eval_sts.evaluate(encode, senteval_dir, ["STSBenchmark"], mode="dev")["STSBenchmark"]
+        if not math.isfinite(score):  # constant embeddings have no Spearman: the score is the worst, not NaN
+            distributed.log("note: the STS-B dev score is undefined (the embeddings are constant: a collapsed or "
+                            "degenerate model); it counts as the worst score")
+            score = -math.inf
         for m in modules:
             m.train()
     return distributed.broadcast_float(score)

@@ -451,13 +451,23 @@ def write_sentence_transformers_config(out_dir: Path, pooler: str, hidden_size: 
     (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
 
 
+def _json_safe(value):
+    """NaN and infinities become null: JSON has no such numbers (Python would write a bare NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return [_json_safe(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
 def write_json(path: Path, data: dict) -> None:
-    """Write to a temporary file beside `path`, then rename: a kill never leaves half a file."""
+    """Write valid JSON to a temporary file beside `path`, then rename: a kill never leaves half a file."""
+    text = json.dumps(_json_safe(data), indent=2, allow_nan=False)
     if path.exists() and not path.is_file():  # /dev/stdout and the like
-        path.write_text(json.dumps(data, indent=2))
+        path.write_text(text)
         return
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

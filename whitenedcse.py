@@ -169,7 +169,7 @@ def main(argv=None):
             if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
                 dev = common.dev_score([backbone, head], encode, senteval_dir)
                 dev_curve.append([step, dev])
-                if dev > best_dev:
+                if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
                     best_dev, best_step = dev, step
                     common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
                 message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"

@@ -216,3 +216,25 @@ def test_checkpoint_files_get_the_users_umask(tiny_model, tmp_path):
     best = tmp_path / "best"
     modes = {p.name: p.stat().st_mode & 0o777 for p in best.rglob("*")}
     assert modes["model.safetensors"] == modes["config.json"] == 0o644 and modes["2_Dense"] == 0o755, modes
+
+
+def test_an_undefined_dev_score_counts_as_the_worst_and_results_stay_valid_json(tiny_model, corpus, senteval_dir,
+                                                                                tmp_path, monkeypatch, capsys):
+    """Constant embeddings (a collapsed model) have no Spearman: the step-0 model is still saved, the log says why,
+    and results.json holds null, not a bare NaN."""
+    import eval_sts
+    import simcse
+    real_evaluate = eval_sts.evaluate
+
+    def undefined_dev(encode, senteval_dir, tasks=None, mode="test", **kwargs):
+        scores = real_evaluate(encode, senteval_dir, tasks, mode, **kwargs)
+        return {k: float("nan") for k in scores} if mode == "dev" else scores
+    monkeypatch.setattr(eval_sts, "evaluate", undefined_dev)
+    out = tmp_path / "run"
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval")])
+    assert "the STS-B dev score is undefined" in capsys.readouterr().out
+    text = (out / "results.json").read_text()
+    results = json.loads(text, parse_constant=lambda c: pytest.fail(f"results.json holds {c}"))
+    assert results["best_step"] == 0 and results["best_dev_stsb"] is None
+    assert results["dev_curve"] == [[0, None], [2, None], [4, None]] and (out / "best" / "config.json").is_file()
+    assert "align_uniform" in results  # the final evaluation found best/
