@@ -180,7 +180,6 @@ class BatchSampler:
                 yield rows[len(rows) * self.rank // self.world:len(rows) * (self.rank + 1) // self.world]
 
 
-
 class TokenizedCorpus:
     """Every example tokenised once (datasets' batched `map`, cached as SimCSE's train.py does), its token ids kept
     in one flat array with each sequence's offsets. `collate(rows)` gathers those rows and pads them to their
@@ -307,6 +306,7 @@ def read_losses(pending: list, losses: list) -> None:
             if not math.isfinite(value):
                 raise UsageError(f"the loss became {value} at step {step}: the run diverged (a lower --lr may help)")
         losses.extend(values)
+
 
 def progress(step: int, total_steps: int, losses: list, train_time: float) -> str:
     loss = f"  loss {losses[-1]:.4f}  {step / max(train_time, 1e-9):.2f} steps/s" if losses else ""

@@ -239,12 +239,13 @@ def main(argv=None):
                 queue.push(distributed.gather(keys))  # the same queue on every process
             pending.append(loss.detach())  # stays on the device until the next log or dev step: no host sync
         stopping = stop.requested()
-        if step % args.logging_steps == 0 or step % args.eval_steps == 0 or step == total_steps or stopping:
+        dev_step = step % args.eval_steps == 0 or step == total_steps
+        if dev_step or stopping or step % args.logging_steps == 0:
             common.read_losses(pending, losses)  # one host sync; the first NaN or inf stops the run with its step
             train_time += time.perf_counter() - clock  # the device has finished every step up to here
             time_curve.append([step, round(train_time, 3)])
             message = common.progress(step, total_steps, losses, train_time)
-            if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+            if dev_step:  # the STS-B dev gate
                 dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
                 dev_curve.append([step, dev])
                 if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
