@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import distributed
 import eval_sts
 import eval_transfer
+import plumbing
 from eval_sts import POOLERS, UsageError, check_range, cli, load_pretrained, pool, pooled_encode  # noqa: F401
 
 MICSE_DATA_REPO = "sap-ai-research/datasets-for-micse"
@@ -67,8 +68,20 @@ def base_parser(doc: str, method: str) -> eval_sts.Parser:
     g.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="alias of --precision fp32")
     g.add_argument("--compile", action="store_true", help="torch.compile the encoder for the training passes "
                    "(batches padded to a multiple of 8, so that few shapes compile)")
-    p.set_defaults(method=method)
+    p.set_defaults(method=method, presets=None)
     return p
+
+
+def parse_with_presets(parser, argv, presets: dict, source: str):
+    """parser.parse_args(argv) with `presets` as the defaults (flags the user gives win); args.presets records
+    where they come from, which applied and which the user's flags replaced (the run summary, results.json)."""
+    parser.set_defaults(**presets)
+    args = parser.parse_args(argv)
+    if presets:
+        args.presets = {"source": source,
+                        "applied": {k: v for k, v in presets.items() if getattr(args, k) == v},
+                        "overridden": {k: getattr(args, k) for k, v in presets.items() if getattr(args, k) != v}}
+    return args
 
 
 def check_args(args) -> None:
@@ -106,6 +119,36 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return precision
 
 
+def run_summary(args, num_examples: int, train_file, subset, steps_per_epoch: int, total_steps: int, device) -> dict:
+    """What this run is, printed before training and kept in results.json: the presets and their source, the
+    data, the model, device and precision, the schedule, the output folder."""
+    if subset:
+        data = f"miCSE's released subset {subset}: {num_examples:,} examples (Table 2's data)"
+    elif args.fraction < 1:
+        data = f"{num_examples:,} examples, a {args.fraction:g} subset of {train_file} drawn with --seed {args.seed}"
+        if args.fraction in MICSE_SUBSETS and not args.train_file:
+            data += " (not the authors' subset: theirs are --seed 48-52)"
+    else:
+        data = f"{num_examples:,} examples from {train_file}"
+    presets = "none: the defaults in --help"
+    if args.presets:
+        applied, overridden = args.presets["applied"], args.presets["overridden"]
+        presets = args.presets["source"] + ": " + ", ".join(f"{k} {v}" for k, v in applied.items())
+        if overridden:
+            presets += "; your flags replaced " + ", ".join(f"{k} (now {v})" for k, v in overridden.items())
+    summary = {"presets": presets, "data": data,
+               "model": f"{args.model_name_or_path}, trained with pooler {args.pooler}, "
+                        f"evaluated with {eval_pooler(args)}",
+               "device": f"{device} x {distributed.world_size()}, precision {args.precision}"
+                         + (", torch.compile" if args.compile else ""),
+               "schedule": f"{total_steps:,} steps ({steps_per_epoch:,} an epoch), batch {args.batch_size}, "
+                           f"lr {args.lr:g}, STS-B dev every {args.eval_steps} steps; the ETA comes with the first "
+                           "log line",
+               "output": args.output_dir}
+    distributed.log(f"{args.method}\n" + "\n".join(f"  {key:<9} {value}" for key, value in summary.items()))
+    return summary
+
+
 def eval_pooler(args) -> str:
     """SimCSE: with --mlp_only_train the [CLS] pooler is evaluated before the MLP."""
     return "cls_before_pooler" if args.pooler == "cls" and args.mlp_only_train else args.pooler
@@ -123,6 +166,8 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
     subset = None if args.train_file or triplets else micse_subset(args.fraction, args.seed)
     repo, name = (MICSE_DATA_REPO, subset) if subset else (eval_sts.SIMCSE_DATA_REPO, default_file)
     path = args.train_file or eval_sts.hub_file(repo, name, "--train_file")
+    if Path(path).is_file() and Path(path).stat().st_size > 20 * 2**20:
+        distributed.log(f"reading {path} (datasets caches it: the next run is faster)")
     lines = eval_sts.read_lines(path, "--train_file")  # missing, unreadable, not UTF-8, empty: one line
     if triplets:
         rows = csv.reader(lines)
@@ -132,7 +177,7 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
             if len(row) < 3:
                 raise UsageError(f"--train_file {path} line {rows.line_num} has {len(row)} column(s), expected 3")
     import datasets
-    datasets.disable_progress_bars()
+    datasets.disable_progress_bars()  # one line instead, for a corpus big enough to take a while
     if triplets:  # keep_default_na: a sentence "NA" or "null" stays a sentence
         data = datasets.load_dataset("csv", data_files=str(path), split="train", keep_default_na=False)
         data = data.select_columns(["sent0", "sent1", "hard_neg"])
@@ -191,6 +236,8 @@ class TokenizedCorpus:
         def tokenize(batch):
             return {f"{c}_ids": tokenizer(batch[c], truncation=True, max_length=max_length)["input_ids"]
                     for c in columns}
+        if len(examples) > 100_000:
+            distributed.log(f"tokenising {len(examples):,} examples (cached: the next run is faster)")
         ids = examples.map(tokenize, batched=True, remove_columns=columns).with_format("arrow")
         flat, offsets = [], [np.zeros(1, dtype=np.int64)]
         for c in columns:
@@ -309,8 +356,12 @@ def read_losses(pending: list, losses: list) -> None:
 
 
 def progress(step: int, total_steps: int, losses: list, train_time: float) -> str:
-    loss = f"  loss {losses[-1]:.4f}  {step / max(train_time, 1e-9):.2f} steps/s" if losses else ""
-    return f"step {step}/{total_steps}{loss}"
+    """The log line: step, loss, training speed and the training time left at that speed (dev gates aside)."""
+    if not losses:  # step 0: nothing trained yet
+        return f"step {step}/{total_steps}"
+    rate = step / max(train_time, 1e-9)
+    left = f"  ETA {plumbing.duration((total_steps - step) / rate)}" if step < total_steps else ""
+    return f"step {step}/{total_steps}  loss {losses[-1]:.4f}  {rate:.2f} steps/s{left}"
 
 # ------------------------------------------------------------------------------------- evaluation and saving
 def dev_score(modules, encode, senteval_dir) -> float:
@@ -320,7 +371,8 @@ def dev_score(modules, encode, senteval_dir) -> float:
     if distributed.rank() == 0:
         for m in modules:
             m.eval()
-        score = eval_sts.evaluate(encode, senteval_dir, ["STSBenchmark"], mode="dev")["STSBenchmark"]
+        score = eval_sts.evaluate(encode, senteval_dir, ["STSBenchmark"], mode="dev", desc="dev gate: STS-B dev")
+        score = score["STSBenchmark"]
         if not math.isfinite(score):  # constant embeddings have no Spearman: the score is the worst, not NaN
             distributed.log("note: the STS-B dev score is undefined (the embeddings are constant: a collapsed or "
                             "degenerate model); it counts as the worst score")
@@ -359,8 +411,10 @@ def finish(args, eval_pooler: str, senteval_dir, device, stop, **run) -> dict:
     """The final report, on process 0 alone (call distributed.shutdown() first: the others just exit): peak
     memory, the best checkpoint reloaded as a plain AutoModel (what `eval_sts.py` sees) on the STS test tasks in
     fp32, its alignment/uniformity, then results.json. An interrupted run records what it reached instead and
-    exits 130 (Ctrl-C) / 143 (SIGTERM)."""
+    exits 130 (Ctrl-C) / 143 (SIGTERM); a signal during the final evaluation stops it and is recorded too."""
     out_dir, cuda, results = Path(args.output_dir), device.type == "cuda", {}
+    interrupted = stop.signum is not None
+    stop.training_over()
     if distributed.rank() == 0:
         peak = torch.cuda.max_memory_allocated(device) if cuda else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
@@ -368,26 +422,40 @@ def finish(args, eval_pooler: str, senteval_dir, device, stop, **run) -> dict:
                    "device": str(device), "world_size": distributed.world_size(), "precision": args.precision,
                    "eval_pooler": eval_pooler, **run, "peak_memory_mb": round(peak / 2**20, 1),
                    "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
-                   "interrupted": stop.signum is not None}
+                   "interrupted": interrupted}
+        if interrupted:
+            results["interrupted_during"] = "training"
         if cuda:
             results["peak_memory_reserved_mb"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
-    if distributed.rank() == 0 and stop.signum is None:
-        distributed.log(f"best STS-B dev {run['best_dev_stsb']:.2f} at step {run['best_step']}; evaluating it")
-        encode = eval_sts.load_encode(str(out_dir / "best"), eval_pooler, device)
-        if not args.no_test_eval:
-            results["test"] = eval_sts.evaluate(encode, senteval_dir, mode="test")
-            eval_sts.print_table(results["test"])
-        pooler = "cls_before_pooler" if eval_pooler == "cls" else eval_pooler  # a fresh head is not "initial"
-        initial = eval_sts.load_encode(args.model_name_or_path, pooler, device)  # the pretrained checkpoint
-        results["align_uniform"] = {"initial": eval_sts.align_uniform(initial, senteval_dir),
-                                    "best": eval_sts.align_uniform(encode, senteval_dir)}
+    if distributed.rank() == 0 and not interrupted:
+        try:
+            final_evaluation(args, eval_pooler, senteval_dir, device, results, run)
+        except distributed.StopRequested:
+            results.update(interrupted=True, interrupted_during="final evaluation")
+    stop.phase = "writing results.json"
     if distributed.rank() == 0:
         eval_sts.write_json(out_dir / "results.json", results)
-        if args.eval_transfer and stop.signum is None:  # after a first write: a transfer error loses nothing
-            results["transfer"] = eval_transfer.evaluate(encode, senteval_dir, mode=args.eval_transfer, device=device)
-            eval_sts.print_table(results["transfer"])
-            eval_sts.write_json(out_dir / "results.json", results)
         distributed.log(f"wrote {out_dir / 'results.json'} (best checkpoint: {out_dir / 'best'})")
     if stop.signum is not None:
         raise SystemExit(128 + stop.signum)
     return results
+
+
+def final_evaluation(args, eval_pooler: str, senteval_dir, device, results: dict, run: dict) -> None:
+    """The best checkpoint on the STS test tasks, alignment/uniformity against the initial model, and with
+    --eval_transfer the transfer tasks, each result put into `results` as soon as it exists."""
+    out_dir = Path(args.output_dir)
+    distributed.log(f"best STS-B dev {run['best_dev_stsb']:.2f} at step {run['best_step']}; evaluating it")
+    encode = eval_sts.load_encode(str(out_dir / "best"), eval_pooler, device)
+    if not args.no_test_eval:
+        results["test"] = eval_sts.evaluate(encode, senteval_dir, mode="test")
+        eval_sts.print_table(results["test"])
+    pooler = "cls_before_pooler" if eval_pooler == "cls" else eval_pooler  # a fresh head is not "initial"
+    initial = eval_sts.load_encode(args.model_name_or_path, pooler, device)  # the pretrained checkpoint
+    results["align_uniform"] = {"initial": eval_sts.align_uniform(initial, senteval_dir, desc="initial model: "
+                                                                  "alignment/uniformity"),
+                                "best": eval_sts.align_uniform(encode, senteval_dir)}
+    if args.eval_transfer:
+        eval_sts.write_json(out_dir / "results.json", results)  # a first write: a transfer error loses nothing
+        results["transfer"] = eval_transfer.evaluate(encode, senteval_dir, mode=args.eval_transfer, device=device)
+        eval_sts.print_table(results["transfer"])

@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 
+import plumbing
+
 
 _RANK, _WORLD, _HOST_GROUP = 0, 1, None  # kept after shutdown(): a process still knows who it was
 
@@ -92,11 +94,17 @@ def broadcast_float(value: float) -> float:
     return float(t.item())
 
 
+class StopRequested(Exception):
+    """A signal arrived after training: the final evaluation stops where it is."""
+
+
 class StopSignal:
-    """Ctrl-C or SIGTERM asks the loop to stop at the end of the current step (a second one stops at once)."""
+    """Ctrl-C or SIGTERM asks the loop to stop at the end of the current step (a second one stops at once).
+    In the "final evaluation" phase (after `training_over()`) a signal stops it at once (StopRequested); in any
+    other phase (`phase = "writing results.json"`) it lets that finish. Either way `signum` records it."""
 
     def __init__(self):
-        self.signum = None
+        self.signum, self.phase = None, "training"
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, self._handle)
 
@@ -104,7 +112,18 @@ class StopSignal:
         if self.signum is not None:
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"signal {signal.Signals(signum).name}: stopping at the end of this step", flush=True)
+        name = signal.Signals(signum).name
+        if self.phase == "training":
+            print(f"signal {name}: stopping at the end of this step", flush=True)
+        elif self.phase == "final evaluation":
+            print(f"signal {name} during the final evaluation: stopping it; results.json records what was done",
+                  flush=True)
+            raise StopRequested(name)
+        else:
+            print(f"signal {name} while {self.phase}: finishing that first", flush=True)
+
+    def training_over(self, phase: str = "final evaluation") -> None:
+        self.phase = phase
 
     def requested(self) -> bool:
         return any_process(self.signum is not None)
@@ -112,7 +131,7 @@ class StopSignal:
 
 def log(message: str) -> None:
     if rank() == 0:
-        print(message, flush=True)
+        plumbing.write(message)  # above the progress bars
 
 
 def barrier() -> None:

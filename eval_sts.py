@@ -10,8 +10,8 @@
 - Alignment and uniformity (Wang & Isola 2020, SimCSE Section 2 / Figure 2) with --align_uniform, on the STS-B
   dev split: the split the training runs' dev gate already reads, so the test split stays untouched.
 
-A leaf module: it imports nothing from the suite (common.py imports it and reuses its loading, poolers and
-one-line errors).
+A leaf module: it imports nothing from the suite but plumbing.py's progress display (common.py imports it and
+reuses its loading, poolers and one-line errors).
 
     python eval_sts.py --model_name_or_path runs/simcse/best --pooler cls_before_pooler
     python eval_sts.py --model_name_or_path ../shared/models/all-MiniLM-L6-v2 --pooler avg \\
@@ -33,6 +33,8 @@ from urllib.parse import urlparse
 import numpy as np
 import torch
 from scipy.stats import spearmanr
+
+import plumbing
 
 SIMCSE_DATA_REPO = "princeton-nlp/datasets-for-simcse"
 POOLERS = ("cls", "cls_before_pooler", "avg", "avg_top2", "avg_first_last")
@@ -304,15 +306,19 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(axis=1)
 
 
-def encode_unique(encode, sentences, batch_size: int = 128) -> dict:
+def encode_unique(encode, sentences, batch_size: int = 128, desc: str = "encoding") -> dict:
     """{sentence: vector}, each distinct sentence encoded once, in length-sorted batches."""
     unique = sorted(set(sentences), key=lambda s: (len(s), s))
-    vectors = np.concatenate([encode(unique[i:i + batch_size]) for i in range(0, len(unique), batch_size)])
-    return dict(zip(unique, vectors))
+    vectors = []
+    with plumbing.Progress(len(unique), desc, unit="sentence") as bar:
+        for i in range(0, len(unique), batch_size):
+            vectors.append(encode(unique[i:i + batch_size]))
+            bar.update(len(vectors[-1]))
+    return dict(zip(unique, np.concatenate(vectors)))
 
 
 def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: int = 128,
-             fast: bool = True) -> dict:
+             fast: bool = True, desc: str | None = None) -> dict:
     """Spearman x100 (two decimals) per task and their average, for `encode(list[str]) -> np.ndarray`.
 
     mode "test": the 7 tasks (STS-B / SICK-R on their test split); mode "dev": the dev splits of STS-B and
@@ -327,7 +333,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
 
     if fast:
         table = encode_unique(encode, [s for task_pairs in pairs.values() for p in task_pairs for s in p[:2]],
-                              batch_size)
+                              batch_size, desc or f"STS {mode}: encoding")
 
         def embed(sentences):
             return np.stack([table[s] for s in sentences])
@@ -362,10 +368,10 @@ def align_uniform_loss(x: np.ndarray, y: np.ndarray, data: np.ndarray) -> tuple[
     return align, uniform
 
 
-def align_uniform(encode, senteval_dir, batch_size: int = 128) -> dict:
+def align_uniform(encode, senteval_dir, batch_size: int = 128, desc: str = "alignment/uniformity") -> dict:
     """SimCSE's alignment/uniformity: STS-B dev pairs with gold score > 4 as positives, all its sentences as data."""
     pairs = load_pairs(senteval_dir, "STSBenchmark", "dev")
-    table = encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size)
+    table = encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size, desc)
     positives = [p for p in pairs if p[2] > 4.0]
     align, uniform = align_uniform_loss(np.stack([table[a] for a, _, _ in positives]),
                                         np.stack([table[b] for _, b, _ in positives]), np.stack(list(table.values())))

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 import eval_sts
+import plumbing
 
 TASKS = ["MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC"]
 L2_VALUES = [1e-5, 1e-4, 1e-3, 1e-2]
@@ -300,7 +301,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
     data = {task: load_task(senteval_dir, task) for task in tasks}
     sentences = [s for splits in data.values() for xs, _ in splits.values() for x in xs
                  for s in (x if isinstance(x, tuple) else (x,))]
-    table = eval_sts.encode_unique(encode, sentences, batch_size)
+    table = eval_sts.encode_unique(encode, sentences, batch_size, "transfer: encoding")
 
     def features(xs):
         if isinstance(xs[0], tuple):
@@ -310,6 +311,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
         return torch.as_tensor(xs, dtype=torch.float32, device=device)
 
     scores = {}
+    bar = plumbing.Progress(len(data), "transfer: classifiers", unit="task", report_each=True)
     for task, splits in data.items():
         split = {name: (features(xs), torch.as_tensor(ys, device=device)) for name, (xs, ys) in splits.items()}
         n_classes = int(max(int(ys.max()) for _, ys in split.values())) + 1
@@ -319,6 +321,9 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
             scores[task] = dev_then_test(*split["train"], *split["dev"], *split["test"], n_classes, mode)
         else:
             scores[task] = kfold_then_test(*split["train"], *split["test"], n_classes, mode)
+        bar.set_postfix(**{task: scores[task]})
+        bar.update()
+    bar.close()
     scores["avg"] = round(sum(scores[t] for t in tasks) / len(tasks), 2)
     return scores
 

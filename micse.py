@@ -41,6 +41,7 @@ import transformers
 import common
 import distributed
 import eval_sts
+import plumbing
 
 ATTN_IMPLEMENTATION = "eager"  # transformers 5's default SDPA returns no attention weights
 
@@ -70,10 +71,11 @@ def parse_args(argv=None):
     known, _ = parser.parse_known_args(argv)
     common.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
     nearest = min(FEW_SHOT_SETTINGS, key=lambda f: abs(math.log10(f) - math.log10(known.fraction)))
+    source = f"miCSE's settings for fraction {nearest:g} " + \
+        ("(Section 3.1)" if nearest == 1.0 else "(the authors' README)")
     if nearest != known.fraction:
-        print(f"micse: --fraction {known.fraction} is not in the settings table; using the settings of {nearest}")
-    parser.set_defaults(**FEW_SHOT_SETTINGS[nearest])  # the authors' settings; flags the user gives win
-    args = parser.parse_args(argv)
+        source += f", the nearest to --fraction {known.fraction:g} in FEW_SHOT_SETTINGS"
+    args = common.parse_with_presets(parser, argv, FEW_SHOT_SETTINGS[nearest], source)  # flags the user gives win
     for name, accepted in (("ami_lambda", ">= 0"), ("queue_size", ">= 0 (0 disables the queue)")):
         common.check_range(args, name, lambda v: v >= 0, accepted)
     common.check_range(args, "ami_samples", lambda v: v >= 2, "at least 2 entries per tile")
@@ -199,14 +201,14 @@ def main(argv=None):
         momentum_backbone.set_attn_implementation("sdpa")
         set_dropout(momentum_backbone, args.momentum_dropout)
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
-    distributed.log(f"micse: {len(corpus)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
-                    f"steps, device {device} x {distributed.world_size()}, precision {args.precision}")
+    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps, device)
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
     best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
     train_time, clock = 0.0, time.perf_counter()
+    bar = plumbing.Progress(total_steps, "training", unit="step", enabled=distributed.rank() == 0, leave=True)
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
@@ -238,6 +240,7 @@ def main(argv=None):
                     keys = common.embed(hidden_states, batch["attention_mask"], args.pooler, head)
                 queue.push(distributed.gather(keys))  # the same queue on every process
             pending.append(loss.detach())  # stays on the device until the next log or dev step: no host sync
+            bar.update()  # a clock read, no host sync
         stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
         if dev_step or stopping or step % args.logging_steps == 0:
@@ -253,13 +256,17 @@ def main(argv=None):
                     common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
                 message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
             distributed.log(message)
+            bar.set_postfix(loss=losses[-1] if losses else None, best_dev=best_dev)
             clock = time.perf_counter()  # the dev gate and the log are not training time
+            bar.unpause()  # nor in the bar's speed and ETA
         if stopping:
             break
 
-    common.finish(args, eval_pooler, senteval_dir, device, stop, train_file=train_file, micse_subset=subset,
-                  num_train_examples=len(corpus), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
-                  dev_curve=dev_curve, train_time_curve=time_curve, train_loss=losses,
+    bar.close()
+    distributed.shutdown()  # the other processes exit here: process 0's final evaluation holds nobody in a barrier
+    common.finish(args, eval_pooler, senteval_dir, device, stop, summary=summary, train_file=train_file,
+                  micse_subset=subset, num_train_examples=len(corpus), steps=len(losses), best_dev_stsb=best_dev,
+                  best_step=best_step, dev_curve=dev_curve, train_time_curve=time_curve, train_loss=losses,
                   train_time_s=round(train_time, 2),
                   steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 

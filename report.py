@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import plumbing
 from eval_sts import write_json  # atomic: a stopped report never leaves half a file, which a resumed one would skip
 
 ROOT = Path(__file__).resolve().parent
@@ -134,13 +135,18 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
             scores, cost = timed_scores([sys.executable, "eval_sts.py", "--model_name_or_path", MODEL, "--pooler",
                                          pooler, "--senteval_dir", SENTEVAL], RESULTS / f"{stem}.tmp.json")
             write_json(RESULTS / f"{stem}.json", {**scores, "report": cost})
+    todo = sum(not (RESULTS / f"{name}.seed{seed}.json").exists() for seed in seeds for name, *_ in rows)
+    done, start = 0, time.perf_counter()
     for seed in seeds:  # every row of a seed first: a report stopped early still has comparable rows
         for name, script, flags, _, _ in rows:
             path = RESULTS / f"{name}.seed{seed}.json"
             if path.exists():
                 continue
             out = ROOT / "runs" / "report" / f"{name}.seed{seed}"
+            eta = plumbing.duration((time.perf_counter() - start) / done * (todo - done)) if done else "?"
+            print(f"== training run {done + 1}/{todo} ({done} done, ETA {eta})", flush=True)
             cost = timed(command(script, flags, seed, out))
+            done += 1
             write_json(path, {**json.loads((out / "results.json").read_text()), "report": cost})
     (RESULTS / "machine.json").write_text(json.dumps(machine(), indent=2))
     if not transfer:

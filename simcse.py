@@ -32,6 +32,7 @@ import transformers
 import common
 import distributed
 import eval_sts
+import plumbing
 
 # Table A.1 and Appendix A (supervised BERT-base): defaults under --supervised; flags the user gives win.
 SUPERVISED_DEFAULTS = {"batch_size": 512, "lr": 5e-5, "epochs": 3, "eval_steps": 250, "mlp_only_train": False}
@@ -46,9 +47,8 @@ def parse_args(argv=None):
     g.add_argument("--hard_negative_weight", type=float, default=0.0,
                    help="Eq. 8: added to the logit of each anchor's own hard negative (alpha = e^weight)")
     known, _ = parser.parse_known_args(argv)
-    if known.supervised:
-        parser.set_defaults(**SUPERVISED_DEFAULTS)
-    return parser.parse_args(argv)
+    return common.parse_with_presets(parser, argv, SUPERVISED_DEFAULTS if known.supervised else {},
+                                     "supervised SimCSE (Table A.1, Appendix A)")
 
 
 def main(argv=None):
@@ -77,14 +77,14 @@ def main(argv=None):
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # loss scaling for fp16; a pass-through otherwise
-    distributed.log(f"simcse: {len(corpus)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
-                    f"steps, device {device} x {distributed.world_size()}, precision {args.precision}")
+    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps, device)
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
     best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
     train_time, clock = 0.0, time.perf_counter()
+    bar = plumbing.Progress(total_steps, "training", unit="step", enabled=distributed.rank() == 0, leave=True)
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
@@ -110,6 +110,7 @@ def main(argv=None):
             scaler.update()
             scheduler.step()
             pending.append(loss.detach())  # stays on the device until the next log or dev step: no host sync
+            bar.update()  # a clock read, no host sync
         stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
         if dev_step or stopping or step % args.logging_steps == 0:
@@ -125,14 +126,17 @@ def main(argv=None):
                     common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
                 message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
             distributed.log(message)
+            bar.set_postfix(loss=losses[-1] if losses else None, best_dev=best_dev)
             clock = time.perf_counter()  # the dev gate and the log are not training time
+            bar.unpause()  # nor in the bar's speed and ETA
         if stopping:
             break
 
+    bar.close()
     distributed.shutdown()  # the other processes exit here: process 0's final evaluation holds nobody in a barrier
-    common.finish(args, eval_pooler, senteval_dir, device, stop, train_file=train_file, micse_subset=subset,
-                  num_train_examples=len(corpus), steps=len(losses), best_dev_stsb=best_dev, best_step=best_step,
-                  dev_curve=dev_curve, train_time_curve=time_curve, train_loss=losses,
+    common.finish(args, eval_pooler, senteval_dir, device, stop, summary=summary, train_file=train_file,
+                  micse_subset=subset, num_train_examples=len(corpus), steps=len(losses), best_dev_stsb=best_dev,
+                  best_step=best_step, dev_curve=dev_curve, train_time_curve=time_curve, train_loss=losses,
                   train_time_s=round(train_time, 2),
                   steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 

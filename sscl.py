@@ -32,6 +32,7 @@ import transformers
 import common
 import distributed
 import eval_sts
+import plumbing
 
 
 def parse_args(argv=None):
@@ -43,8 +44,7 @@ def parse_args(argv=None):
                    help="use this one hidden-state layer (1..L-1) as the negatives instead (Figure 3a)")
     g.add_argument("--report_oversmoothing", action="store_true",
                    help="write SetSim (Eq. 2) of adjacent layers on STS-B test, before and after training")
-    parser.set_defaults(pooler="avg")  # the released scripts train and evaluate with the average pooler
-    args = parser.parse_args(argv)
+    args = common.parse_with_presets(parser, argv, {"pooler": "avg"}, "SSCL's released scripts")  # train and eval
     if args.pooler not in ("cls", "avg"):
         parser.error("SSCL trains with --pooler cls or avg (Section 4.2)")
     common.check_range(args, "neg_layers", lambda v: v >= 0, "a non-negative number of layers")
@@ -131,14 +131,14 @@ def main(argv=None):
     neg_layers = negative_layers(backbone.config.num_hidden_layers, args.neg_layers, args.neg_layer_index)
     setsim = {"before": oversmoothing(backbone, tokenizer, args.pooler, senteval_dir, device)} \
         if args.report_oversmoothing and distributed.rank() == 0 else None
-    distributed.log(f"sscl: {len(corpus)} examples from {train_file}, {len(loader)} steps/epoch, {total_steps} "
-                    f"steps, device {device} x {distributed.world_size()}, precision {args.precision}")
+    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps, device)
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
     best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
     train_time, clock = 0.0, time.perf_counter()
+    bar = plumbing.Progress(total_steps, "training", unit="step", enabled=distributed.rank() == 0, leave=True)
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
@@ -161,6 +161,7 @@ def main(argv=None):
             scaler.update()
             scheduler.step()
             pending.append(loss.detach())  # stays on the device until the next log or dev step: no host sync
+            bar.update()  # a clock read, no host sync
         stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
         if dev_step or stopping or step % args.logging_steps == 0:
@@ -176,18 +177,21 @@ def main(argv=None):
                     common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
                 message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
             distributed.log(message)
+            bar.set_postfix(loss=losses[-1] if losses else None, best_dev=best_dev)
             clock = time.perf_counter()  # the dev gate and the log are not training time
+            bar.unpause()  # nor in the bar's speed and ETA
         if stopping:
             break
 
+    bar.close()
     distributed.shutdown()  # the other processes exit here: process 0's evaluations hold nobody in a barrier
     if setsim is not None and stop.signum is None:
         setsim["after"] = oversmoothing(eval_sts.load_pretrained(str(Path(args.output_dir) / "best"))[1].to(device),
                                         tokenizer, args.pooler, senteval_dir, device)
-    common.finish(args, eval_pooler, senteval_dir, device, stop, setsim=setsim, train_file=train_file,
-                  micse_subset=subset, num_train_examples=len(corpus), steps=len(losses), best_dev_stsb=best_dev,
-                  best_step=best_step, dev_curve=dev_curve, train_time_curve=time_curve, train_loss=losses,
-                  train_time_s=round(train_time, 2),
+    common.finish(args, eval_pooler, senteval_dir, device, stop, summary=summary, setsim=setsim,
+                  train_file=train_file, micse_subset=subset, num_train_examples=len(corpus), steps=len(losses),
+                  best_dev_stsb=best_dev, best_step=best_step, dev_curve=dev_curve, train_time_curve=time_curve,
+                  train_loss=losses, train_time_s=round(train_time, 2),
                   steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
 
 

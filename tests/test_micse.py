@@ -144,10 +144,14 @@ def test_few_shot_settings_and_overrides(capsys):
     assert args.seed == 3 and args.queue_size == 384
     args = micse.parse_args([])
     assert (args.batch_size, args.lr, args.warmup_steps, args.ami_lambda, args.eval_steps) == (50, 3e-5, 250, 2.5e-3, 125)
+    assert args.presets["applied"]["warmup_steps"] == 250 and "Section 3.1" in args.presets["source"]
     args = micse.parse_args(["--fraction", "0.01", "--lr", "2e-5", "--epochs", "3"])
     assert (args.lr, args.epochs, args.ami_lambda) == (2e-5, 3, 1e-4)
+    assert args.presets["applied"] == {"batch_size": 64, "ami_lambda": 1e-4, "eval_steps": 500}
+    assert args.presets["overridden"] == {"lr": 2e-5, "epochs": 3}
+    assert "fraction 0.01 (the authors' README)" in args.presets["source"]
     args = micse.parse_args(["--fraction", "0.02"])
-    assert args.epochs == 50 and "settings of 0.01" in capsys.readouterr().out
+    assert args.epochs == 50 and "nearest to --fraction 0.02" in args.presets["source"]
     with pytest.raises(common.UsageError, match="--fraction"):
         micse.parse_args(["--fraction", "1.5"])
 

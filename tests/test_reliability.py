@@ -146,7 +146,7 @@ def test_signal_stops_at_a_step_boundary_and_keeps_what_the_run_reached(signum, 
     assert proc.returncode == code, stderr
     assert "Traceback" not in stderr
     results = json.loads((out / "results.json").read_text())
-    assert results["interrupted"] is True and "test" not in results
+    assert results["interrupted"] is True and results["interrupted_during"] == "training" and "test" not in results
     assert 5 <= results["steps"] < 100_000 and len(results["train_loss"]) == results["steps"]
     assert results["dev_curve"][:2] == [[0, results["dev_curve"][0][1]], [5, results["dev_curve"][1][1]]]
     assert results["best_step"] in [s for s, _ in results["dev_curve"]]
@@ -238,3 +238,28 @@ def test_an_undefined_dev_score_counts_as_the_worst_and_results_stay_valid_json(
     assert results["best_step"] == 0 and results["best_dev_stsb"] is None
     assert results["dev_curve"] == [[0, None], [2, None], [4, None]] and (out / "best" / "config.json").is_file()
     assert "align_uniform" in results  # the final evaluation found best/
+
+
+def test_a_signal_during_the_final_evaluation_stops_it_and_is_recorded(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                       monkeypatch, capsys):
+    """A SIGTERM after training (a cluster's time limit during the test evaluation) stops the evaluation at once,
+    says so, keeps best/ and writes results.json with what was done, then exits 143."""
+    import os
+    import eval_sts
+    import simcse
+    evaluate = eval_sts.evaluate
+
+    def evaluate_then_sigterm(encode, senteval_dir, tasks=None, mode="test", **kw):
+        if mode == "test":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return evaluate(encode, senteval_dir, tasks, mode, **kw)
+
+    monkeypatch.setattr(eval_sts, "evaluate", evaluate_then_sigterm)
+    out = tmp_path / "late"
+    with pytest.raises(SystemExit) as exit_info:
+        simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out)])
+    assert exit_info.value.code == 143
+    assert "signal SIGTERM during the final evaluation: stopping it" in capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["interrupted"] is True and results["interrupted_during"] == "final evaluation"
+    assert "test" not in results and results["steps"] == 4 and (out / "best" / "config.json").is_file()

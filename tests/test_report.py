@@ -177,7 +177,7 @@ def test_committed_page_is_made_from_committed_results(tmp_path):
     assert (tmp_path / "RESULTS.md").read_text() == (REPO / "RESULTS.md").read_text()
 
 
-def test_run_is_resumable(tmp_path, monkeypatch):
+def test_run_is_resumable(tmp_path, monkeypatch, capsys):
     """A run whose JSON exists is not trained again; one without transfer scores gets only its transfer run."""
     monkeypatch.setattr(report, "ROOT", tmp_path)
     monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
@@ -203,6 +203,8 @@ def test_run_is_resumable(tmp_path, monkeypatch):
     (tmp_path / "runs" / "report" / "simcse.seed42" / "best").mkdir(parents=True)
     report.run_all([42, 43], ["simcse", "micse"], transfer=True)
     assert calls == ["eval_sts.py"] * 2 + ["micse.py", "simcse.py", "micse.py"] + ["eval_transfer.py"] * 6
+    counts = [line.split(" (")[0] for line in capsys.readouterr().out.splitlines() if "training run" in line]
+    assert counts == ["== training run 1/3", "== training run 2/3", "== training run 3/3"]
     # the initial checkpoint under both poolers, simcse seed 42 not trained again, then 2 + 4 transfer evaluations
     poolers = [cmd[cmd.index("--pooler") + 1] for cmd in commands if cmd[1].startswith("eval_")]
     assert poolers == ["cls_before_pooler", "avg", "cls_before_pooler", "avg"] + ["cls"] * 4

@@ -1,0 +1,165 @@
+"""What a user sees while a run works: tqdm bars on a terminal, plain periodic lines in a log, the run summary
+with its presets (printed and in results.json), an ETA in the log lines, and no phase left silent."""
+import argparse
+import fcntl
+import json
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+
+import pytest
+
+import common
+import plumbing
+import simcse
+from conftest import ROOT, run_script, smoke_args
+
+DEMO = "import plumbing, time\nwith plumbing.Progress(4, 'demo', unit='step') as bar:\n" \
+       "    for _ in range(4):\n        time.sleep(0.05)\n        bar.update()\n        bar.set_postfix(loss=0.5)\n"
+
+
+class FakeClock:
+    def __init__(self, *times):
+        self.times = list(times)
+
+    def __call__(self):
+        return self.times.pop(0)
+
+
+def test_duration_by_hand():
+    assert [plumbing.duration(s) for s in (0, 59.4, 61, 3599, 3720, None, float("nan"))] == \
+        ["0s", "59s", "1m01s", "59m59s", "1h02m", "?", "?"]
+
+
+def test_plain_lines_carry_count_rate_eta_and_postfix(monkeypatch, capsys):
+    """Not a terminal (pytest captures stderr): no bar, a line per interval; 1 of 3 steps after 10 s is 0.1
+    steps/s, so 2 steps are left at 20 s."""
+    monkeypatch.setattr(plumbing.time, "monotonic", FakeClock(0.0, 10.0, 10.5, 30.0, 31.0))
+    bar = plumbing.Progress(3, "demo", unit="step")
+    assert bar.bar is None
+    bar.set_postfix(loss=0.25, best_dev=None)
+    bar.update()  # t = 10: the first interval has passed
+    bar.update()  # t = 10.5: too soon for another line
+    bar.update()  # t = 30
+    bar.close()  # t = 31
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ["demo: 1/3 steps (33%), 0.1 steps/s, 10s elapsed, ETA 20s  loss 0.25",
+                     "demo: 3/3 steps (100%), 0.1 steps/s, 30s elapsed, ETA 0s  loss 0.25",
+                     "demo: 3/3 steps in 31s"]
+
+
+def test_a_short_phase_in_a_log_says_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(plumbing.time, "monotonic", FakeClock(0.0, 1.0, 2.0))
+    with plumbing.Progress(2, "short") as bar:
+        bar.update(2)
+    assert capsys.readouterr().out == ""
+
+
+def test_unpause_leaves_a_dev_gate_out_of_the_rate(monkeypatch, capsys):
+    """1 step by t = 1, a 100 s gate, unpause, 1 more step by t = 102: 2 steps in 2 s of work."""
+    monkeypatch.setattr(plumbing.time, "monotonic", FakeClock(0.0, 1.0, 101.0, 102.0))
+    monkeypatch.setenv("PROGRESS_INTERVAL", "1.5")
+    bar = plumbing.Progress(4, "training", unit="step")
+    bar.update()
+    bar.unpause()
+    bar.update()
+    assert capsys.readouterr().out.splitlines() == ["training: 2/4 steps (50%), 1 steps/s, 2s elapsed, ETA 2s"]
+
+
+def run_in_terminal(code: str) -> str:
+    """Run python -c code in a pseudo-terminal of 120 x 40 and return everything it wrote."""
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=follower, stdout=follower, stderr=follower,
+                            cwd=ROOT, env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    os.close(follower)
+    output = bytearray()
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed: the process is done
+            break
+        if not chunk:
+            break
+        output.extend(chunk)
+    proc.wait(timeout=60)
+    os.close(leader)
+    return output.decode(errors="replace")
+
+
+def test_a_terminal_gets_a_bar_and_a_log_gets_plain_lines():
+    terminal = run_in_terminal(DEMO)
+    assert "demo: 100%|" in terminal and "4/4" in terminal and "step/s" in terminal and "loss 0.5" in terminal
+    log = subprocess.run([sys.executable, "-c", DEMO], capture_output=True, text=True, cwd=ROOT,
+                         env=dict(os.environ, PROGRESS_INTERVAL="0"))
+    assert "%|" not in log.stdout + log.stderr and "\r" not in log.stdout + log.stderr
+    assert log.stdout.splitlines()[0].startswith("demo: 1/4 steps (25%), ")
+    assert log.stdout.splitlines()[-1].startswith("demo: 4/4 steps in ")
+
+
+def test_a_run_in_a_log_file_has_the_summary_plain_progress_and_no_redraws(tiny_model, corpus, senteval_dir,
+                                                                            tmp_path):
+    out = tmp_path / "run"
+    proc = run_script("simcse.py", *smoke_args(tiny_model, corpus, senteval_dir, out, "--fraction", "0.5"),
+                      env_extra={"PROGRESS_INTERVAL": "0"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "\r" not in proc.stdout and "%|" not in proc.stdout + proc.stderr
+    assert lines[0] == "simcse" and lines[1].startswith("  presets   none")
+    assert lines[2] == f"  data      100 examples, a 0.5 subset of {corpus} drawn with --seed 42"
+    assert lines[4] == "  device    cpu x 1, precision fp32"
+    assert lines[5].startswith("  schedule  4 steps (13 an epoch), batch 8")
+    assert "step 0/4  STS-B dev" in proc.stdout and "loss nan" not in proc.stdout
+    for phase in ("training: 1/4 steps", "dev gate: STS-B dev: ", "STS test: encoding: ", "alignment/uniformity: "):
+        assert phase in proc.stdout, phase
+    assert "ETA" in next(line for line in lines if line.startswith("step 2/4"))
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["summary"]) == {"presets", "data", "model", "device", "schedule", "output"}
+    assert results["summary"]["data"] == lines[2].split(None, 1)[1] and results["args"]["presets"] is None
+
+
+def test_presets_are_recorded_with_their_source_and_the_users_overrides():
+    args = simcse.parse_args(["--supervised", "--lr", "1e-4"])
+    assert args.presets == {"source": "supervised SimCSE (Table A.1, Appendix A)",
+                            "applied": {"batch_size": 512, "epochs": 3, "eval_steps": 250, "mlp_only_train": False},
+                            "overridden": {"lr": 1e-4}}
+    assert simcse.parse_args([]).presets is None
+
+
+def summary_args(**kw):
+    values = dict(fraction=1.0, seed=42, train_file=None, presets=None, method="micse", model_name_or_path="m",
+                  pooler="cls", mlp_only_train=True, precision="fp32", compile=False, batch_size=64, lr=1e-5,
+                  eval_steps=500, output_dir="out")
+    return argparse.Namespace(**{**values, **kw})
+
+
+@pytest.mark.parametrize("kw, subset, data", [
+    (dict(fraction=0.01, seed=3), None, "10 examples, a 0.01 subset of wiki1m.txt drawn with --seed 3 (not the "
+                                        "authors' subset: theirs are --seed 48-52)"),
+    (dict(fraction=0.01, seed=48), "wiki_subset_1M_001.00percent_seed48.txt",
+     "miCSE's released subset wiki_subset_1M_001.00percent_seed48.txt: 10 examples (Table 2's data)"),
+    (dict(fraction=0.02, seed=3), None, "10 examples, a 0.02 subset of wiki1m.txt drawn with --seed 3"),
+    (dict(fraction=0.01, seed=3, train_file="mine.txt"), None, "10 examples, a 0.01 subset of wiki1m.txt drawn "
+                                                               "with --seed 3"),
+    (dict(), None, "10 examples from wiki1m.txt"),
+])
+def test_the_summary_says_whose_data_it_is(kw, subset, data, capsys):
+    summary = common.run_summary(summary_args(**kw), 10, "wiki1m.txt", subset, 1, 50, "cpu")
+    assert summary["data"] == data and f"  data      {data}" in capsys.readouterr().out
+
+
+def test_the_summary_names_the_presets_and_what_replaced_them():
+    import micse
+    args = micse.parse_args(["--fraction", "0.01", "--seed", "3", "--lr", "2e-5"])
+    summary = common.run_summary(args, 10, "wiki1m.txt", None, 1, 50, "cpu")
+    assert summary["presets"] == ("miCSE's settings for fraction 0.01 (the authors' README): batch_size 64, epochs 50, "
+                                  "ami_lambda 0.0001, eval_steps 500; your flags replaced lr (now 2e-05)")
+
+
+def test_log_lines_show_no_loss_at_step_0_and_an_eta_after():
+    assert common.progress(0, 100, [], 0.0) == "step 0/100"
+    assert common.progress(10, 100, [0.5] * 10, 5.0) == "step 10/100  loss 0.5000  2.00 steps/s  ETA 45s"
+    assert common.progress(100, 100, [0.5] * 100, 50.0) == "step 100/100  loss 0.5000  2.00 steps/s"
