@@ -140,8 +140,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def hub_file(repo: str, filename: str, flag: str) -> str:
-    """Path of `filename` in the HF dataset repo `repo`: cached copy, else a download, else a one-line error."""
+def hub_file(repo: str, filename: str, flag: str, local: str = "file") -> str:
+    """Path of `filename` in the HF dataset repo `repo`: cached copy, else a download, else a one-line error
+    naming `flag`, which takes a local `local` ("file" or "folder")."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import logging as hub_logging
     hub_logging.set_verbosity_error()
@@ -151,12 +152,12 @@ def hub_file(repo: str, filename: str, flag: str) -> str:
         pass
     if not hub_reachable():
         raise UsageError(f"cannot reach the Hugging Face Hub to download {filename} and no cached copy exists; "
-                         f"pass a local file with {flag} (offline runs need {LOCAL_FLAGS})")
+                         f"pass a local {local} with {flag} (offline runs need {LOCAL_FLAGS})")
     try:
         return hf_hub_download(repo, filename, repo_type="dataset")
     except Exception as err:
         raise UsageError(f"downloading {filename} from {repo} failed ({type(err).__name__}); "
-                         f"pass a local file with {flag}") from None
+                         f"pass a local {local} with {flag}") from None
 
 
 def looks_local(name: str) -> bool:
@@ -307,14 +308,15 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def encode_unique(encode, sentences, batch_size: int = 128, desc: str = "encoding") -> dict:
-    """{sentence: vector}, each distinct sentence encoded once, in length-sorted batches."""
+    """{sentence: vector}, each distinct sentence encoded once, in length-sorted batches: the longest batch first,
+    so that the ETA errs long and a batch too big for memory fails at once."""
     unique = sorted(set(sentences), key=lambda s: (len(s), s))
-    vectors = []
+    table = {}
     with plumbing.Progress(len(unique), desc, unit="sentence") as bar:
-        for i in range(0, len(unique), batch_size):
-            vectors.append(encode(unique[i:i + batch_size]))
-            bar.update(len(vectors[-1]))
-    return dict(zip(unique, np.concatenate(vectors)))
+        for i in reversed(range(0, len(unique), batch_size)):
+            table.update(zip(unique[i:i + batch_size], encode(unique[i:i + batch_size])))
+            bar.update(len(unique[i:i + batch_size]))
+    return table
 
 
 def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: int = 128,
@@ -413,11 +415,14 @@ def resolve_senteval_dir(senteval_dir: str | None, check=()) -> Path:
 
 def _resolve_senteval_dir(senteval_dir: str | None) -> Path:
     if senteval_dir is not None:
-        root = _find_data_root(Path(senteval_dir)) if Path(senteval_dir).is_dir() else None
+        folder = Path(senteval_dir).expanduser()
+        if not folder.exists():
+            raise UsageError(f"--senteval_dir {senteval_dir}: no such folder")
+        root = _find_data_root(folder) if folder.is_dir() else None
         if root is None:
             raise UsageError(f"--senteval_dir {senteval_dir}: no SentEval STS/ folder found there")
         return root
-    tar_path = Path(hub_file(SIMCSE_DATA_REPO, "senteval.tar", "--senteval_dir"))
+    tar_path = Path(hub_file(SIMCSE_DATA_REPO, "senteval.tar", "--senteval_dir", local="folder"))
     target = tar_path.parent / "senteval_unpacked"
     if _find_data_root(target) is None:
         with tarfile.open(tar_path) as tar:

@@ -2,8 +2,8 @@
 
 On a terminal (stderr is a TTY), a phase gets a tqdm bar with its rate and ETA. In a log file (CI, SLURM, nohup,
 a pipe) bars would be redraws, so a phase writes a plain line instead, every PROGRESS_INTERVAL seconds (default
-10; after the first minute, every 6 intervals), and a last one when it ends. Log lines go through `write`, which
-keeps them above the bars.
+10; after a phase's first 10 minutes, every 6 intervals), and a last one when it ends. Log lines go through
+`write`, which keeps them above the bars.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class Progress:
         if self.bar is not None:
             self.bar.update(n)
         elif self.enabled:
-            if self.report_each or now - self.last >= self.interval * (1 if now - self.start < 60 else 6):
+            if self.report_each or now - self.last >= self.interval * (1 if now - self.start < 600 else 6):
                 self.last = now
                 self.lines += 1
                 write(self.line(now))

@@ -90,16 +90,19 @@ def set_sim(hidden_states, attention_mask, pooler: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def oversmoothing(backbone, tokenizer, pooler: str, senteval_dir, device) -> dict:
+@torch.no_grad()
+def oversmoothing(backbone, tokenizer, pooler: str, senteval_dir, device, desc: str = "SetSim") -> dict:
     """Mean SetSim over the distinct STS-B test sentences, per adjacent layer pair (Figure 1), in eval mode."""
     sentences = sorted({s for pair in eval_sts.load_pairs(senteval_dir, "STSBenchmark", "test") for s in pair[:2]})
     was_training = backbone.training
     backbone.eval()
     total = 0.0
-    for i in range(0, len(sentences), 128):
-        batch = tokenizer(sentences[i:i + 128], padding=True, truncation=True, return_tensors="pt").to(device)
-        hidden_states = backbone(**batch, output_hidden_states=True).hidden_states
-        total = total + set_sim(hidden_states, batch["attention_mask"], pooler).sum(dim=1)
+    with plumbing.Progress(len(sentences), desc, unit="sentence") as bar:
+        for i in range(0, len(sentences), 128):
+            batch = tokenizer(sentences[i:i + 128], padding=True, truncation=True, return_tensors="pt").to(device)
+            hidden_states = backbone(**batch, output_hidden_states=True).hidden_states
+            total = total + set_sim(hidden_states, batch["attention_mask"], pooler).sum(dim=1)
+            bar.update(len(batch["input_ids"]))
     backbone.train(was_training)
     means = (total / len(sentences)).tolist()
     return {f"{layer}-{layer + 1}": round(v, 4) for layer, v in enumerate(means, start=1)}
@@ -129,7 +132,7 @@ def main(argv=None):
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # loss scaling for fp16; a pass-through otherwise
     neg_layers = negative_layers(backbone.config.num_hidden_layers, args.neg_layers, args.neg_layer_index)
-    setsim = {"before": oversmoothing(backbone, tokenizer, args.pooler, senteval_dir, device)} \
+    setsim = {"before": oversmoothing(backbone, tokenizer, args.pooler, senteval_dir, device, "SetSim before")} \
         if args.report_oversmoothing and distributed.rank() == 0 else None
     summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps, device)
 
@@ -187,7 +190,7 @@ def main(argv=None):
     distributed.shutdown()  # the other processes exit here: process 0's evaluations hold nobody in a barrier
     if setsim is not None and stop.signum is None:
         setsim["after"] = oversmoothing(eval_sts.load_pretrained(str(Path(args.output_dir) / "best"))[1].to(device),
-                                        tokenizer, args.pooler, senteval_dir, device)
+                                        tokenizer, args.pooler, senteval_dir, device, "SetSim after")
     common.finish(args, eval_pooler, senteval_dir, device, stop, summary=summary, setsim=setsim,
                   train_file=train_file, micse_subset=subset, num_train_examples=len(corpus), steps=len(losses),
                   best_dev_stsb=best_dev, best_step=best_step, dev_curve=dev_curve, train_time_curve=time_curve,

@@ -195,6 +195,23 @@ def test_a_missing_local_model_folder_is_no_such_folder_not_a_hub_error(tiny_mod
     assert not out.exists()
 
 
+def test_missing_local_data_is_no_such_file_or_folder_and_the_hub_error_names_a_folder(tiny_model, corpus,
+                                                                                       senteval_dir, tmp_path,
+                                                                                       capsys, monkeypatch):
+    import eval_sts
+    out = tmp_path / "out"
+    for flag, missing, why in [("--senteval_dir", str(tmp_path / "SentEval"), "no such folder"),
+                               ("--train_file", str(tmp_path / "wiki.txt"), "no such file")]:
+        args = smoke_args(tiny_model, corpus, senteval_dir, out)
+        args[args.index(flag) + 1] = missing
+        code, lines = run_in_process("simcse", args, capsys)
+        assert code == 2 and lines == [f"error: {flag} {missing}: {why}"], lines
+    monkeypatch.setattr(eval_sts, "hub_reachable", lambda: False)
+    with pytest.raises(eval_sts.UsageError, match="pass a local folder with --senteval_dir"):
+        eval_sts.resolve_senteval_dir(None)
+    assert not out.exists()
+
+
 def test_nli_triplets_given_to_an_unsupervised_run_are_refused(tiny_model, senteval_dir, tmp_path, capsys):
     nli = tmp_path / "nli.csv"
     nli.write_text("sent0,sent1,hard_neg\na man runs,a person runs,a dog sleeps\nthe sun,a star,the moon\n")
