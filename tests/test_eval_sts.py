@@ -157,10 +157,11 @@ def test_senteval_tar_is_unpacked_once_and_found(tmp_path, senteval_dir, monkeyp
     with tarfile.open(tar_path, "w") as tar:
         tar.add(senteval_dir, arcname="downstream")
     requested = []
-    monkeypatch.setattr(eval_sts, "hub_file", lambda repo, name, flag: requested.append((repo, name, flag)) or str(tar_path))
+    monkeypatch.setattr(eval_sts, "hub_file",
+                        lambda repo, name, flag, local: requested.append((repo, name, flag, local)) or str(tar_path))
     root = eval_sts.resolve_senteval_dir(None)
     assert root == tmp_path / "cache" / "senteval_unpacked" / "downstream"
-    assert requested == [("princeton-nlp/datasets-for-simcse", "senteval.tar", "--senteval_dir")]
+    assert requested == [("princeton-nlp/datasets-for-simcse", "senteval.tar", "--senteval_dir", "folder")]
     assert eval_sts.load_pairs(root, "STS13") == eval_sts.load_pairs(senteval_dir, "STS13")
     tar_path.write_bytes(b"")  # a second call reuses the unpacked copy
     assert eval_sts.resolve_senteval_dir(None) == root
