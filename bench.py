@@ -18,6 +18,7 @@ against a naive file-order evaluation.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import types
 from pathlib import Path
 
 import eval_sts
+import plumbing
 
 ROOT = Path(__file__).resolve().parent
 
@@ -45,7 +47,7 @@ def bench_method(row, args, extra, workdir, root=ROOT, log_warmup=True) -> dict:
            *(["--device", args.device] if args.device else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     if proc.returncode != 0:
-        raise eval_sts.UsageError(f"{row} ({root}) failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise plumbing.UsageError(f"{row} ({root}) failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     results = json.loads((out / "results.json").read_text())
     curve = dict(map(tuple, results.get("train_time_curve", [])))
     if log_warmup and args.warmup and args.warmup in curve:
@@ -59,7 +61,7 @@ def bench_data(args) -> None:
     """A batch's data time: tokenising its sentences every step (the loader before this layout) against gathering
     and padding the pre-tokenised rows (common.TokenizedCorpus); the same token ids either way."""
     import common
-    tokenizer = eval_sts.load_pretrained(args.model_name_or_path)[0]
+    tokenizer = plumbing.load_pretrained(args.model_name_or_path)[0]
     files = [("sentences", args.train_file, False)] + ([("NLI triplets", args.supervised_file, True)]
                                                        if args.supervised_file else [])
     for label, path, triplets in files:
@@ -99,7 +101,7 @@ def bench_eval(args, device):
 
 
 def main(argv=None):
-    parser = eval_sts.Parser(description=__doc__, formatter_class=eval_sts.argparse.RawDescriptionHelpFormatter)
+    parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", required=True)
     parser.add_argument("--train_file", required=True, help="sentences to draw the batches from")
     parser.add_argument("--senteval_dir", default=None, help="SentEval data (dev gate and evaluation timing)")
@@ -118,12 +120,12 @@ def main(argv=None):
                         help="tasks for the evaluation timing (default: all 7)")
     parser.add_argument("--skip_eval", action="store_true", help="time training only")
     args = parser.parse_args(argv)
-    eval_sts.check_range(args, "steps", lambda v: v >= 1, "a positive integer")
-    eval_sts.check_range(args, "warmup", lambda v: v >= 0, "a non-negative integer")
+    plumbing.check_range(args, "steps", lambda v: v >= 1, "a positive integer")
+    plumbing.check_range(args, "warmup", lambda v: v >= 0, "a non-negative integer")
     if args.compare_with and not (Path(args.compare_with) / "simcse.py").is_file():
-        raise eval_sts.UsageError(f"--compare_with {args.compare_with}: no simcse.py there; "
+        raise plumbing.UsageError(f"--compare_with {args.compare_with}: no simcse.py there; "
                                   "give a checkout of this suite")
-    device = eval_sts.resolve_device(args.device)
+    device = plumbing.resolve_device(args.device)
     for name in ("model_name_or_path", "train_file", "senteval_dir", "supervised_file"):  # the runs' cwd is the suite
         path = getattr(args, name)
         if path and Path(path).exists():
@@ -163,4 +165,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    eval_sts.cli(main)
+    plumbing.cli(main)

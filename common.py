@@ -1,8 +1,10 @@
-"""Leaf helpers the five method files share: arguments, data, encoder pieces, InfoNCE, saving, the final report.
+"""What a reader of the method files needs: arguments, data, encoder pieces, InfoNCE, the dev score,
+saving, and the pieces of a run's end.
 
-No training loop lives here: each method file runs its own, visibly (CleanRL's bargain). Model loading, poolers,
-the hub download and the one-line errors come from eval_sts.py (a leaf); process-group helpers from
-distributed.py. Defaults: unsupervised SimCSE with BERT-base (Table A.1) and the authors' HF Trainer.
+No training loop lives here: each method file runs its own, visibly (CleanRL's bargain). SimCSE's poolers
+and the STS protocol come from eval_sts.py; process-group helpers from distributed.py; what a first
+reading can skip (one-line errors, the hub, atomic writes, progress) from plumbing.py. Defaults:
+unsupervised SimCSE with BERT-base (Table A.1) and the authors' HF Trainer.
 """
 from __future__ import annotations
 
@@ -19,12 +21,12 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import transformers
 
 import distributed
 import eval_sts
 import eval_transfer
 import plumbing
-from eval_sts import POOLERS, UsageError, check_range, cli, load_pretrained, pool, pooled_encode  # noqa: F401
 
 MICSE_DATA_REPO = "sap-ai-research/datasets-for-micse"
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -32,9 +34,9 @@ MICSE_SUBSETS = {0.000064: "000.0064", 0.0001: "000.01", 0.0005: "000.05", 0.001
                  0.01: "001.00", 0.1: "010.00"}  # miCSE's released subsets (seeds 48-52): fraction -> name
 
 # ----------------------------------------------------------------------------------------------- arguments
-def base_parser(doc: str, method: str) -> eval_sts.Parser:
+def base_parser(doc: str, method: str) -> plumbing.Parser:
     """The shared arguments, with unsupervised SimCSE's defaults (Table A.1, BERT-base)."""
-    p = eval_sts.Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = plumbing.Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("shared arguments (SimCSE unsupervised defaults)")
     g.add_argument("--model_name_or_path", default="bert-base-uncased", help="HF model id or local directory")
     g.add_argument("--train_file", default=None, help="corpus (default: HF wiki1m_for_simcse.txt; see --fraction)")
@@ -49,7 +51,7 @@ def base_parser(doc: str, method: str) -> eval_sts.Parser:
     g.add_argument("--warmup_steps", type=int, default=0, help="linear warm-up steps before the linear decay")
     g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (the Trainer's); 0 disables")
     g.add_argument("--temp", type=float, default=0.05, help="InfoNCE temperature tau")
-    g.add_argument("--pooler", default="cls", choices=POOLERS, help="training pooler; cls = [CLS] + MLP head")
+    g.add_argument("--pooler", default="cls", choices=eval_sts.POOLERS, help="training pooler; cls = [CLS] + MLP head")
     g.add_argument("--mlp_only_train", action=argparse.BooleanOptionalAction, default=True,
                    help="with --pooler cls, evaluate [CLS] before the MLP (SimCSE's unsupervised setting)")
     g.add_argument("--eval_steps", type=int, default=125, help="evaluate STS-B dev every this many steps")
@@ -95,15 +97,15 @@ def check_args(args) -> None:
                                  "logging_steps": positive,
                                  "max_steps": non_negative, "warmup_steps": non_negative,
                                  "max_grad_norm": non_negative, "num_workers": non_negative}.items():
-        check_range(args, name, ok, accepted)
+        plumbing.check_range(args, name, ok, accepted)
     args.logging_steps = args.logging_steps or args.eval_steps
-    args.precision = resolve_precision(args.precision, eval_sts.resolve_device(args.device))
+    args.precision = resolve_precision(args.precision, plumbing.resolve_device(args.device))
     args.output_dir = str(args.output_dir or Path("runs") / args.method)
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--output_dir {out} is a file; give a folder")
+        raise plumbing.UsageError(f"--output_dir {out} is a file; give a folder")
     if not args.overwrite_output_dir and ((out / "results.json").exists() or (out / "best").exists()):
-        raise UsageError(f"--output_dir {out} already holds a run; pass --overwrite_output_dir or another folder")
+        raise plumbing.UsageError(f"--output_dir {out} already holds a run; pass --overwrite_output_dir or another folder")
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -113,9 +115,9 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     if precision == "auto":
         return ("bf16" if bf16_ok else "fp16") if cuda else "fp32"
     if precision == "bf16" and not bf16_ok:
-        raise UsageError("--precision bf16: this GPU has no bf16; use --precision fp16 (or auto)")
+        raise plumbing.UsageError("--precision bf16: this GPU has no bf16; use --precision fp16 (or auto)")
     if precision == "fp16" and not cuda:
-        raise UsageError("--precision fp16 needs a CUDA device; on CPU use --precision bf16 or fp32")
+        raise plumbing.UsageError("--precision fp16 needs a CUDA device; on CPU use --precision bf16 or fp32")
     return precision
 
 
@@ -164,18 +166,18 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
     """(examples, path, miCSE subset or None): a `datasets` Dataset with a "text" column (lines stripped, empty
     ones skipped) or NLI's sent0/sent1/hard_neg columns, --fraction applied deterministically."""
     subset = None if args.train_file or triplets else micse_subset(args.fraction, args.seed)
-    repo, name = (MICSE_DATA_REPO, subset) if subset else (eval_sts.SIMCSE_DATA_REPO, default_file)
-    path = args.train_file or eval_sts.hub_file(repo, name, "--train_file")
+    repo, name = (MICSE_DATA_REPO, subset) if subset else (plumbing.SIMCSE_DATA_REPO, default_file)
+    path = args.train_file or plumbing.hub_file(repo, name, "--train_file")
     if Path(path).is_file() and Path(path).stat().st_size > 20 * 2**20:
         distributed.log(f"reading {path} (datasets caches it: the next run is faster)")
-    lines = eval_sts.read_lines(path, "--train_file")  # missing, unreadable, not UTF-8, empty: one line
+    lines = plumbing.read_lines(path, "--train_file")  # missing, unreadable, not UTF-8, empty: one line
     if triplets:
         rows = csv.reader(lines)
         if {"sent0", "sent1", "hard_neg"} - set(next(rows)):
-            raise UsageError(f"--train_file {path}: the header must name sent0,sent1,hard_neg (nli_for_simcse.csv)")
+            raise plumbing.UsageError(f"--train_file {path}: the header must name sent0,sent1,hard_neg (nli_for_simcse.csv)")
         for row in rows:
             if len(row) < 3:
-                raise UsageError(f"--train_file {path} line {rows.line_num} has {len(row)} column(s), expected 3")
+                raise plumbing.UsageError(f"--train_file {path} line {rows.line_num} has {len(row)} column(s), expected 3")
     import datasets
     datasets.disable_progress_bars()  # one line instead, for a corpus big enough to take a while
     if triplets:  # keep_default_na: a sentence "NA" or "null" stays a sentence
@@ -187,9 +189,9 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
         data = data.map(lambda b: {"text": [s.strip() for s in b["text"]]}, batched=True)
         data = data.filter(lambda b: [bool(s) for s in b["text"]], batched=True)
     if len(data) == 0:
-        raise UsageError(f"--train_file {path} holds no sentences")
+        raise plumbing.UsageError(f"--train_file {path} holds no sentences")
     if not triplets and {"sent0", "sent1"} <= set(data[0]["text"].split(",")):
-        raise UsageError(f"--train_file {path} is NLI triplets (a sent0,sent1,... header), not one sentence a line; "
+        raise plumbing.UsageError(f"--train_file {path} is NLI triplets (a sent0,sent1,... header), not one sentence a line; "
                          "simcse.py trains on it with --supervised")
     return (data if subset else data.select(subsample(range(len(data)), args.fraction, args.seed))), str(path), subset
 
@@ -198,7 +200,7 @@ def subsample(items, fraction: float, seed: int) -> list:
     """A deterministic random subset of round(fraction * n) items, kept in file order (miCSE's few-shot sets)."""
     k = round(fraction * len(items))
     if k < 1:
-        raise UsageError(f"--fraction {fraction} of {len(items)} examples keeps none; use a larger fraction")
+        raise plumbing.UsageError(f"--fraction {fraction} of {len(items)} examples keeps none; use a larger fraction")
     return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), k))]
 
 
@@ -269,9 +271,9 @@ class TokenizedCorpus:
 def make_loader(corpus: TokenizedCorpus, args, device, min_rows: int = 2) -> torch.utils.data.DataLoader:
     world = distributed.world_size()
     if args.batch_size > len(corpus):
-        raise UsageError(f"--batch_size {args.batch_size} is larger than the {len(corpus)} training examples")
+        raise plumbing.UsageError(f"--batch_size {args.batch_size} is larger than the {len(corpus)} training examples")
     if args.batch_size % world:
-        raise UsageError(f"--batch_size {args.batch_size} must be divisible by the {world} processes")
+        raise plumbing.UsageError(f"--batch_size {args.batch_size} must be divisible by the {world} processes")
     sampler = BatchSampler(len(corpus), args.batch_size, args.seed, min_rows, distributed.rank(), world)
     return torch.utils.data.DataLoader(range(len(corpus)), batch_sampler=sampler, collate_fn=corpus.collate,
                                        num_workers=args.num_workers, pin_memory=device.type == "cuda")
@@ -295,13 +297,13 @@ def embed(hidden_states, attention_mask, pooler: str, head=None) -> torch.Tensor
     after the autocast block, so the head and pooling run in fp32 whatever precision the encoder ran in."""
     if pooler == "cls":
         return head(hidden_states[-1][:, 0].float())
-    return pool(hidden_states, attention_mask, pooler).float()
+    return eval_sts.pool(hidden_states, attention_mask, pooler).float()
 
 
 def model_encode(backbone, head, tokenizer, eval_pooler: str, device):
     """encode(list[str]) for the dev gate: "cls" is the trained head, other poolers read the backbone alone."""
     if eval_pooler != "cls":
-        return pooled_encode(backbone, tokenizer, eval_pooler, device)
+        return eval_sts.pooled_encode(backbone, tokenizer, eval_pooler, device)
     return eval_sts.make_encode(lambda batch: head(backbone(**batch).last_hidden_state[:, 0]), tokenizer, device)
 
 
@@ -334,13 +336,13 @@ def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
 
 
 def make_optimizer(params, args, total_steps: int):
-    """AdamW without weight decay and transformers' get_linear_schedule_with_warmup (the authors' Trainer).
-    Fused on CUDA: one kernel, and with a GradScaler no host sync to check for inf gradients."""
+    """AdamW without weight decay and transformers' get_linear_schedule_with_warmup (the authors'
+    Trainer). Fused on CUDA: one kernel, and with a GradScaler no host sync to check for inf gradients."""
     params = [p for p in params if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=params[0].is_cuda or None)
-    warmup = args.warmup_steps  # linear warm-up, then linear decay to 0 at total_steps
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: s / max(1, warmup) if s < warmup
-                                                        else max(0.0, (total_steps - s) / max(1, total_steps - warmup)))
+    fused = params[0].is_cuda or None
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=fused)
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, args.warmup_steps, total_steps)
+    return optimizer, scheduler
 
 
 def read_losses(pending: list, losses: list) -> None:
@@ -351,7 +353,7 @@ def read_losses(pending: list, losses: list) -> None:
         pending.clear()
         for step, value in enumerate(values, start=len(losses) + 1):
             if not math.isfinite(value):
-                raise UsageError(f"the loss became {value} at step {step}: the run diverged (a lower --lr may help)")
+                raise plumbing.UsageError(f"the loss became {value} at step {step}: the run diverged (a lower --lr may help)")
         losses.extend(values)
 
 
@@ -394,7 +396,7 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> Non
             state.update({"pooler.dense.weight": head[0].weight, "pooler.dense.bias": head[0].bias})
         backbone.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
-        eval_sts.write_sentence_transformers_config(tmp, eval_pooler, backbone.config.hidden_size,
+        plumbing.write_sentence_transformers_config(tmp, eval_pooler, backbone.config.hidden_size,
                                                     head if eval_pooler == "cls" else None)
         umask = os.umask(0)
         os.umask(umask)
@@ -407,55 +409,45 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> Non
     distributed.barrier()
 
 
-def finish(args, eval_pooler: str, senteval_dir, device, stop, **run) -> dict:
-    """The final report, on process 0 alone (call distributed.shutdown() first: the others just exit): peak
-    memory, the best checkpoint reloaded as a plain AutoModel (what `eval_sts.py` sees) on the STS test tasks in
-    fp32, its alignment/uniformity, then results.json. An interrupted run records what it reached instead and
-    exits 130 (Ctrl-C) / 143 (SIGTERM); a signal during the final evaluation stops it and is recorded too."""
-    out_dir, cuda, results = Path(args.output_dir), device.type == "cuda", {}
-    interrupted = stop.signum is not None
-    stop.training_over()
-    if distributed.rank() == 0:
-        peak = torch.cuda.max_memory_allocated(device) if cuda else \
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-        results = {"method": args.method, "args": {k: v for k, v in vars(args).items() if k != "method"},
-                   "device": str(device), "world_size": distributed.world_size(), "precision": args.precision,
-                   "eval_pooler": eval_pooler, **run, "peak_memory_mb": round(peak / 2**20, 1),
-                   "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
-                   "interrupted": interrupted}
-        if interrupted:
-            results["interrupted_during"] = "training"
-        if cuda:
-            results["peak_memory_reserved_mb"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
-    if distributed.rank() == 0 and not interrupted:
-        try:
-            final_evaluation(args, eval_pooler, senteval_dir, device, results, run)
-        except distributed.StopRequested:
-            results.update(interrupted=True, interrupted_during="final evaluation")
-    stop.phase = "writing results.json"
-    if distributed.rank() == 0:
-        eval_sts.write_json(out_dir / "results.json", results)
-        distributed.log(f"wrote {out_dir / 'results.json'} (best checkpoint: {out_dir / 'best'})")
+def run_record(args, eval_pooler: str, device, stop, **run) -> dict:
+    """results.json before the final evaluation: the method, every argument, where and how it ran, what
+    the loop measured (`run`), peak memory, and whether a signal stopped the training."""
+    cuda = device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated(device) if cuda else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+    results = {"method": args.method, "args": {k: v for k, v in vars(args).items() if k != "method"},
+               "device": str(device), "world_size": distributed.world_size(),
+               "precision": args.precision, "eval_pooler": eval_pooler, **run,
+               "peak_memory_mb": round(peak / 2**20, 1),
+               "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
+               "interrupted": stop.signum is not None}
     if stop.signum is not None:
-        raise SystemExit(128 + stop.signum)
+        results["interrupted_during"] = "training"
+    if cuda:
+        results["peak_memory_reserved_mb"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
     return results
 
 
-def final_evaluation(args, eval_pooler: str, senteval_dir, device, results: dict, run: dict) -> None:
-    """The best checkpoint on the STS test tasks, alignment/uniformity against the initial model, and with
-    --eval_transfer the transfer tasks, each result put into `results` as soon as it exists."""
-    out_dir = Path(args.output_dir)
-    distributed.log(f"best STS-B dev {run['best_dev_stsb']:.2f} at step {run['best_step']}; evaluating it")
-    encode = eval_sts.load_encode(str(out_dir / "best"), eval_pooler, device)
-    if not args.no_test_eval:
-        results["test"] = eval_sts.evaluate(encode, senteval_dir, mode="test")
-        eval_sts.print_table(results["test"])
+def sts_test_scores(encode, senteval_dir) -> dict:
+    """The 7 STS test tasks (SimCSE's Table 5 protocol), printed as SimCSE's evaluation.py prints them."""
+    scores = eval_sts.evaluate(encode, senteval_dir, mode="test")
+    eval_sts.print_table(scores)
+    return scores
+
+
+def align_uniform(encode, args, eval_pooler: str, senteval_dir, device) -> dict:
+    """l_align / l_uniform on STS-B dev of the pretrained checkpoint and of best/ (SimCSE Figure 2)."""
     pooler = "cls_before_pooler" if eval_pooler == "cls" else eval_pooler  # a fresh head is not "initial"
-    initial = eval_sts.load_encode(args.model_name_or_path, pooler, device)  # the pretrained checkpoint
-    results["align_uniform"] = {"initial": eval_sts.align_uniform(initial, senteval_dir, desc="initial model: "
-                                                                  "alignment/uniformity"),
-                                "best": eval_sts.align_uniform(encode, senteval_dir)}
-    if args.eval_transfer:
-        eval_sts.write_json(out_dir / "results.json", results)  # a first write: a transfer error loses nothing
-        results["transfer"] = eval_transfer.evaluate(encode, senteval_dir, mode=args.eval_transfer, device=device)
-        eval_sts.print_table(results["transfer"])
+    initial = eval_sts.load_encode(args.model_name_or_path, pooler, device)
+    return {"initial": eval_sts.align_uniform(initial, senteval_dir,
+                                              desc="initial model: alignment/uniformity"),
+            "best": eval_sts.align_uniform(encode, senteval_dir)}
+
+
+def transfer_scores(encode, senteval_dir, args, device, results: dict) -> dict:
+    """--eval_transfer: SentEval's 7 transfer tasks (eval_transfer.py), after writing `results` first, so
+    that an error in this long evaluation loses nothing."""
+    plumbing.write_json(Path(args.output_dir) / "results.json", results)
+    scores = eval_transfer.evaluate(encode, senteval_dir, mode=args.eval_transfer, device=device)
+    eval_sts.print_table(scores)
+    return scores

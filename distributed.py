@@ -100,8 +100,8 @@ class StopRequested(Exception):
 
 class StopSignal:
     """Ctrl-C or SIGTERM asks the loop to stop at the end of the current step (a second one stops at once).
-    In the "final evaluation" phase (after `training_over()`) a signal stops it at once (StopRequested); in any
-    other phase (`phase = "writing results.json"`) it lets that finish. Either way `signum` records it."""
+    Inside `final_evaluation(results)` a signal stops the evaluation at once and is recorded in `results`;
+    after it, a signal lets results.json be written first. `exit_if_stopped()` then exits 130 / 143."""
 
     def __init__(self):
         self.signum, self.phase = None, "training"
@@ -116,17 +116,28 @@ class StopSignal:
         if self.phase == "training":
             print(f"signal {name}: stopping at the end of this step", flush=True)
         elif self.phase == "final evaluation":
-            print(f"signal {name} during the final evaluation: stopping it; results.json records what was done",
-                  flush=True)
+            print(f"signal {name} during the final evaluation: stopping it; results.json records what "
+                  "was done", flush=True)
             raise StopRequested(name)
         else:
             print(f"signal {name} while {self.phase}: finishing that first", flush=True)
 
-    def training_over(self, phase: str = "final evaluation") -> None:
-        self.phase = phase
+    @contextlib.contextmanager
+    def final_evaluation(self, results: dict):
+        self.phase = "final evaluation"
+        try:
+            yield
+        except StopRequested:
+            results.update(interrupted=True, interrupted_during="final evaluation")
+        finally:
+            self.phase = "writing results.json"
 
     def requested(self) -> bool:
         return any_process(self.signum is not None)
+
+    def exit_if_stopped(self) -> None:
+        if self.signum is not None:
+            raise SystemExit(128 + self.signum)
 
 
 def log(message: str) -> None:

@@ -47,14 +47,14 @@ TREC_CLASSES = {"ABBR": 0, "DESC": 1, "ENTY": 2, "HUM": 3, "LOC": 4, "NUM": 5}
 # ---------------------------------------------------------------------------------------------- readers
 def _lines(path: Path, encoding: str) -> list[str]:
     if not path.is_file():
-        raise eval_sts.UsageError(f"--senteval_dir: {path}: no such file")
+        raise plumbing.UsageError(f"--senteval_dir: {path}: no such file")
     if encoding == "utf-8":
-        return eval_sts.read_lines(path, "--senteval_dir")
+        return plumbing.read_lines(path, "--senteval_dir")
     return path.read_bytes().decode(encoding).splitlines()  # latin-1 decodes any byte, as SentEval reads it
 
 
 def _bad_row(path, number, why):
-    return eval_sts.UsageError(f"--senteval_dir: {path} line {number}: {why}")
+    return plumbing.UsageError(f"--senteval_dir: {path} line {number}: {why}")
 
 
 def _in_senteval_order(rows) -> tuple[list[str], np.ndarray]:
@@ -108,7 +108,7 @@ def load_task(senteval_dir, task: str) -> dict:
             rows = sorted(rows, key=lambda z: (len(z[0]), len(z[1]), z[2]))  # stable, as SentEval's
             splits[split] = ([(" ".join(a), " ".join(b)) for a, b, _ in rows], np.array([l for _, _, l in rows]))
         return splits
-    raise eval_sts.UsageError(f"unknown transfer task '{task}'; choose from {', '.join(TASKS)}")
+    raise plumbing.UsageError(f"unknown transfer task '{task}'; choose from {', '.join(TASKS)}")
 
 
 # ------------------------------------------------------------------------------------------------ folds
@@ -119,7 +119,7 @@ def stratified_folds(y: np.ndarray, k: int, seed: int = SEED) -> list[tuple[np.n
     encoded = class_order[inverse]  # classes numbered in order of first appearance
     n_classes = len(first_index)
     if np.bincount(encoded).max() < k:
-        raise eval_sts.UsageError(f"too few examples for {k}-fold cross-validation")
+        raise plumbing.UsageError(f"too few examples for {k}-fold cross-validation")
     ordered = np.sort(encoded)
     allocation = np.array([np.bincount(ordered[i::k], minlength=n_classes) for i in range(k)])
     rng, test_fold = np.random.RandomState(seed), np.empty(len(y), dtype=int)
@@ -296,7 +296,7 @@ def pair_features(u: np.ndarray, v: np.ndarray) -> np.ndarray:
 def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: int = 128, device="cpu") -> dict:
     """Accuracy x100 (two decimals) per transfer task and their average, for `encode(list[str]) -> np.ndarray`."""
     if mode not in MODES:
-        raise eval_sts.UsageError(f"unknown mode '{mode}'; use test or fasttest")
+        raise plumbing.UsageError(f"unknown mode '{mode}'; use test or fasttest")
     tasks = list(tasks or TASKS)
     data = {task: load_task(senteval_dir, task) for task in tasks}
     sentences = [s for splits in data.values() for xs, _ in splits.values() for x in xs
@@ -329,7 +329,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
 
 
 def main(argv=None) -> None:
-    parser = eval_sts.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", required=True, help="Hugging Face model id or local directory")
     parser.add_argument("--pooler", default="cls_before_pooler", choices=eval_sts.POOLERS, help="as in eval_sts.py")
     parser.add_argument("--senteval_dir", default=None, help="SentEval data folder (default: HF senteval.tar)")
@@ -340,9 +340,9 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
     parser.add_argument("--json", default=None, help="write the scores to this JSON file")
     args = parser.parse_args(argv)
-    eval_sts.check_range(args, "batch_size", lambda v: v >= 1, "a positive integer")
-    eval_sts.check_json_path(args.json)
-    device = eval_sts.resolve_device(args.device)
+    plumbing.check_range(args, "batch_size", lambda v: v >= 1, "a positive integer")
+    plumbing.check_json_path(args.json)
+    device = plumbing.resolve_device(args.device)
     senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir)
     encode = eval_sts.load_encode(args.model_name_or_path, args.pooler, device)
     encoding_s = [0.0]
@@ -361,8 +361,8 @@ def main(argv=None) -> None:
     print(f"transfer evaluation wall time {wall_s:.1f}s: encoding {encoding_s[0]:.1f}s, "
           f"classifiers {wall_s - encoding_s[0]:.1f}s")
     if args.json:
-        eval_sts.write_json(Path(args.json), scores)
+        plumbing.write_json(Path(args.json), scores)
 
 
 if __name__ == "__main__":
-    eval_sts.cli(main)
+    plumbing.cli(main)

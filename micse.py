@@ -69,7 +69,7 @@ def parse_args(argv=None):
     g.add_argument("--momentum", type=float, default=0.995, help="EMA momentum of the momentum encoder")
     g.add_argument("--momentum_dropout", type=float, default=0.3, help="dropout rate of the momentum encoder")
     known, _ = parser.parse_known_args(argv)
-    common.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
+    plumbing.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
     nearest = min(FEW_SHOT_SETTINGS, key=lambda f: abs(math.log10(f) - math.log10(known.fraction)))
     source = f"miCSE's settings for fraction {nearest:g} " + \
         ("(Section 3.1)" if nearest == 1.0 else "(the authors' README)")
@@ -77,10 +77,10 @@ def parse_args(argv=None):
         source += f", the nearest to --fraction {known.fraction:g} in FEW_SHOT_SETTINGS"
     args = common.parse_with_presets(parser, argv, FEW_SHOT_SETTINGS[nearest], source)  # flags the user gives win
     for name, accepted in (("ami_lambda", ">= 0"), ("queue_size", ">= 0 (0 disables the queue)")):
-        common.check_range(args, name, lambda v: v >= 0, accepted)
-    common.check_range(args, "ami_samples", lambda v: v >= 2, "at least 2 entries per tile")
-    common.check_range(args, "momentum", lambda v: 0 <= v <= 1, "0 <= momentum <= 1")
-    common.check_range(args, "momentum_dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
+        plumbing.check_range(args, name, lambda v: v >= 0, accepted)
+    plumbing.check_range(args, "ami_samples", lambda v: v >= 2, "at least 2 entries per tile")
+    plumbing.check_range(args, "momentum", lambda v: 0 <= v <= 1, "0 <= momentum <= 1")
+    plumbing.check_range(args, "momentum_dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
     return args
 
 
@@ -167,19 +167,19 @@ def main(argv=None):
     args = parse_args(argv)
     common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
     transformers.set_seed(args.seed)
-    device = distributed.init(eval_sts.resolve_device(args.device))
+    device = distributed.init(plumbing.resolve_device(args.device))
 
     with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
         examples, train_file, subset = common.training_examples(args)  # miCSE's own subset where they released one
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
-        tokenizer, backbone = common.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
+        tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
         corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
     num_layers = backbone.config.num_hidden_layers
     default_min, default_max = default_ami_layers(num_layers)
     args.ami_min_layer = default_min if args.ami_min_layer is None else args.ami_min_layer
     args.ami_max_layer = default_max if args.ami_max_layer is None else args.ami_max_layer
     if not 0 <= args.ami_min_layer < args.ami_max_layer <= num_layers or (args.ami_max_layer - args.ami_min_layer) % 2:
-        raise common.UsageError(f"--ami_min_layer/--ami_max_layer {args.ami_min_layer}:{args.ami_max_layer} must be "
+        raise plumbing.UsageError(f"--ami_min_layer/--ami_max_layer {args.ami_min_layer}:{args.ami_max_layer} must be "
                                 f"an even number of layers within the model's {num_layers}")
     loader = common.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
@@ -264,12 +264,31 @@ def main(argv=None):
 
     bar.close()
     distributed.shutdown()  # the other processes exit here: process 0's final evaluation holds nobody in a barrier
-    common.finish(args, eval_pooler, senteval_dir, device, stop, summary=summary, train_file=train_file,
-                  micse_subset=subset, num_train_examples=len(corpus), steps=len(losses), best_dev_stsb=best_dev,
-                  best_step=best_step, dev_curve=dev_curve, train_time_curve=time_curve, train_loss=losses,
-                  train_time_s=round(train_time, 2),
-                  steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
+    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated on
+    # the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
+    if distributed.rank() == 0:
+        out = Path(args.output_dir)
+        results = common.run_record(
+            args, eval_pooler, device, stop, summary=summary, train_file=train_file,
+            micse_subset=subset, num_train_examples=len(corpus), steps=len(losses),
+            best_dev_stsb=best_dev, best_step=best_step, dev_curve=dev_curve,
+            train_time_curve=time_curve, train_loss=losses, train_time_s=round(train_time, 2),
+            steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
+        with stop.final_evaluation(results):  # a signal now stops it; results.json records that
+            if not results["interrupted"]:
+                distributed.log(f"best STS-B dev {best_dev:.2f} at step {best_step}; evaluating it")
+                encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
+                if not args.no_test_eval:
+                    results["test"] = common.sts_test_scores(encode, senteval_dir)
+                results["align_uniform"] = common.align_uniform(encode, args, eval_pooler, senteval_dir,
+                                                                device)
+                if args.eval_transfer:
+                    results["transfer"] = common.transfer_scores(encode, senteval_dir, args, device,
+                                                                 results)
+        plumbing.write_json(out / "results.json", results)
+        distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
+    stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM
 
 
 if __name__ == "__main__":
-    common.cli(main)
+    plumbing.cli(main)

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import plumbing
-from eval_sts import write_json  # atomic: a stopped report never leaves half a file, which a resumed one would skip
 
 ROOT = Path(__file__).resolve().parent
 SHARED = ROOT.parent / "shared"
@@ -134,7 +133,7 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
         if not (RESULTS / f"{stem}.json").exists():
             scores, cost = timed_scores([sys.executable, "eval_sts.py", "--model_name_or_path", MODEL, "--pooler",
                                          pooler, "--senteval_dir", SENTEVAL], RESULTS / f"{stem}.tmp.json")
-            write_json(RESULTS / f"{stem}.json", {**scores, "report": cost})
+            plumbing.write_json(RESULTS / f"{stem}.json", {**scores, "report": cost})
     todo = sum(not (RESULTS / f"{name}.seed{seed}.json").exists() for seed in seeds for name, *_ in rows)
     done, start = 0, time.perf_counter()
     for seed in seeds:  # every row of a seed first: a report stopped early still has comparable rows
@@ -147,7 +146,7 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
             print(f"== training run {done + 1}/{todo} ({done} done, ETA {eta})", flush=True)
             cost = timed(command(script, flags, seed, out))
             done += 1
-            write_json(path, {**json.loads((out / "results.json").read_text()), "report": cost})
+            plumbing.write_json(path, {**json.loads((out / "results.json").read_text()), "report": cost})
     (RESULTS / "machine.json").write_text(json.dumps(machine(), indent=2))
     if not transfer:
         return
@@ -156,7 +155,7 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
             scores, cost = timed_scores([sys.executable, "eval_transfer.py", "--model_name_or_path", MODEL, "--pooler",
                                          pooler, "--senteval_dir", SENTEVAL, "--mode", TRANSFER_MODE],
                                         RESULTS / f"{stem}_transfer.tmp.json")
-            write_json(RESULTS / f"{stem}_transfer.json", {**scores, "report": cost})
+            plumbing.write_json(RESULTS / f"{stem}_transfer.json", {**scores, "report": cost})
     for seed in seeds:
         for name, *_ in rows:
             path = RESULTS / f"{name}.seed{seed}.json"
@@ -172,7 +171,7 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
                                          TRANSFER_MODE], RESULTS / f"{name}.seed{seed}.transfer.tmp.json")
             data["transfer"] = {**scores, "mode": TRANSFER_MODE}
             data.setdefault("report", {}).update(transfer_wall_s=cost["wall_s"], transfer_cpu_s=cost["cpu_s"])
-            write_json(path, data)
+            plumbing.write_json(path, data)
 
 
 def machine():

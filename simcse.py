@@ -55,7 +55,7 @@ def main(argv=None):
     args = parse_args(argv)
     common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
     transformers.set_seed(args.seed)
-    device = distributed.init(eval_sts.resolve_device(args.device))
+    device = distributed.init(plumbing.resolve_device(args.device))
 
     # Data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard negatives), tokenised
     # once; a batch is then only gathered and padded to its longest row.
@@ -63,7 +63,7 @@ def main(argv=None):
     with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
         examples, train_file, subset = common.training_examples(args, default_file, triplets=args.supervised)
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
-        tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
+        tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
         corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
     loader = common.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
@@ -134,12 +134,31 @@ def main(argv=None):
 
     bar.close()
     distributed.shutdown()  # the other processes exit here: process 0's final evaluation holds nobody in a barrier
-    common.finish(args, eval_pooler, senteval_dir, device, stop, summary=summary, train_file=train_file,
-                  micse_subset=subset, num_train_examples=len(corpus), steps=len(losses), best_dev_stsb=best_dev,
-                  best_step=best_step, dev_curve=dev_curve, train_time_curve=time_curve, train_loss=losses,
-                  train_time_s=round(train_time, 2),
-                  steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
+    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated on
+    # the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
+    if distributed.rank() == 0:
+        out = Path(args.output_dir)
+        results = common.run_record(
+            args, eval_pooler, device, stop, summary=summary, train_file=train_file,
+            micse_subset=subset, num_train_examples=len(corpus), steps=len(losses),
+            best_dev_stsb=best_dev, best_step=best_step, dev_curve=dev_curve,
+            train_time_curve=time_curve, train_loss=losses, train_time_s=round(train_time, 2),
+            steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
+        with stop.final_evaluation(results):  # a signal now stops it; results.json records that
+            if not results["interrupted"]:
+                distributed.log(f"best STS-B dev {best_dev:.2f} at step {best_step}; evaluating it")
+                encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
+                if not args.no_test_eval:
+                    results["test"] = common.sts_test_scores(encode, senteval_dir)
+                results["align_uniform"] = common.align_uniform(encode, args, eval_pooler, senteval_dir,
+                                                                device)
+                if args.eval_transfer:
+                    results["transfer"] = common.transfer_scores(encode, senteval_dir, args, device,
+                                                                 results)
+        plumbing.write_json(out / "results.json", results)
+        distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
+    stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM
 
 
 if __name__ == "__main__":
-    common.cli(main)
+    plumbing.cli(main)

@@ -47,7 +47,7 @@ def parse_args(argv=None):
     args = common.parse_with_presets(parser, argv, {"pooler": "avg"}, "SSCL's released scripts")  # train and eval
     if args.pooler not in ("cls", "avg"):
         parser.error("SSCL trains with --pooler cls or avg (Section 4.2)")
-    common.check_range(args, "neg_layers", lambda v: v >= 0, "a non-negative number of layers")
+    plumbing.check_range(args, "neg_layers", lambda v: v >= 0, "a non-negative number of layers")
     return args
 
 
@@ -68,10 +68,10 @@ def negative_layers(num_layers: int, k: int, index: int | None = None) -> list[i
     """hidden_states indices of the negative layers: [index], or L-1, ..., L-k (hidden_states[L] is the last)."""
     if index is not None:
         if not 1 <= index < num_layers:
-            raise common.UsageError(f"--neg_layer_index must be in 1..{num_layers - 1}, got {index}")
+            raise plumbing.UsageError(f"--neg_layer_index must be in 1..{num_layers - 1}, got {index}")
         return [index]
     if not 0 <= k < num_layers:
-        raise common.UsageError(f"--neg_layers must be in 0..{num_layers - 1}, got {k}")
+        raise plumbing.UsageError(f"--neg_layers must be in 0..{num_layers - 1}, got {k}")
     return [num_layers - i for i in range(1, k + 1)]
 
 
@@ -85,7 +85,7 @@ def layer_representations(hidden_states, attention_mask, layers, pooler: str, he
 def set_sim(hidden_states, attention_mask, pooler: str) -> torch.Tensor:
     """SetSim (Eq. 2) of each sentence for adjacent layers (1,2), ..., (L-1,L): shape (L-1, N)."""
     pooler = "cls_before_pooler" if pooler == "cls" else pooler
-    reps = [common.pool(hidden_states[:layer + 1], attention_mask, pooler) for layer in range(1, len(hidden_states))]
+    reps = [eval_sts.pool(hidden_states[:layer + 1], attention_mask, pooler) for layer in range(1, len(hidden_states))]
     return torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1) for a, b in zip(reps, reps[1:])])
 
 
@@ -112,12 +112,12 @@ def main(argv=None):
     args = parse_args(argv)
     common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
     transformers.set_seed(args.seed)
-    device = distributed.init(eval_sts.resolve_device(args.device))
+    device = distributed.init(plumbing.resolve_device(args.device))
 
     with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
         examples, train_file, subset = common.training_examples(args)
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
-        tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
+        tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
         corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
     loader = common.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
@@ -189,14 +189,33 @@ def main(argv=None):
     bar.close()
     distributed.shutdown()  # the other processes exit here: process 0's evaluations hold nobody in a barrier
     if setsim is not None and stop.signum is None:
-        setsim["after"] = oversmoothing(eval_sts.load_pretrained(str(Path(args.output_dir) / "best"))[1].to(device),
+        setsim["after"] = oversmoothing(plumbing.load_pretrained(str(Path(args.output_dir) / "best"))[1].to(device),
                                         tokenizer, args.pooler, senteval_dir, device, "SetSim after")
-    common.finish(args, eval_pooler, senteval_dir, device, stop, summary=summary, setsim=setsim,
-                  train_file=train_file, micse_subset=subset, num_train_examples=len(corpus), steps=len(losses),
-                  best_dev_stsb=best_dev, best_step=best_step, dev_curve=dev_curve, train_time_curve=time_curve,
-                  train_loss=losses, train_time_s=round(train_time, 2),
-                  steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
+    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated on
+    # the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
+    if distributed.rank() == 0:
+        out = Path(args.output_dir)
+        results = common.run_record(
+            args, eval_pooler, device, stop, summary=summary, setsim=setsim, train_file=train_file,
+            micse_subset=subset, num_train_examples=len(corpus), steps=len(losses),
+            best_dev_stsb=best_dev, best_step=best_step, dev_curve=dev_curve,
+            train_time_curve=time_curve, train_loss=losses, train_time_s=round(train_time, 2),
+            steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
+        with stop.final_evaluation(results):  # a signal now stops it; results.json records that
+            if not results["interrupted"]:
+                distributed.log(f"best STS-B dev {best_dev:.2f} at step {best_step}; evaluating it")
+                encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
+                if not args.no_test_eval:
+                    results["test"] = common.sts_test_scores(encode, senteval_dir)
+                results["align_uniform"] = common.align_uniform(encode, args, eval_pooler, senteval_dir,
+                                                                device)
+                if args.eval_transfer:
+                    results["transfer"] = common.transfer_scores(encode, senteval_dir, args, device,
+                                                                 results)
+        plumbing.write_json(out / "results.json", results)
+        distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
+    stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM
 
 
 if __name__ == "__main__":
-    common.cli(main)
+    plumbing.cli(main)

@@ -48,8 +48,8 @@ def parse_args(argv=None):
     g.add_argument("--num_pos", type=int, default=3, help="m, the number of whitened views (Table 5: 3)")
     g.add_argument("--no_shuffle", action="store_true", help="identity permutation for every view (Table 4 ablation)")
     args = parser.parse_args(argv)
-    common.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
-    common.check_range(args, "num_groups", lambda v: v >= 1, "a positive number of groups")
+    plumbing.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
+    plumbing.check_range(args, "num_groups", lambda v: v >= 1, "a positive number of groups")
     return args
 
 
@@ -105,20 +105,20 @@ def main(argv=None):
     args = parse_args(argv)
     common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
     transformers.set_seed(args.seed)
-    device = distributed.init(eval_sts.resolve_device(args.device))
+    device = distributed.init(plumbing.resolve_device(args.device))
 
     with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
         examples, train_file, subset = common.training_examples(args)
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
-        tokenizer, backbone = common.load_pretrained(args.model_name_or_path)
+        tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
         corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
     hidden = backbone.config.hidden_size
     if hidden % args.num_groups:
-        raise common.UsageError(f"--num_groups {args.num_groups} does not divide the hidden size {hidden}; "
+        raise plumbing.UsageError(f"--num_groups {args.num_groups} does not divide the hidden size {hidden}; "
                                 f"use groups of 2 channels: --num_groups {hidden // 2}")
     width = hidden // args.num_groups
     if width >= args.batch_size:
-        raise common.UsageError(f"groups of {width} channels need --batch_size above {width}")
+        raise plumbing.UsageError(f"groups of {width} channels need --batch_size above {width}")
     loader = common.make_loader(corpus, args, device, min_rows=width + 1)  # fewer rows: a singular covariance
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
@@ -129,7 +129,7 @@ def main(argv=None):
     params = list(backbone.parameters()) + list(head.parameters())
     eval_pooler = "cls_before_pooler"
     generator = torch.Generator(device).manual_seed(args.seed)  # the channel shuffles, the same on every process
-    encode = common.pooled_encode(backbone, tokenizer, eval_pooler, device)
+    encode = eval_sts.pooled_encode(backbone, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # loss scaling for fp16; a pass-through otherwise
     summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps, device)
@@ -185,12 +185,31 @@ def main(argv=None):
 
     bar.close()
     distributed.shutdown()  # the other processes exit here: process 0's final evaluation holds nobody in a barrier
-    common.finish(args, eval_pooler, senteval_dir, device, stop, summary=summary, train_file=train_file,
-                  micse_subset=subset, num_train_examples=len(corpus), steps=len(losses), best_dev_stsb=best_dev,
-                  best_step=best_step, dev_curve=dev_curve, train_time_curve=time_curve, train_loss=losses,
-                  train_time_s=round(train_time, 2),
-                  steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
+    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated on
+    # the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
+    if distributed.rank() == 0:
+        out = Path(args.output_dir)
+        results = common.run_record(
+            args, eval_pooler, device, stop, summary=summary, train_file=train_file,
+            micse_subset=subset, num_train_examples=len(corpus), steps=len(losses),
+            best_dev_stsb=best_dev, best_step=best_step, dev_curve=dev_curve,
+            train_time_curve=time_curve, train_loss=losses, train_time_s=round(train_time, 2),
+            steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
+        with stop.final_evaluation(results):  # a signal now stops it; results.json records that
+            if not results["interrupted"]:
+                distributed.log(f"best STS-B dev {best_dev:.2f} at step {best_step}; evaluating it")
+                encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
+                if not args.no_test_eval:
+                    results["test"] = common.sts_test_scores(encode, senteval_dir)
+                results["align_uniform"] = common.align_uniform(encode, args, eval_pooler, senteval_dir,
+                                                                device)
+                if args.eval_transfer:
+                    results["transfer"] = common.transfer_scores(encode, senteval_dir, args, device,
+                                                                 results)
+        plumbing.write_json(out / "results.json", results)
+        distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
+    stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM
 
 
 if __name__ == "__main__":
-    common.cli(main)
+    plumbing.cli(main)

@@ -4,7 +4,7 @@ import types
 import pytest
 
 import bench
-import eval_sts
+import plumbing
 
 
 def test_timed_steps_exclude_the_warm_up(tiny_model, corpus, senteval_dir, tmp_path):
@@ -19,5 +19,5 @@ def test_timed_steps_exclude_the_warm_up(tiny_model, corpus, senteval_dir, tmp_p
 
 
 def test_compare_with_a_folder_that_is_no_checkout_is_one_line(tmp_path, corpus):
-    with pytest.raises(eval_sts.UsageError, match="--compare_with .* no simcse.py there"):
+    with pytest.raises(plumbing.UsageError, match="--compare_with .* no simcse.py there"):
         bench.main(["--model_name_or_path", "m", "--train_file", str(corpus), "--compare_with", str(tmp_path)])

@@ -8,6 +8,7 @@ import torch
 
 import common
 import eval_sts
+import plumbing
 
 
 def loop_info_nce(z1, z2, temp, z3=None, weight=0.0):
@@ -61,16 +62,16 @@ def test_poolers_on_hand_built_hidden_states():
     first = torch.tensor([[[1., 0.], [3., 0.], [5., 0.]], [[2., 2.], [9., 9.], [9., 9.]]])
     last = torch.tensor([[[0., 1.], [0., 3.], [0., 8.]], [[4., 4.], [7., 7.], [7., 7.]]])
     hidden = (emb, first, last)
-    assert torch.allclose(common.pool(hidden, mask, "cls_before_pooler"), torch.tensor([[0., 1.], [4., 4.]]))
-    assert torch.allclose(common.pool(hidden, mask, "avg"), torch.tensor([[0., 4.], [4., 4.]]))
-    assert torch.allclose(common.pool(hidden, mask, "avg_first_last"), torch.tensor([[1.5, 2.0], [3., 3.]]))
-    assert torch.allclose(common.pool(hidden, mask, "avg_top2"), torch.tensor([[1.5, 2.0], [3., 3.]]))
+    assert torch.allclose(eval_sts.pool(hidden, mask, "cls_before_pooler"), torch.tensor([[0., 1.], [4., 4.]]))
+    assert torch.allclose(eval_sts.pool(hidden, mask, "avg"), torch.tensor([[0., 4.], [4., 4.]]))
+    assert torch.allclose(eval_sts.pool(hidden, mask, "avg_first_last"), torch.tensor([[1.5, 2.0], [3., 3.]]))
+    assert torch.allclose(eval_sts.pool(hidden, mask, "avg_top2"), torch.tensor([[1.5, 2.0], [3., 3.]]))
     pooler_output = torch.randn(2, 2)
-    assert common.pool(hidden, mask, "cls", pooler_output) is pooler_output
-    with pytest.raises(common.UsageError, match="no pooler"):
-        common.pool(hidden, mask, "cls")
-    with pytest.raises(common.UsageError, match="unknown pooler"):
-        common.pool(hidden, mask, "max")
+    assert eval_sts.pool(hidden, mask, "cls", pooler_output) is pooler_output
+    with pytest.raises(plumbing.UsageError, match="no pooler"):
+        eval_sts.pool(hidden, mask, "cls")
+    with pytest.raises(plumbing.UsageError, match="unknown pooler"):
+        eval_sts.pool(hidden, mask, "max")
 
 
 def test_subsample_is_deterministic_and_bounded():
@@ -81,7 +82,7 @@ def test_subsample_is_deterministic_and_bounded():
     assert len(a) == 10 and a == sorted(a) and set(a) <= set(items)
     assert len(common.subsample(items, 0.0015, seed=0)) == round(1.5)
     assert common.subsample(items, 1.0, seed=0) == items
-    with pytest.raises(common.UsageError, match="keeps none"):
+    with pytest.raises(plumbing.UsageError, match="keeps none"):
         common.subsample(items, 0.0001, seed=0)
 
 
@@ -95,12 +96,12 @@ def test_training_examples_skip_empty_lines_and_reject_bad_files(tmp_path):
     examples, source, subset = common.training_examples(args_for(path))
     assert examples["text"] == ["one", "two"] and source == str(path) and subset is None
     path.write_text("\n\n")
-    with pytest.raises(common.UsageError, match="is empty"):
+    with pytest.raises(plumbing.UsageError, match="is empty"):
         common.training_examples(args_for(path))
-    with pytest.raises(common.UsageError, match="no such file"):
+    with pytest.raises(plumbing.UsageError, match="no such file"):
         common.training_examples(args_for(tmp_path / "missing.txt"))
     path.write_bytes(b"fine\nstill fine\nbad \xff byte\n")
-    with pytest.raises(common.UsageError, match="line 3 is not UTF-8"):
+    with pytest.raises(plumbing.UsageError, match="line 3 is not UTF-8"):
         common.training_examples(args_for(path))
 
 
@@ -111,10 +112,10 @@ def test_training_triplets_keep_na_strings_and_name_bad_rows(tmp_path):
     assert list(zip(examples["sent0"], examples["sent1"], examples["hard_neg"])) == [("NA", "None", "null"),
                                                                                  ("a man", "a person", "a dog")]
     path.write_text("sent0,sent1,hard_neg\na,b,c\nd,e\n")
-    with pytest.raises(common.UsageError, match="line 3 has 2 column"):
+    with pytest.raises(plumbing.UsageError, match="line 3 has 2 column"):
         common.training_examples(args_for(path), triplets=True)
     path.write_text("premise,hypothesis\na,b\n")
-    with pytest.raises(common.UsageError, match="sent0,sent1,hard_neg"):
+    with pytest.raises(plumbing.UsageError, match="sent0,sent1,hard_neg"):
         common.training_examples(args_for(path), triplets=True)
 
 
@@ -134,7 +135,7 @@ def test_micse_subset_is_downloaded_from_its_repo(tmp_path, monkeypatch):
     subset_file = tmp_path / "subset.txt"
     subset_file.write_text("s1\ns2\ns3\n")
     asked = []
-    monkeypatch.setattr(eval_sts, "hub_file", lambda repo, name, flag: asked.append((repo, name, flag)) or str(subset_file))
+    monkeypatch.setattr(plumbing, "hub_file", lambda repo, name, flag: asked.append((repo, name, flag)) or str(subset_file))
     args = types.SimpleNamespace(train_file=None, fraction=0.01, seed=50)
     examples, source, subset = common.training_examples(args)
     assert asked == [("sap-ai-research/datasets-for-micse", "wiki_subset_1M_001.00percent_seed50.txt", "--train_file")]
@@ -144,7 +145,7 @@ def test_micse_subset_is_downloaded_from_its_repo(tmp_path, monkeypatch):
 def test_offline_micse_subset_names_the_file_and_the_flag(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with pytest.raises(common.UsageError, match="wiki_subset_1M_000.10percent_seed49.txt.*--train_file"):
+    with pytest.raises(plumbing.UsageError, match="wiki_subset_1M_000.10percent_seed49.txt.*--train_file"):
         common.training_examples(types.SimpleNamespace(train_file=None, fraction=0.001, seed=49))
 
 
@@ -236,7 +237,7 @@ def test_read_losses_names_the_first_bad_step():
     common.read_losses(pending, losses)  # nothing new: nothing changes
     assert losses == [1.5, 1.25, 2.0]
     pending += [torch.tensor(1.0), torch.tensor(float("inf")), torch.tensor(float("nan"))]
-    with pytest.raises(common.UsageError, match="became inf at step 5"):
+    with pytest.raises(plumbing.UsageError, match="became inf at step 5"):
         common.read_losses(pending, losses)
 
 
@@ -244,7 +245,7 @@ def test_precision_resolves_per_device():
     cpu = torch.device("cpu")
     assert common.resolve_precision("auto", cpu) == "fp32"
     assert common.resolve_precision("bf16", cpu) == "bf16" and common.resolve_precision("fp32", cpu) == "fp32"
-    with pytest.raises(common.UsageError, match="fp16 needs a CUDA device"):
+    with pytest.raises(plumbing.UsageError, match="fp16 needs a CUDA device"):
         common.resolve_precision("fp16", cpu)
     import simcse
     assert simcse.parse_args(["--fp32"]).precision == "fp32"  # the old flag is an alias

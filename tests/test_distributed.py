@@ -24,7 +24,7 @@ import common, importlib
 from test_distributed import recording_dev_score
 script, out, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 common.dev_score = recording_dev_score(common.dev_score, out)
-common.cli(lambda: importlib.import_module(script).main(argv))
+plumbing.cli(lambda: importlib.import_module(script).main(argv))
 '''
 
 
@@ -121,7 +121,7 @@ def slow_evaluate(encode, senteval_dir, tasks=None, mode="test", **kwargs):
     return real_evaluate(encode, senteval_dir, tasks, mode, **kwargs)
 
 eval_sts.evaluate = slow_evaluate
-common.cli(lambda: simcse.main(sys.argv[1:]))
+plumbing.cli(lambda: simcse.main(sys.argv[1:]))
 '''
 
 

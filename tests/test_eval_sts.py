@@ -10,6 +10,7 @@ import pytest
 from scipy.stats import spearmanr
 
 import eval_sts
+import plumbing
 from conftest import ROOT, SHARED, STS_SUBSETS, needs_shared, run_script
 
 
@@ -157,7 +158,7 @@ def test_senteval_tar_is_unpacked_once_and_found(tmp_path, senteval_dir, monkeyp
     with tarfile.open(tar_path, "w") as tar:
         tar.add(senteval_dir, arcname="downstream")
     requested = []
-    monkeypatch.setattr(eval_sts, "hub_file",
+    monkeypatch.setattr(plumbing, "hub_file",
                         lambda repo, name, flag, local: requested.append((repo, name, flag, local)) or str(tar_path))
     root = eval_sts.resolve_senteval_dir(None)
     assert root == tmp_path / "cache" / "senteval_unpacked" / "downstream"
@@ -247,7 +248,7 @@ def test_half_precision_checkpoint_loads_in_fp32(tiny_model, tmp_path):
     shutil.copytree(tiny_model, bf16)
     AutoModel.from_pretrained(tiny_model).to(torch.bfloat16).save_pretrained(bf16)
     assert next(AutoModel.from_pretrained(bf16).parameters()).dtype == torch.bfloat16  # the library's default
-    _, backbone = eval_sts.load_pretrained(str(bf16))
+    _, backbone = plumbing.load_pretrained(str(bf16))
     assert {p.dtype for p in backbone.parameters()} == {torch.float32}
     embeddings = eval_sts.load_encode(str(bf16), "avg", torch.device("cpu"))(["a b c", "d e"])
     assert embeddings.dtype == np.float32

@@ -149,7 +149,7 @@ def test_readers_on_a_miniature_tree(tmp_path):
     mrpc = et.load_task(root, "MRPC")["train"]
     assert len(mrpc[0]) == 40 and isinstance(mrpc[0][0], tuple) and set(mrpc[1].tolist()) == {0, 1}
     (root / "TREC" / "TREC_10.label").write_text("DESC:manner how ?\nnonsense line\n")
-    with pytest.raises(et.eval_sts.UsageError, match="TREC_10.label line 2"):
+    with pytest.raises(et.plumbing.UsageError, match="TREC_10.label line 2"):
         et.load_task(root, "TREC")
 
 

@@ -9,6 +9,7 @@ import torch
 import common
 import eval_sts
 import micse
+import plumbing
 from conftest import in_process_scores, run_script, smoke_args
 
 
@@ -152,7 +153,7 @@ def test_few_shot_settings_and_overrides(capsys):
     assert "fraction 0.01 (the authors' README)" in args.presets["source"]
     args = micse.parse_args(["--fraction", "0.02"])
     assert args.epochs == 50 and "nearest to --fraction 0.02" in args.presets["source"]
-    with pytest.raises(common.UsageError, match="--fraction"):
+    with pytest.raises(plumbing.UsageError, match="--fraction"):
         micse.parse_args(["--fraction", "1.5"])
 
 
@@ -168,7 +169,7 @@ def test_ami_on_the_kept_layers_alone_equals_ami_on_all_layers():
 
 def test_momentum_encoder_copy_runs_sdpa_and_the_online_encoder_keeps_its_attentions(tiny_model):
     import copy
-    _, backbone = common.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
+    _, backbone = plumbing.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
     momentum = copy.deepcopy(backbone)
     momentum.set_attn_implementation("sdpa")  # as micse.main does
     assert momentum.config._attn_implementation == "sdpa" and backbone.config._attn_implementation == "eager"
@@ -186,13 +187,13 @@ def test_default_ami_layers():
 
 
 def test_eager_attention_returns_weights_and_sdpa_does_not(tiny_model):
-    tokenizer, backbone = common.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
+    tokenizer, backbone = plumbing.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
     batch = dict(tokenizer(["a man runs", "the dog eats food", "a red car", "sun and moon"], padding=True,
                            return_tensors="pt"))
     outputs = backbone(**common.repeat_views(batch, 2), output_attentions=True)
     assert len(outputs.attentions) == 2 and outputs.attentions[0].shape == (8, 4, 6, 6)
     assert torch.allclose(outputs.attentions[0].sum(-1), torch.ones(8, 4, 6))
-    _, sdpa_backbone = common.load_pretrained(str(tiny_model))
+    _, sdpa_backbone = plumbing.load_pretrained(str(tiny_model))
     if sdpa_backbone.config._attn_implementation != "eager":  # transformers 5's default: no weights
         attentions = sdpa_backbone(**batch, output_attentions=True).attentions
         assert not attentions or attentions[0] is None

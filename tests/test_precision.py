@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+import plumbing
 from conftest import smoke_args
 from test_simcse import write_nli
 
@@ -67,14 +68,14 @@ def test_bf16_encoder_fp32_losses(run, tiny_model, corpus, senteval_dir, tmp_pat
         owner = importlib.import_module(owner) if isinstance(owner, str) else owner
         monkeypatch.setattr(owner, name, recording(getattr(owner, name), calls[name]))
     encoder_autocast = set()  # (enabled, dtype) at each call of the encoder
-    load_pretrained = common.load_pretrained
+    load_pretrained = plumbing.load_pretrained
 
     def load_and_watch(*args, **kwargs):
         tokenizer, backbone = load_pretrained(*args, **kwargs)
         backbone.register_forward_pre_hook(lambda m, a: encoder_autocast.add(
             (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
         return tokenizer, backbone
-    monkeypatch.setattr(common, "load_pretrained", load_and_watch)
+    monkeypatch.setattr(plumbing, "load_pretrained", load_and_watch)
 
     data = write_nli(tmp_path / "nli.csv") if run == "simcse_sup" else corpus
     out = tmp_path / "run"
@@ -110,7 +111,7 @@ def test_fp16_is_refused_on_cpu_with_one_line(tiny_model, corpus, senteval_dir, 
     import simcse
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        common.cli(lambda: simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out,
+        plumbing.cli(lambda: simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out,
                                                                    "--precision", "fp16")]))
     lines = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(lines) == 1 and "--precision fp16 needs a CUDA device" in lines[0]

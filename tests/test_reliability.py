@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common
+import plumbing
 from conftest import ROOT, run_script, smoke_args
 
 SCRIPTS = ["simcse", "simcsepp", "sscl", "whitenedcse", "micse"]
@@ -41,7 +42,7 @@ def run_in_process(script, argv, capsys):
     """The script's CLI entry in this process (fast): exit status and the lines on stderr."""
     module = importlib.import_module(script)
     with pytest.raises(SystemExit) as exit_info:
-        common.cli(lambda: module.main([str(a) for a in argv]))
+        plumbing.cli(lambda: module.main([str(a) for a in argv]))
         raise SystemExit(0)
     return exit_info.value.code, capsys.readouterr().err.strip().splitlines()
 
@@ -189,7 +190,7 @@ def test_a_missing_local_model_folder_is_no_such_folder_not_a_hub_error(tiny_mod
         code, lines = run_in_process("simcse", args, capsys)
         assert code == 2 and lines == [f"error: --model_name_or_path {missing}: no such folder"], lines
         with pytest.raises(SystemExit) as exit_info:
-            common.cli(lambda: eval_sts.main(["--model_name_or_path", missing, "--senteval_dir", str(senteval_dir)]))
+            plumbing.cli(lambda: eval_sts.main(["--model_name_or_path", missing, "--senteval_dir", str(senteval_dir)]))
         assert exit_info.value.code == 2
         assert capsys.readouterr().err.strip().splitlines() == [f"error: --model_name_or_path {missing}: no such folder"]
     assert not out.exists()
@@ -206,8 +207,8 @@ def test_missing_local_data_is_no_such_file_or_folder_and_the_hub_error_names_a_
         args[args.index(flag) + 1] = missing
         code, lines = run_in_process("simcse", args, capsys)
         assert code == 2 and lines == [f"error: {flag} {missing}: {why}"], lines
-    monkeypatch.setattr(eval_sts, "hub_reachable", lambda: False)
-    with pytest.raises(eval_sts.UsageError, match="pass a local folder with --senteval_dir"):
+    monkeypatch.setattr(plumbing, "hub_reachable", lambda: False)
+    with pytest.raises(plumbing.UsageError, match="pass a local folder with --senteval_dir"):
         eval_sts.resolve_senteval_dir(None)
     assert not out.exists()
 

@@ -6,8 +6,8 @@ import random
 import numpy as np
 import pytest
 
-import common
 import eval_sts
+import plumbing
 from conftest import SHARED, in_process_scores, needs_shared, random_sentence, run_script, smoke_args
 
 
@@ -80,7 +80,7 @@ def test_sentence_transformers_matches_eval_sts(tiny_model, corpus, senteval_dir
     sentences = ["a man runs in the park", "the dog eats"]
     best = out / "best"
     tok, backbone = AutoTokenizer.from_pretrained(best), AutoModel.from_pretrained(best).eval()
-    encode = common.pooled_encode(backbone, tok, pooler, "cpu")
+    encode = eval_sts.pooled_encode(backbone, tok, pooler, "cpu")
     np.testing.assert_allclose(st.SentenceTransformer(str(best), device="cpu").encode(sentences), encode(sentences),
                                atol=1e-5)
 
@@ -111,7 +111,7 @@ def test_diverging_loss_stops_with_the_first_bad_step(tiny_model, corpus, sentev
     import simcse  # in-process (the CLI is tested above): a log step reads and checks the losses too
     args = smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "p", "--lr", "1e30", "--max_grad_norm", "0",
                       "--eval_steps", 4, "--logging_steps", 1)
-    with pytest.raises(common.UsageError, match="the loss became nan at step 2:"):
+    with pytest.raises(plumbing.UsageError, match="the loss became nan at step 2:"):
         simcse.main([str(a) for a in args])
     assert "step 1/4  loss" in capsys.readouterr().out
 

@@ -9,6 +9,7 @@ import torch
 
 import common
 import eval_sts
+import plumbing
 import sscl
 from conftest import in_process_scores, run_script, smoke_args
 
@@ -47,9 +48,9 @@ def test_negative_layer_indices():
     assert sscl.negative_layers(6, 1) == [5]
     assert sscl.negative_layers(12, 0) == []
     assert sscl.negative_layers(12, 2, index=4) == [4]
-    with pytest.raises(common.UsageError):
+    with pytest.raises(plumbing.UsageError):
         sscl.negative_layers(12, 2, index=12)
-    with pytest.raises(common.UsageError):
+    with pytest.raises(plumbing.UsageError):
         sscl.negative_layers(6, 6)
 
 
