@@ -1,10 +1,10 @@
 """What a reader of the method files needs: arguments, data, encoder pieces, InfoNCE, the dev score,
 saving, and the pieces of a run's end.
 
-No training loop lives here: each method file runs its own, visibly (CleanRL's bargain). SimCSE's poolers
-and the STS protocol come from eval_sts.py; process-group helpers from distributed.py; what a first
-reading can skip (one-line errors, the hub, atomic writes, progress) from plumbing.py. Defaults:
-unsupervised SimCSE with BERT-base (Table A.1) and the authors' HF Trainer.
+No training loop lives here: each method file runs its own, visibly (CleanRL's bargain). SimCSE's
+poolers and the STS protocol come from eval_sts.py; process-group helpers from distributed.py; what
+a first reading can skip (one-line errors, the hub, atomic writes, progress) from plumbing.py.
+Defaults: unsupervised SimCSE with BERT-base (Table A.1) and the authors' HF Trainer.
 """
 from __future__ import annotations
 
@@ -30,104 +30,135 @@ import plumbing
 
 MICSE_DATA_REPO = "sap-ai-research/datasets-for-micse"
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
-MICSE_SUBSETS = {0.000064: "000.0064", 0.0001: "000.01", 0.0005: "000.05", 0.001: "000.10", 0.005: "000.50",
-                 0.01: "001.00", 0.1: "010.00"}  # miCSE's released subsets (seeds 48-52): fraction -> name
+# miCSE's released subsets (seeds 48-52): fraction -> the percentage in the file name
+MICSE_SUBSETS = {0.000064: "000.0064", 0.0001: "000.01", 0.0005: "000.05", 0.001: "000.10",
+                 0.005: "000.50", 0.01: "001.00", 0.1: "010.00"}
 
-# ----------------------------------------------------------------------------------------------- arguments
+
+# ------------------------------------------------------------------------------------- arguments
 def base_parser(doc: str, method: str) -> plumbing.Parser:
     """The shared arguments, with unsupervised SimCSE's defaults (Table A.1, BERT-base)."""
     p = plumbing.Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("shared arguments (SimCSE unsupervised defaults)")
-    g.add_argument("--model_name_or_path", default="bert-base-uncased", help="HF model id or local directory")
-    g.add_argument("--train_file", default=None, help="corpus (default: HF wiki1m_for_simcse.txt; see --fraction)")
-    g.add_argument("--fraction", type=float, default=1.0, help="train on a subset of round(fraction * n) examples; "
-                   "without --train_file, a fraction miCSE released with --seed 48-52 downloads that subset")
-    g.add_argument("--seed", type=int, default=42, help="seed for the subset, shuffling, dropout and init")
-    g.add_argument("--batch_size", type=int, default=64, help="sentences per step, over all processes (Table A.1)")
+    g.add_argument("--model_name_or_path", default="bert-base-uncased",
+                   help="HF model id or local directory")
+    g.add_argument("--train_file", default=None,
+                   help="corpus (default: HF wiki1m_for_simcse.txt; see --fraction)")
+    g.add_argument("--fraction", type=float, default=1.0,
+                   help="train on a subset of round(fraction * n) examples; without "
+                        "--train_file, a fraction miCSE released with --seed 48-52 downloads that "
+                        "subset")
+    g.add_argument("--seed", type=int, default=42,
+                   help="seed for the subset, shuffling, dropout and init")
+    g.add_argument("--batch_size", type=int, default=64,
+                   help="sentences per step, over all processes (Table A.1)")
     g.add_argument("--lr", type=float, default=3e-5, help="peak learning rate (Table A.1: 3e-5)")
-    g.add_argument("--max_seq_length", type=int, default=32, help="truncate training sentences to this many tokens")
+    g.add_argument("--max_seq_length", type=int, default=32,
+                   help="truncate training sentences to this many tokens")
     g.add_argument("--epochs", type=int, default=1, help="passes over the training examples")
-    g.add_argument("--max_steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
-    g.add_argument("--warmup_steps", type=int, default=0, help="linear warm-up steps before the linear decay")
-    g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (the Trainer's); 0 disables")
+    g.add_argument("--max_steps", type=int, default=None,
+                   help="stop after this many steps (overrides --epochs)")
+    g.add_argument("--warmup_steps", type=int, default=0,
+                   help="linear warm-up steps before the linear decay")
+    g.add_argument("--max_grad_norm", type=float, default=1.0,
+                   help="gradient clipping (the Trainer's); 0 disables")
     g.add_argument("--temp", type=float, default=0.05, help="InfoNCE temperature tau")
-    g.add_argument("--pooler", default="cls", choices=eval_sts.POOLERS, help="training pooler; cls = [CLS] + MLP head")
+    g.add_argument("--pooler", default="cls", choices=eval_sts.POOLERS,
+                   help="training pooler; cls = [CLS] + MLP head")
     g.add_argument("--mlp_only_train", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --pooler cls, evaluate [CLS] before the MLP (SimCSE's unsupervised setting)")
-    g.add_argument("--eval_steps", type=int, default=125, help="evaluate STS-B dev every this many steps")
-    g.add_argument("--logging_steps", type=int, default=None, help="log loss and steps/s every this many steps "
-                   "(default: at the dev steps); each log reads the losses from the device: one host sync")
-    g.add_argument("--senteval_dir", default=None, help="SentEval data folder (default: HF senteval.tar)")
-    g.add_argument("--output_dir", default=None, help="best checkpoint (best/) + results.json (default runs/<method>)")
-    g.add_argument("--overwrite_output_dir", action="store_true", help="allow an --output_dir that holds a run")
+                   help="with --pooler cls, evaluate [CLS] before the MLP (SimCSE's unsupervised "
+                        "setting)")
+    g.add_argument("--eval_steps", type=int, default=125,
+                   help="evaluate STS-B dev every this many steps")
+    g.add_argument("--logging_steps", type=int, default=None,
+                   help="log loss and steps/s every this many steps (default: at the dev steps); "
+                        "each log reads the losses from the device: one host sync")
+    g.add_argument("--senteval_dir", default=None,
+                   help="SentEval data folder (default: HF senteval.tar)")
+    g.add_argument("--output_dir", default=None,
+                   help="best checkpoint (best/) + results.json (default runs/<method>)")
+    g.add_argument("--overwrite_output_dir", action="store_true",
+                   help="allow an --output_dir that holds a run")
     g.add_argument("--no_test_eval", action="store_true", help="skip the final STS test evaluation")
-    g.add_argument("--eval_transfer", nargs="?", const="test", choices=["test", "fasttest"], default=None,
-                   help="also evaluate the best checkpoint on SentEval's 7 transfer tasks (eval_transfer.py)")
+    g.add_argument("--eval_transfer", nargs="?", const="test", choices=["test", "fasttest"],
+                   default=None, help="also evaluate the best checkpoint on SentEval's 7 transfer "
+                                      "tasks (eval_transfer.py)")
     g.add_argument("--device", default=None, help="cuda, cuda:N, cpu (default: cuda if available)")
     g.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes")
-    g.add_argument("--precision", default="auto", choices=PRECISIONS, help="the encoder's forward pass: auto = bf16 "
-                   "on a CUDA GPU that has it, else fp16 with a GradScaler, fp32 on CPU; losses are always fp32")
-    g.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="alias of --precision fp32")
-    g.add_argument("--compile", action="store_true", help="torch.compile the encoder for the training passes "
-                   "(batches padded to a multiple of 8, so that few shapes compile)")
+    g.add_argument("--precision", default="auto", choices=PRECISIONS,
+                   help="the encoder's forward pass: auto = bf16 on a CUDA GPU that has it, else "
+                        "fp16 with a GradScaler, fp32 on CPU; losses are always fp32")
+    g.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
+                   help="alias of --precision fp32")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the encoder for the training passes (batches padded to a "
+                        "multiple of 8, so that few shapes compile)")
     p.set_defaults(method=method, presets=None)
     return p
 
 
 def parse_with_presets(parser, argv, presets: dict, source: str):
-    """parser.parse_args(argv) with `presets` as the defaults (flags the user gives win); args.presets records
-    where they come from, which applied and which the user's flags replaced (the run summary, results.json)."""
+    """parser.parse_args(argv) with `presets` as the defaults (flags the user gives win);
+    args.presets records where they come from, which applied and which the user's flags replaced
+    (the run summary, results.json)."""
     parser.set_defaults(**presets)
     args = parser.parse_args(argv)
     if presets:
+        given = {k: getattr(args, k) for k in presets}
         args.presets = {"source": source,
-                        "applied": {k: v for k, v in presets.items() if getattr(args, k) == v},
-                        "overridden": {k: getattr(args, k) for k, v in presets.items() if getattr(args, k) != v}}
+                        "applied": {k: v for k, v in given.items() if v == presets[k]},
+                        "overridden": {k: v for k, v in given.items() if v != presets[k]}}
     return args
 
 
 def check_args(args) -> None:
     """Every shared flag against its meaning, the device and the output folder: before any work."""
-    positive, non_negative = (lambda v: v > 0, "a positive number"), (lambda v: v >= 0, "a non-negative number")
-    for name, (ok, accepted) in {"fraction": (lambda v: 0 < v <= 1, "0 < fraction <= 1"),
-                                 "seed": (lambda v: 0 <= v < 2**32, "0 <= seed < 2^32"),
-                                 "batch_size": (lambda v: v >= 2, "at least 2 (one sentence has no negatives)"),
-                                 "max_seq_length": (lambda v: 2 <= v <= 512, "2..512 tokens"),
-                                 "lr": positive, "temp": positive, "epochs": positive, "eval_steps": positive,
-                                 "logging_steps": positive,
-                                 "max_steps": non_negative, "warmup_steps": non_negative,
-                                 "max_grad_norm": non_negative, "num_workers": non_negative}.items():
-        plumbing.check_range(args, name, ok, accepted)
+    check = plumbing.check_range
+    check(args, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
+    check(args, "seed", lambda v: 0 <= v < 2**32, "0 <= seed < 2^32")
+    check(args, "batch_size", lambda v: v >= 2, "at least 2 (one sentence has no negatives)")
+    check(args, "max_seq_length", lambda v: 2 <= v <= 512, "2..512 tokens")
+    for name in ("lr", "temp", "epochs", "eval_steps", "logging_steps"):
+        check(args, name, lambda v: v > 0, "a positive number")
+    for name in ("max_steps", "warmup_steps", "max_grad_norm", "num_workers"):
+        check(args, name, lambda v: v >= 0, "a non-negative number")
     args.logging_steps = args.logging_steps or args.eval_steps
     args.precision = resolve_precision(args.precision, plumbing.resolve_device(args.device))
     args.output_dir = str(args.output_dir or Path("runs") / args.method)
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise plumbing.UsageError(f"--output_dir {out} is a file; give a folder")
-    if not args.overwrite_output_dir and ((out / "results.json").exists() or (out / "best").exists()):
-        raise plumbing.UsageError(f"--output_dir {out} already holds a run; pass --overwrite_output_dir or another folder")
+    holds_a_run = (out / "results.json").exists() or (out / "best").exists()
+    if holds_a_run and not args.overwrite_output_dir:
+        raise plumbing.UsageError(f"--output_dir {out} already holds a run; pass "
+                                  "--overwrite_output_dir or another folder")
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """"auto": bf16 on a CUDA GPU that supports it, fp16 (with a GradScaler) on an older one, fp32 on CPU."""
+    """"auto": bf16 on a CUDA GPU that supports it, fp16 (with a GradScaler) on an older one, fp32
+    on CPU."""
     cuda = device.type == "cuda"
     bf16_ok = not cuda or torch.cuda.is_bf16_supported(including_emulation=False)
     if precision == "auto":
         return ("bf16" if bf16_ok else "fp16") if cuda else "fp32"
     if precision == "bf16" and not bf16_ok:
-        raise plumbing.UsageError("--precision bf16: this GPU has no bf16; use --precision fp16 (or auto)")
+        raise plumbing.UsageError("--precision bf16: this GPU has no bf16; use --precision fp16 "
+                                  "(or auto)")
     if precision == "fp16" and not cuda:
-        raise plumbing.UsageError("--precision fp16 needs a CUDA device; on CPU use --precision bf16 or fp32")
+        raise plumbing.UsageError("--precision fp16 needs a CUDA device; on CPU use --precision "
+                                  "bf16 or fp32")
     return precision
 
 
-def run_summary(args, num_examples: int, train_file, subset, steps_per_epoch: int, total_steps: int, device) -> dict:
-    """What this run is, printed before training and kept in results.json: the presets and their source, the
-    data, the model, device and precision, the schedule, the output folder."""
+def run_summary(args, num_examples: int, train_file, subset, steps_per_epoch: int,
+                total_steps: int, device) -> dict:
+    """What this run is, printed before training and kept in results.json: the presets and their
+    source, the data, the model, device and precision, the schedule, the output folder."""
     if subset:
         data = f"miCSE's released subset {subset}: {num_examples:,} examples (Table 2's data)"
     elif args.fraction < 1:
-        data = f"{num_examples:,} examples, a {args.fraction:g} subset of {train_file} drawn with --seed {args.seed}"
+        data = (f"{num_examples:,} examples, a {args.fraction:g} subset of {train_file} drawn "
+                f"with --seed {args.seed}")
         if args.fraction in MICSE_SUBSETS and not args.train_file:
             data += " (not the authors' subset: theirs are --seed 48-52)"
     else:
@@ -137,17 +168,20 @@ def run_summary(args, num_examples: int, train_file, subset, steps_per_epoch: in
         applied, overridden = args.presets["applied"], args.presets["overridden"]
         presets = args.presets["source"] + ": " + ", ".join(f"{k} {v}" for k, v in applied.items())
         if overridden:
-            presets += "; your flags replaced " + ", ".join(f"{k} (now {v})" for k, v in overridden.items())
+            presets += "; your flags replaced " + ", ".join(f"{k} (now {v})"
+                                                            for k, v in overridden.items())
+    compiled = ", torch.compile" if args.compile else ""
     summary = {"presets": presets, "data": data,
                "model": f"{args.model_name_or_path}, trained with pooler {args.pooler}, "
                         f"evaluated with {eval_pooler(args)}",
                "device": f"{device} x {distributed.world_size()}, precision {args.precision}"
-                         + (", torch.compile" if args.compile else ""),
-               "schedule": f"{total_steps:,} steps ({steps_per_epoch:,} an epoch), batch {args.batch_size}, "
-                           f"lr {args.lr:g}, STS-B dev every {args.eval_steps} steps; the ETA comes with the first "
-                           "log line",
+                         f"{compiled}",
+               "schedule": f"{total_steps:,} steps ({steps_per_epoch:,} an epoch), batch "
+                           f"{args.batch_size}, lr {args.lr:g}, STS-B dev every {args.eval_steps} "
+                           "steps; the ETA comes with the first log line",
                "output": args.output_dir}
-    distributed.log(f"{args.method}\n" + "\n".join(f"  {key:<9} {value}" for key, value in summary.items()))
+    lines = [f"  {key:<9} {value}" for key, value in summary.items()]
+    distributed.log("\n".join([args.method] + lines))
     return summary
 
 
@@ -155,35 +189,44 @@ def eval_pooler(args) -> str:
     """SimCSE: with --mlp_only_train the [CLS] pooler is evaluated before the MLP."""
     return "cls_before_pooler" if args.pooler == "cls" and args.mlp_only_train else args.pooler
 
-# ------------------------------------------------------------------------------------------------------ data
+# ------------------------------------------------------------------------------------------ data
 def micse_subset(fraction: float, seed: int) -> str | None:
-    """The file name of miCSE's released subset for (fraction, seed), or None if they released none."""
+    """The file name of miCSE's released subset for (fraction, seed), or None if they released
+    none."""
     percent = MICSE_SUBSETS.get(fraction)
-    return f"wiki_subset_1M_{percent}percent_seed{seed}.txt" if percent and 48 <= seed <= 52 else None
+    if percent is None or not 48 <= seed <= 52:
+        return None
+    return f"wiki_subset_1M_{percent}percent_seed{seed}.txt"
 
 
 def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplets: bool = False):
-    """(examples, path, miCSE subset or None): a `datasets` Dataset with a "text" column (lines stripped, empty
-    ones skipped) or NLI's sent0/sent1/hard_neg columns, --fraction applied deterministically."""
+    """(examples, path, miCSE subset or None): a `datasets` Dataset with a "text" column (lines
+    stripped, empty ones skipped) or NLI's sent0/sent1/hard_neg columns, --fraction applied
+    deterministically."""
     subset = None if args.train_file or triplets else micse_subset(args.fraction, args.seed)
     repo, name = (MICSE_DATA_REPO, subset) if subset else (plumbing.SIMCSE_DATA_REPO, default_file)
     path = args.train_file or plumbing.hub_file(repo, name, "--train_file")
     if Path(path).is_file() and Path(path).stat().st_size > 20 * 2**20:
         distributed.log(f"reading {path} (datasets caches it: the next run is faster)")
-    lines = plumbing.read_lines(path, "--train_file")  # missing, unreadable, not UTF-8, empty: one line
+    # missing, unreadable, not UTF-8, empty: one line
+    lines = plumbing.read_lines(path, "--train_file")
     if triplets:
         rows = csv.reader(lines)
         if {"sent0", "sent1", "hard_neg"} - set(next(rows)):
-            raise plumbing.UsageError(f"--train_file {path}: the header must name sent0,sent1,hard_neg (nli_for_simcse.csv)")
+            raise plumbing.UsageError(f"--train_file {path}: the header must name "
+                                      "sent0,sent1,hard_neg (nli_for_simcse.csv)")
         for row in rows:
             if len(row) < 3:
-                raise plumbing.UsageError(f"--train_file {path} line {rows.line_num} has {len(row)} column(s), expected 3")
+                raise plumbing.UsageError(f"--train_file {path} line {rows.line_num} has "
+                                          f"{len(row)} column(s), expected 3")
     import datasets
     datasets.disable_progress_bars()  # one line instead, for a corpus big enough to take a while
     if triplets:  # keep_default_na: a sentence "NA" or "null" stays a sentence
-        data = datasets.load_dataset("csv", data_files=str(path), split="train", keep_default_na=False)
+        data = datasets.load_dataset("csv", data_files=str(path), split="train",
+                                     keep_default_na=False)
         data = data.select_columns(["sent0", "sent1", "hard_neg"])
-        data = data.filter(lambda b: [bool(a and p) for a, p in zip(b["sent0"], b["sent1"])], batched=True)
+        data = data.filter(lambda b: [bool(a and p) for a, p in zip(b["sent0"], b["sent1"])],
+                           batched=True)
     else:
         data = datasets.load_dataset("text", data_files=str(path), split="train")
         data = data.map(lambda b: {"text": [s.strip() for s in b["text"]]}, batched=True)
@@ -191,62 +234,76 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
     if len(data) == 0:
         raise plumbing.UsageError(f"--train_file {path} holds no sentences")
     if not triplets and {"sent0", "sent1"} <= set(data[0]["text"].split(",")):
-        raise plumbing.UsageError(f"--train_file {path} is NLI triplets (a sent0,sent1,... header), not one sentence a line; "
-                         "simcse.py trains on it with --supervised")
-    return (data if subset else data.select(subsample(range(len(data)), args.fraction, args.seed))), str(path), subset
+        raise plumbing.UsageError(f"--train_file {path} is NLI triplets (a sent0,sent1,... "
+                                  "header), not one sentence a line; simcse.py trains on it with "
+                                  "--supervised")
+    if not subset:
+        data = data.select(subsample(range(len(data)), args.fraction, args.seed))
+    return data, str(path), subset
 
 
 def subsample(items, fraction: float, seed: int) -> list:
-    """A deterministic random subset of round(fraction * n) items, kept in file order (miCSE's few-shot sets)."""
+    """A deterministic random subset of round(fraction * n) items, kept in file order (miCSE's
+    few-shot sets)."""
     k = round(fraction * len(items))
     if k < 1:
-        raise plumbing.UsageError(f"--fraction {fraction} of {len(items)} examples keeps none; use a larger fraction")
+        raise plumbing.UsageError(f"--fraction {fraction} of {len(items)} examples keeps none; "
+                                  "use a larger fraction")
     return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), k))]
 
 
 class BatchSampler:
-    """Global batches of a seeded shuffle, a new order each epoch, the last incomplete batch kept (the Trainer's
-    dataloader_drop_last=False) unless it has fewer than `min_rows`. Process `rank` of `world_size` takes its
-    contiguous slice of every global batch: the union of the slices is the batch one process would draw."""
-    def __init__(self, num_examples: int, batch_size: int, seed: int, min_rows: int = 2, rank=0, world_size=1):
-        self.n, self.batch_size, self.seed, self.rank, self.world = num_examples, batch_size, seed, rank, world_size
+    """Global batches of a seeded shuffle, a new order each epoch, the last incomplete batch kept
+    (the Trainer's dataloader_drop_last=False) unless it has fewer than `min_rows`. Process `rank`
+    of `world_size` takes its contiguous slice of every global batch: the union of the slices is the
+    batch one process would draw."""
+    def __init__(self, num_examples: int, batch_size: int, seed: int, min_rows: int = 2, rank=0,
+                 world_size=1):
+        self.n, self.batch_size, self.seed = num_examples, batch_size, seed
+        self.rank, self.world = rank, world_size
         self.min_rows, self.epoch, last = max(min_rows, world_size), 0, num_examples % batch_size
         if 0 < last < self.min_rows:
-            distributed.log(f"note: the last batch of each epoch has {last} example(s), fewer than the "
-                            f"{self.min_rows} this method needs; it is skipped")
+            distributed.log(f"note: the last batch of each epoch has {last} example(s), fewer "
+                            f"than the {self.min_rows} this method needs; it is skipped")
 
     def __len__(self):
         return self.n // self.batch_size + (self.n % self.batch_size >= self.min_rows)
 
     def __iter__(self):
-        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist()
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=generator).tolist()
         self.epoch += 1
         for start in range(0, self.n, self.batch_size):
             rows = order[start:start + self.batch_size]
             if len(rows) >= self.min_rows:
-                yield rows[len(rows) * self.rank // self.world:len(rows) * (self.rank + 1) // self.world]
+                n = len(rows)
+                yield rows[n * self.rank // self.world:n * (self.rank + 1) // self.world]
 
 
 class TokenizedCorpus:
-    """Every example tokenised once (datasets' batched `map`, cached as SimCSE's train.py does), its token ids kept
-    in one flat array with each sequence's offsets. `collate(rows)` gathers those rows and pads them to their
-    longest; a triplet's sequences are laid out column-major (all sent0, then all sent1, then all hard_neg)."""
+    """Every example tokenised once (datasets' batched `map`, cached as SimCSE's train.py does), its
+    token ids kept in one flat array with each sequence's offsets. `collate(rows)` gathers those
+    rows and pads them to their longest; a triplet's sequences are laid out column-major (all sent0,
+    then all sent1, then all hard_neg)."""
 
     def __init__(self, examples, tokenizer, max_length: int, pad_to_multiple_of: int = 1):
         columns = examples.column_names  # ["text"] or ["sent0", "sent1", "hard_neg"]
 
         def tokenize(batch):
-            return {f"{c}_ids": tokenizer(batch[c], truncation=True, max_length=max_length)["input_ids"]
+            return {f"{c}_ids": tokenizer(batch[c], truncation=True,
+                                          max_length=max_length)["input_ids"]
                     for c in columns}
         if len(examples) > 100_000:
-            distributed.log(f"tokenising {len(examples):,} examples (cached: the next run is faster)")
+            distributed.log(f"tokenising {len(examples):,} examples (cached: the next run is "
+                            "faster)")
         ids = examples.map(tokenize, batched=True, remove_columns=columns).with_format("arrow")
         flat, offsets = [], [np.zeros(1, dtype=np.int64)]
         for c in columns:
             sequences = ids[f"{c}_ids"].combine_chunks()
             flat.append(sequences.flatten().to_numpy())
             offsets.append(np.diff(sequences.offsets.to_numpy()).cumsum() + offsets[-1][-1])
-        self.flat, self.offsets, self.num_columns = np.concatenate(flat), np.concatenate(offsets), len(columns)
+        self.flat, self.offsets = np.concatenate(flat), np.concatenate(offsets)
+        self.num_columns = len(columns)
         self.pad_id, self.multiple = tokenizer.pad_token_id, pad_to_multiple_of
         self.left = tokenizer.padding_side == "left"
         self.with_token_types = "token_type_ids" in tokenizer.model_input_names
@@ -255,37 +312,48 @@ class TokenizedCorpus:
         return (len(self.offsets) - 1) // self.num_columns
 
     def collate(self, rows: list[int]) -> dict:
-        """What tokenizer(sentences, padding=True) returns for these rows (one sequence each, token types 0)."""
+        """What tokenizer(sentences, padding=True) returns for these rows (one sequence each, token
+        types 0)."""
         sequences = np.array([c * len(self) + r for c in range(self.num_columns) for r in rows])
-        starts, lengths = self.offsets[sequences], self.offsets[sequences + 1] - self.offsets[sequences]
+        starts = self.offsets[sequences]
+        lengths = self.offsets[sequences + 1] - starts
         width = -(-int(lengths.max()) // self.multiple) * self.multiple
         position = np.arange(width) - (width - lengths[:, None] if self.left else 0)
         valid = (position >= 0) & (position < lengths[:, None])
-        input_ids = np.where(valid, self.flat[np.clip(starts[:, None] + position, 0, len(self.flat) - 1)], self.pad_id)
-        batch = {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(valid.astype(np.int64))}
+        tokens = self.flat[np.clip(starts[:, None] + position, 0, len(self.flat) - 1)]
+        input_ids = np.where(valid, tokens, self.pad_id)
+        batch = {"input_ids": torch.from_numpy(input_ids),
+                 "attention_mask": torch.from_numpy(valid.astype(np.int64))}
         if self.with_token_types:
             batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
         return batch
 
 
-def make_loader(corpus: TokenizedCorpus, args, device, min_rows: int = 2) -> torch.utils.data.DataLoader:
+def make_loader(corpus: TokenizedCorpus, args, device,
+                min_rows: int = 2) -> torch.utils.data.DataLoader:
     world = distributed.world_size()
     if args.batch_size > len(corpus):
-        raise plumbing.UsageError(f"--batch_size {args.batch_size} is larger than the {len(corpus)} training examples")
+        raise plumbing.UsageError(f"--batch_size {args.batch_size} is larger than the "
+                                  f"{len(corpus)} training examples")
     if args.batch_size % world:
-        raise plumbing.UsageError(f"--batch_size {args.batch_size} must be divisible by the {world} processes")
-    sampler = BatchSampler(len(corpus), args.batch_size, args.seed, min_rows, distributed.rank(), world)
-    return torch.utils.data.DataLoader(range(len(corpus)), batch_sampler=sampler, collate_fn=corpus.collate,
-                                       num_workers=args.num_workers, pin_memory=device.type == "cuda")
+        raise plumbing.UsageError(f"--batch_size {args.batch_size} must be divisible by the "
+                                  f"{world} processes")
+    sampler = BatchSampler(len(corpus), args.batch_size, args.seed, min_rows, distributed.rank(),
+                           world)
+    return torch.utils.data.DataLoader(range(len(corpus)), batch_sampler=sampler,
+                                       collate_fn=corpus.collate, num_workers=args.num_workers,
+                                       pin_memory=device.type == "cuda")
 
 
 def repeat_views(batch: dict, num_views: int) -> dict:
-    """The batch stacked `num_views` times, view-major: one forward pass gives each copy its own dropout mask."""
+    """The batch stacked `num_views` times, view-major: one forward pass gives each copy its own
+    dropout mask."""
     return {k: v.repeat(num_views, 1) for k, v in batch.items()}
 
-# ----------------------------------------------------------------------------------------------------- model
+# ----------------------------------------------------------------------------------------- model
 class MLPHead(nn.Sequential):
-    """SimCSE's training head on [CLS]: Linear(D, D) + Tanh, freshly initialised (BERT's initializer_range)."""
+    """SimCSE's training head on [CLS]: Linear(D, D) + Tanh, freshly initialised (BERT's
+    initializer_range)."""
     def __init__(self, config):
         super().__init__(nn.Linear(config.hidden_size, config.hidden_size), nn.Tanh())
         nn.init.normal_(self[0].weight, std=getattr(config, "initializer_range", 0.02))
@@ -293,18 +361,22 @@ class MLPHead(nn.Sequential):
 
 
 def embed(hidden_states, attention_mask, pooler: str, head=None) -> torch.Tensor:
-    """Training embedding z in fp32: the pooled sentence; for "cls" the last [CLS] through the head. Called
-    after the autocast block, so the head and pooling run in fp32 whatever precision the encoder ran in."""
+    """Training embedding z in fp32: the pooled sentence; for "cls" the last [CLS] through the head.
+    Called after the autocast block, so the head and pooling run in fp32 whatever precision the
+    encoder ran in."""
     if pooler == "cls":
         return head(hidden_states[-1][:, 0].float())
     return eval_sts.pool(hidden_states, attention_mask, pooler).float()
 
 
 def model_encode(backbone, head, tokenizer, eval_pooler: str, device):
-    """encode(list[str]) for the dev gate: "cls" is the trained head, other poolers read the backbone alone."""
+    """encode(list[str]) for the dev gate: "cls" is the trained head, other poolers read the
+    backbone alone."""
     if eval_pooler != "cls":
         return eval_sts.pooled_encode(backbone, tokenizer, eval_pooler, device)
-    return eval_sts.make_encode(lambda batch: head(backbone(**batch).last_hidden_state[:, 0]), tokenizer, device)
+    def embed_batch(batch):
+        return head(backbone(**batch).last_hidden_state[:, 0])
+    return eval_sts.make_encode(embed_batch, tokenizer, device)
 
 
 def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -312,72 +384,83 @@ def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
 
 
-def info_nce(z1, z2, temp: float = 0.05, z3=None, hard_negative_weight: float = 0.0) -> torch.Tensor:
-    """SimCSE InfoNCE with in-batch negatives (Eq. 1, unsupervised Eq. 4); with `z3` (hard negatives) the
-    supervised Eq. 5, `hard_negative_weight` being Eq. 8's alpha in the authors' form: added to the logit of each
-    anchor's own hard negative (alpha = exp(weight))."""
+def info_nce(z1, z2, temp: float = 0.05, z3=None,
+             hard_negative_weight: float = 0.0) -> torch.Tensor:
+    """SimCSE InfoNCE with in-batch negatives (Eq. 1, unsupervised Eq. 4); with `z3` (hard
+    negatives) the supervised Eq. 5, `hard_negative_weight` being Eq. 8's alpha in the authors'
+    form: added to the logit of each anchor's own hard negative (alpha = exp(weight))."""
     logits = cos_sim(z1, z2) / temp
     if z3 is not None:
         hard = cos_sim(z1, z3) / temp
-        hard = hard + hard_negative_weight * torch.eye(len(z1), device=hard.device, dtype=hard.dtype)
+        own = torch.eye(len(z1), device=hard.device, dtype=hard.dtype)
+        hard = hard + hard_negative_weight * own
         logits = torch.cat([logits, hard], dim=1)
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
 
-# ------------------------------------------------------------------------------------------------- training
+# -------------------------------------------------------------------------------------- training
 def autocast(device: torch.device, precision: str):
-    """Mixed precision for the encoder's forward pass only (--precision); fp32 is no autocast at all."""
+    """Mixed precision for the encoder's forward pass only (--precision); fp32 is no autocast at
+    all."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     return torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None)
 
 
 def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
-    """fp16 needs loss scaling (the authors' --fp16 runs had it through the Trainer); otherwise a pass-through."""
+    """fp16 needs loss scaling (the authors' --fp16 runs had it through the Trainer); otherwise a
+    pass-through."""
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
 def make_optimizer(params, args, total_steps: int):
     """AdamW without weight decay and transformers' get_linear_schedule_with_warmup (the authors'
-    Trainer). Fused on CUDA: one kernel, and with a GradScaler no host sync to check for inf gradients."""
+    Trainer). Fused on CUDA: one kernel, and with a GradScaler no host sync to check for inf
+    gradients."""
     params = [p for p in params if p.requires_grad]
     fused = params[0].is_cuda or None
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=fused)
-    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, args.warmup_steps, total_steps)
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, args.warmup_steps,
+                                                             total_steps)
     return optimizer, scheduler
 
 
 def read_losses(pending: list, losses: list) -> None:
-    """Move the steps' losses still on the device (`pending`) to `losses` as floats: one host sync, at log and
-    dev steps only. The first NaN or inf stops the run with its step (step k's loss is losses[k - 1])."""
+    """Move the steps' losses still on the device (`pending`) to `losses` as floats: one host sync,
+    at log and dev steps only. The first NaN or inf stops the run with its step (step k's loss is
+    losses[k - 1])."""
     if pending:
         values = torch.stack(pending).tolist()
         pending.clear()
         for step, value in enumerate(values, start=len(losses) + 1):
             if not math.isfinite(value):
-                raise plumbing.UsageError(f"the loss became {value} at step {step}: the run diverged (a lower --lr may help)")
+                raise plumbing.UsageError(f"the loss became {value} at step {step}: the run "
+                                          "diverged (a lower --lr may help)")
         losses.extend(values)
 
 
 def progress(step: int, total_steps: int, losses: list, train_time: float) -> str:
-    """The log line: step, loss, training speed and the training time left at that speed (dev gates aside)."""
+    """The log line: step, loss, training speed and the training time left at that speed (dev gates
+    aside)."""
     if not losses:  # step 0: nothing trained yet
         return f"step {step}/{total_steps}"
     rate = step / max(train_time, 1e-9)
     left = f"  ETA {plumbing.duration((total_steps - step) / rate)}" if step < total_steps else ""
     return f"step {step}/{total_steps}  loss {losses[-1]:.4f}  {rate:.2f} steps/s{left}"
 
-# ------------------------------------------------------------------------------------- evaluation and saving
+# ------------------------------------------------------------------------- evaluation and saving
 def dev_score(modules, encode, senteval_dir) -> float:
-    """STS-B dev Spearman x100, in fp32 and eval mode; process 0 evaluates, every process gets the score (-inf
-    when it is undefined)."""
+    """STS-B dev Spearman x100, in fp32 and eval mode; process 0 evaluates, every process gets the
+    score (-inf when it is undefined)."""
     score = math.nan
     if distributed.rank() == 0:
         for m in modules:
             m.eval()
-        score = eval_sts.evaluate(encode, senteval_dir, ["STSBenchmark"], mode="dev", desc="dev gate: STS-B dev")
-        score = score["STSBenchmark"]
-        if not math.isfinite(score):  # constant embeddings have no Spearman: the score is the worst, not NaN
-            distributed.log("note: the STS-B dev score is undefined (the embeddings are constant: a collapsed or "
-                            "degenerate model); it counts as the worst score")
+        scores = eval_sts.evaluate(encode, senteval_dir, ["STSBenchmark"], mode="dev",
+                                   desc="dev gate: STS-B dev")
+        score = scores["STSBenchmark"]
+        # constant embeddings have no Spearman: the score is the worst, not NaN
+        if not math.isfinite(score):
+            distributed.log("note: the STS-B dev score is undefined (the embeddings are constant: "
+                            "a collapsed or degenerate model); it counts as the worst score")
             score = -math.inf
         for m in modules:
             m.train()
@@ -385,9 +468,10 @@ def dev_score(modules, encode, senteval_dir) -> float:
 
 
 def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> None:
-    """`out_dir/best` (process 0): save_pretrained + tokenizer + sentence-transformers metadata, written beside
-    it and swapped in only when complete. The MLP head goes into BERT's pooler weights (as SimCSE's
-    simcse_to_huggingface.py does), so `eval_sts.py --pooler cls` on the checkpoint is the head."""
+    """`out_dir/best` (process 0): save_pretrained + tokenizer + sentence-transformers metadata,
+    written beside it and swapped in only when complete. The MLP head goes into BERT's pooler
+    weights (as SimCSE's simcse_to_huggingface.py does), so `eval_sts.py --pooler cls` on the
+    checkpoint is the head."""
     if distributed.rank() == 0:
         target, tmp, old = (Path(out_dir) / name for name in ("best", "best.tmp", "best.old"))
         shutil.rmtree(tmp, ignore_errors=True)
@@ -400,22 +484,25 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> Non
                                                     head if eval_pooler == "cls" else None)
         umask = os.umask(0)
         os.umask(umask)
-        for path in tmp.rglob("*"):  # save_pretrained writes the weights through a 0600 temporary file
+        # save_pretrained writes the weights through a 0600 temporary file
+        for path in tmp.rglob("*"):
             path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
         if target.exists():
-            target.rename(old)  # a kill between the two renames leaves the previous best whole in best.old
+            # a kill between the two renames leaves the previous best whole in best.old
+            target.rename(old)
         tmp.rename(target)
         shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
 
 
 def run_record(args, eval_pooler: str, device, stop, **run) -> dict:
-    """results.json before the final evaluation: the method, every argument, where and how it ran, what
-    the loop measured (`run`), peak memory, and whether a signal stopped the training."""
+    """results.json before the final evaluation: the method, every argument, where and how it ran,
+    what the loop measured (`run`), peak memory, and whether a signal stopped the training."""
     cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-    results = {"method": args.method, "args": {k: v for k, v in vars(args).items() if k != "method"},
+    arguments = {k: v for k, v in vars(args).items() if k != "method"}
+    results = {"method": args.method, "args": arguments,
                "device": str(device), "world_size": distributed.world_size(),
                "precision": args.precision, "eval_pooler": eval_pooler, **run,
                "peak_memory_mb": round(peak / 2**20, 1),
@@ -424,20 +511,24 @@ def run_record(args, eval_pooler: str, device, stop, **run) -> dict:
     if stop.signum is not None:
         results["interrupted_during"] = "training"
     if cuda:
-        results["peak_memory_reserved_mb"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
+        reserved = torch.cuda.max_memory_reserved(device)
+        results["peak_memory_reserved_mb"] = round(reserved / 2**20, 1)
     return results
 
 
 def sts_test_scores(encode, senteval_dir) -> dict:
-    """The 7 STS test tasks (SimCSE's Table 5 protocol), printed as SimCSE's evaluation.py prints them."""
+    """The 7 STS test tasks (SimCSE's Table 5 protocol), printed as SimCSE's evaluation.py prints
+    them."""
     scores = eval_sts.evaluate(encode, senteval_dir, mode="test")
     eval_sts.print_table(scores)
     return scores
 
 
 def align_uniform(encode, args, eval_pooler: str, senteval_dir, device) -> dict:
-    """l_align / l_uniform on STS-B dev of the pretrained checkpoint and of best/ (SimCSE Figure 2)."""
-    pooler = "cls_before_pooler" if eval_pooler == "cls" else eval_pooler  # a fresh head is not "initial"
+    """l_align / l_uniform on STS-B dev of the pretrained checkpoint and of best/ (SimCSE Figure
+    2)."""
+    # a fresh head is not "initial"
+    pooler = "cls_before_pooler" if eval_pooler == "cls" else eval_pooler
     initial = eval_sts.load_encode(args.model_name_or_path, pooler, device)
     return {"initial": eval_sts.align_uniform(initial, senteval_dir,
                                               desc="initial model: alignment/uniformity"),
@@ -445,8 +536,8 @@ def align_uniform(encode, args, eval_pooler: str, senteval_dir, device) -> dict:
 
 
 def transfer_scores(encode, senteval_dir, args, device, results: dict) -> dict:
-    """--eval_transfer: SentEval's 7 transfer tasks (eval_transfer.py), after writing `results` first, so
-    that an error in this long evaluation loses nothing."""
+    """--eval_transfer: SentEval's 7 transfer tasks (eval_transfer.py), after writing `results`
+    first, so that an error in this long evaluation loses nothing."""
     plumbing.write_json(Path(args.output_dir) / "results.json", results)
     scores = eval_transfer.evaluate(encode, senteval_dir, mode=args.eval_transfer, device=device)
     eval_sts.print_table(scores)

@@ -1,29 +1,34 @@
-"""miCSE: Mutual Information Contrastive Learning for Low-shot Sentence Embeddings (Klein & Nabi, ACL 2023).
+"""miCSE: Mutual Information Contrastive Learning for Low-shot Sentence Embeddings (Klein & Nabi,
+ACL 2023).
 
-SimCSE plus two parts: an attention mutual-information regulariser (AMI) that makes the attention patterns of
-the two dropout views agree (Eq. 4, Algorithm 1), and a momentum encoder whose embeddings of past batches are
-kept in a queue as extra negatives (Section 3.1, Eq. 2). Its point is sample efficiency: `--fraction` trains on a
-deterministic subset of the corpus with the authors' per-fraction settings.
+SimCSE plus two parts: an attention mutual-information regulariser (AMI) that makes the attention
+patterns of the two dropout views agree (Eq. 4, Algorithm 1), and a momentum encoder whose
+embeddings of past batches are kept in a queue as extra negatives (Section 3.1, Eq. 2). Its point is
+sample efficiency: `--fraction` trains on a deterministic subset of the corpus with the authors'
+per-fraction settings.
 
-Headline (Table 2, BERT-base, 7-task STS average): 76.40 with 1% of the data (SimCSE needs all of it for
-76.15); 78.13 with 100%.
+Headline (Table 2, BERT-base, 7-task STS average): 76.40 with 1% of the data (SimCSE needs all of it
+for 76.15); 78.13 with 100%.
 
-    python micse.py --fraction 0.01 --seed 3            # the few-shot protocol, settings from FEW_SHOT_SETTINGS
-    python micse.py                                     # 100%: batch 50, lr 3e-5, 250 warm-up steps
-    python micse.py --queue_size 0                      # AMI + SimCSE, the variant the authors released
+    python micse.py --fraction 0.01 --seed 3  # few-shot, settings from FEW_SHOT_SETTINGS
+    python micse.py                           # 100%: batch 50, lr 3e-5, 250 warm-up steps
+    python micse.py --queue_size 0            # AMI + SimCSE, the variant the authors released
 
-Follows the authors' released code where the paper differs (marked in ami_loss): MI keeps Eq. 4's log, attention
-tiles are formed by layer parity, and the loss is scaled by the squared fraction of valid attention entries.
-Few-shot data: without --train_file, a fraction the authors released (0.000064, 0.0001, 0.0005, 0.001, 0.005,
-0.01, 0.1) with --seed 48-52 downloads their subset wiki_subset_1M_<P>percent_seed<S>.txt from
-sap-ai-research/datasets-for-micse (Table 2's files); any other fraction or seed subsamples wiki1m.
-Released code: gradient clipping at 1.0, the last incomplete batch kept (0.01% of wiki1m at batch 64 is 2 steps an
-epoch) and fp32 evaluation come from the HF Trainer it uses.
-Choices: AMI's layer range defaults to the paper's 7:11 (0-based, end excluded) for 12-layer encoders and to the
-same offsets from the top, (L-5):(L-1), for an L-layer one (all layers, an even count, below 6 layers); after each
-optimiser step the momentum encoder takes its EMA update, then encodes the batch into the queue, so those keys
-are negatives from the next step on; AMI's samples come from a generator seeded by --seed; the momentum encoder
-runs SDPA attention (it needs no attention weights) and AMI gets its layers' attention maps in fp32.
+Follows the authors' released code where the paper differs (marked in ami_loss): MI keeps Eq. 4's
+log, attention tiles are formed by layer parity, and the loss is scaled by the squared fraction of
+valid attention entries.
+Few-shot data: without --train_file, a fraction the authors released (0.000064, 0.0001, 0.0005,
+0.001, 0.005, 0.01, 0.1) with --seed 48-52 downloads their subset
+wiki_subset_1M_<P>percent_seed<S>.txt from sap-ai-research/datasets-for-micse (Table 2's files); any
+other fraction or seed subsamples wiki1m.
+Released code: gradient clipping at 1.0, the last incomplete batch kept (0.01% of wiki1m at batch 64
+is 2 steps an epoch) and fp32 evaluation come from the HF Trainer it uses.
+Choices: AMI's layer range defaults to the paper's 7:11 (0-based, end excluded) for 12-layer
+encoders and to the same offsets from the top, (L-5):(L-1), for an L-layer one (all layers, an even
+count, below 6 layers); after each optimiser step the momentum encoder takes its EMA update, then
+encodes the batch into the queue, so those keys are negatives from the next step on; AMI's samples
+come from a generator seeded by --seed; the momentum encoder runs SDPA attention (it needs no
+attention weights) and AMI gets its layers' attention maps in fp32.
 """
 from __future__ import annotations
 
@@ -45,10 +50,11 @@ import plumbing
 
 ATTN_IMPLEMENTATION = "eager"  # transformers 5's default SDPA returns no attention weights
 
-# Per-fraction settings: the training commands in the README of the authors' released miCSE code (SAP-samples)
-# and, for 100%, the paper's Section 3.1. Flags the user gives override them.
+# Per-fraction settings: the training commands in the README of the authors' released miCSE code
+# (SAP-samples) and, for 100%, the paper's Section 3.1. Flags the user gives override them.
 FEW_SHOT_SETTINGS = {
-    1.0: dict(batch_size=50, lr=3e-5, epochs=1, warmup_steps=250, ami_lambda=2.5e-3, eval_steps=125),
+    1.0: dict(batch_size=50, lr=3e-5, epochs=1, warmup_steps=250, ami_lambda=2.5e-3,
+              eval_steps=125),
     0.1: dict(batch_size=64, lr=1e-5, epochs=10, ami_lambda=5e-4, eval_steps=500),
     0.01: dict(batch_size=64, lr=1e-5, epochs=50, ami_lambda=1e-4, eval_steps=500),
     0.001: dict(batch_size=64, lr=1e-5, epochs=500, ami_lambda=1e-3, eval_steps=500),
@@ -59,15 +65,22 @@ FEW_SHOT_SETTINGS = {
 def parse_args(argv=None):
     parser = common.base_parser(__doc__, method="micse")
     g = parser.add_argument_group("miCSE")
-    g.add_argument("--ami_lambda", type=float, default=2.5e-3, help="weight of the AMI loss (set per fraction)")
-    g.add_argument("--ami_min_layer", type=int, default=None, help="first attention layer of AMI, 0-based "
-                   "(default 7 for 12 layers, L-5 otherwise)")
-    g.add_argument("--ami_max_layer", type=int, default=None, help="end (excluded) of AMI's layers "
-                   "(default 11 for 12 layers, L-1 otherwise); the range must hold an even number of layers")
-    g.add_argument("--ami_samples", type=int, default=150, help="attention entries sampled per tile (Section 3.1)")
-    g.add_argument("--queue_size", type=int, default=384, help="momentum-encoder queue of negatives; 0 disables it")
-    g.add_argument("--momentum", type=float, default=0.995, help="EMA momentum of the momentum encoder")
-    g.add_argument("--momentum_dropout", type=float, default=0.3, help="dropout rate of the momentum encoder")
+    g.add_argument("--ami_lambda", type=float, default=2.5e-3,
+                   help="weight of the AMI loss (set per fraction)")
+    g.add_argument("--ami_min_layer", type=int, default=None,
+                   help="first attention layer of AMI, 0-based (default 7 for 12 layers, L-5 "
+                        "otherwise)")
+    g.add_argument("--ami_max_layer", type=int, default=None,
+                   help="end (excluded) of AMI's layers (default 11 for 12 layers, L-1 "
+                        "otherwise); the range must hold an even number of layers")
+    g.add_argument("--ami_samples", type=int, default=150,
+                   help="attention entries sampled per tile (Section 3.1)")
+    g.add_argument("--queue_size", type=int, default=384,
+                   help="momentum-encoder queue of negatives; 0 disables it")
+    g.add_argument("--momentum", type=float, default=0.995,
+                   help="EMA momentum of the momentum encoder")
+    g.add_argument("--momentum_dropout", type=float, default=0.3,
+                   help="dropout rate of the momentum encoder")
     known, _ = parser.parse_known_args(argv)
     plumbing.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
     nearest = min(FEW_SHOT_SETTINGS, key=lambda f: abs(math.log10(f) - math.log10(known.fraction)))
@@ -75,7 +88,8 @@ def parse_args(argv=None):
         ("(Section 3.1)" if nearest == 1.0 else "(the authors' README)")
     if nearest != known.fraction:
         source += f", the nearest to --fraction {known.fraction:g} in FEW_SHOT_SETTINGS"
-    args = common.parse_with_presets(parser, argv, FEW_SHOT_SETTINGS[nearest], source)  # flags the user gives win
+    # flags the user gives win
+    args = common.parse_with_presets(parser, argv, FEW_SHOT_SETTINGS[nearest], source)
     for name, accepted in (("ami_lambda", ">= 0"), ("queue_size", ">= 0 (0 disables the queue)")):
         plumbing.check_range(args, name, lambda v: v >= 0, accepted)
     plumbing.check_range(args, "ami_samples", lambda v: v >= 2, "at least 2 entries per tile")
@@ -86,12 +100,14 @@ def parse_args(argv=None):
 
 def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples: int = 150,
              generator: torch.Generator | None = None) -> torch.Tensor:
-    """Attention mutual information (Eq. 4, Algorithm 1) as the authors' code computes it; minimise it.
+    """Attention mutual information (Eq. 4, Algorithm 1) as the authors' code computes it; minimise
+    it.
 
-    `attn1`, `attn2`: attention probabilities of the two dropout views, (N, L, H, n, n). Layers min_layer:max_layer
-    are kept; for each sample, head and layer parity a tile holds those layers' n x n entries. Entries valid in
-    both views (> 0: padding and dropped entries are 0) are sampled, the same indices for both views; the logs
-    are centred and their cosine rho gives MI = -1/2 log(1 - rho^2). Returns -mean(MI) * (valid fraction^2 + 1e-6).
+    `attn1`, `attn2`: attention probabilities of the two dropout views, (N, L, H, n, n). Layers
+    min_layer:max_layer are kept; for each sample, head and layer parity a tile holds those layers'
+    n x n entries. Entries valid in both views (> 0: padding and dropped entries are 0) are sampled,
+    the same indices for both views; the logs are centred and their cosine rho gives MI = -1/2 log(1
+    - rho^2). Returns -mean(MI) * (valid fraction^2 + 1e-6).
     """
     kept = max_layer - min_layer
     if kept < 2 or kept % 2:
@@ -99,15 +115,16 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     n_batch, _, heads = attn1.shape[:3]
 
     def tiles(attn):  # (N, K, H, n, n) -> (N * H * 2, K/2 * n * n): per sample, head, layer parity
-        per_parity = [attn[:, min_layer + parity:max_layer:2].transpose(1, 2).reshape(n_batch, heads, -1)
-                      for parity in (0, 1)]
+        per_parity = [attn[:, min_layer + parity:max_layer:2].transpose(1, 2)
+                      .reshape(n_batch, heads, -1) for parity in (0, 1)]
         return torch.stack(per_parity, dim=2).reshape(n_batch * heads * 2, -1)
 
     tiles1, tiles2 = tiles(attn1), tiles(attn2)
     valid = (tiles1 > 0) & (tiles2 > 0)
     counts = valid.sum(dim=1)
     valid_fraction = counts.sum().to(tiles1.dtype) / valid.numel()
-    # Data-dependent shapes, as the authors' code has them: these lines wait for the GPU (host syncs).
+    # Data-dependent shapes, as the authors' code has them: these lines wait for the GPU (host
+    # syncs).
     if counts.max() < num_samples:  # no tile has enough: use the smallest tile's count for all
         k = int(counts.min())
     else:  # drop the tiles with fewer than num_samples valid entries
@@ -119,23 +136,27 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     device = generator.device if generator is not None else tiles1.device
     keys = torch.rand(valid.shape, generator=generator, device=device).to(tiles1.device)
     index = keys.masked_fill(~valid, -1.0).topk(k, dim=1).indices
-    log1, log2 = tiles1.gather(1, index).log(), tiles2.gather(1, index).log()  # log-normal -> normal
+    # log-normal -> normal
+    log1, log2 = tiles1.gather(1, index).log(), tiles2.gather(1, index).log()
     log1, log2 = log1 - log1.mean(dim=1, keepdim=True), log2 - log2.mean(dim=1, keepdim=True)
     rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)
-    # Code over paper: Algorithm 1 drops the log of Eq. 4; the released code keeps it (and scales by the fraction).
+    # Code over paper: Algorithm 1 drops the log of Eq. 4; the released code keeps it (and scales by
+    # the fraction).
     mutual_information = -0.5 * torch.log(1 - (rho ** 2).clamp(max=1 - 1e-6))
     return -mutual_information.mean() * (valid_fraction ** 2 + 1e-6)
 
 
 def moco_info_nce(z1, z2, queue, temp: float = 0.05) -> torch.Tensor:
-    """InfoNCE with in-batch and queued negatives (Eq. 2): CE over [s(z1, z2) | s(z1, queue)], target i."""
+    """InfoNCE with in-batch and queued negatives (Eq. 2): CE over [s(z1, z2) | s(z1, queue)],
+    target i."""
     logits = torch.cat([common.cos_sim(z1, z2), common.cos_sim(z1, queue)], dim=1) / temp
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
 
 
 @torch.no_grad()
 def ema_update(target: torch.nn.Module, source: torch.nn.Module, momentum: float) -> None:
-    """target <- momentum * target + (1 - momentum) * source, all parameters in one foreach kernel (a lerp)."""
+    """target <- momentum * target + (1 - momentum) * source, all parameters in one foreach kernel
+    (a lerp)."""
     torch._foreach_lerp_(list(target.parameters()), list(source.parameters()), 1.0 - momentum)
 
 
@@ -147,7 +168,8 @@ class EmbeddingQueue:
         self.tensor = torch.empty(0, dim, device=device)
 
     def push(self, embeddings: torch.Tensor) -> None:
-        self.tensor = torch.cat([self.tensor, embeddings.detach().float()])[-self.size:] if self.size else self.tensor
+        if self.size:
+            self.tensor = torch.cat([self.tensor, embeddings.detach().float()])[-self.size:]
 
 
 def set_dropout(module: nn.Module, p: float) -> None:
@@ -169,59 +191,75 @@ def main(argv=None):
     transformers.set_seed(args.seed)
     device = distributed.init(plumbing.resolve_device(args.device))
 
-    with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
-        examples, train_file, subset = common.training_examples(args)  # miCSE's own subset where they released one
-        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
+    # downloads, senteval.tar and datasets' cache: process 0 first
+    with distributed.main_process_first():
+        # miCSE's own subset where they released one
+        examples, train_file, subset = common.training_examples(args)
+        # read once now
+        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
-        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
+        pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
+        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     num_layers = backbone.config.num_hidden_layers
     default_min, default_max = default_ami_layers(num_layers)
     args.ami_min_layer = default_min if args.ami_min_layer is None else args.ami_min_layer
     args.ami_max_layer = default_max if args.ami_max_layer is None else args.ami_max_layer
-    if not 0 <= args.ami_min_layer < args.ami_max_layer <= num_layers or (args.ami_max_layer - args.ami_min_layer) % 2:
-        raise plumbing.UsageError(f"--ami_min_layer/--ami_max_layer {args.ami_min_layer}:{args.ami_max_layer} must be "
-                                f"an even number of layers within the model's {num_layers}")
+    ami_min, ami_max = args.ami_min_layer, args.ami_max_layer
+    if not 0 <= ami_min < ami_max <= num_layers or (ami_max - ami_min) % 2:
+        raise plumbing.UsageError(f"--ami_min_layer/--ami_max_layer {ami_min}:{ami_max} must be an "
+                                  f"even number of layers within the model's {num_layers}")
     loader = common.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless --no-mlp_only_train.
+    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
+    # --no-mlp_only_train.
     backbone.to(device).train()
-    forward = torch.compile(backbone) if args.compile else backbone  # --compile: the training passes only
+    # --compile: the training passes only
+    forward = torch.compile(backbone) if args.compile else backbone
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    scaler = common.grad_scaler(device, args.precision)  # loss scaling for fp16; a pass-through otherwise
+    # loss scaling for fp16; a pass-through otherwise
+    scaler = common.grad_scaler(device, args.precision)
     generator = torch.Generator(device=device).manual_seed(args.seed)  # AMI's samples
-    # The momentum encoder: an EMA copy of the encoder (dropout 0.3, no gradients) sharing the online head. It needs
-    # no attention weights, so it runs SDPA attention.
+    # The momentum encoder: an EMA copy of the encoder (dropout 0.3, no gradients) sharing the
+    # online head. It needs no attention weights, so it runs SDPA attention.
     momentum_backbone = copy.deepcopy(backbone).requires_grad_(False) if args.queue_size else None
     if momentum_backbone is not None:
         momentum_backbone.set_attn_implementation("sdpa")
         set_dropout(momentum_backbone, args.momentum_dropout)
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
-    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps, device)
+    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
+                                 device)
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
     best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
     train_time, clock = 0.0, time.perf_counter()
-    bar = plumbing.Progress(total_steps, "training", unit="step", enabled=distributed.rank() == 0, leave=True)
+    bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True)
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two dropout views
-            with common.autocast(device, args.precision):  # the encoder only: embeddings and losses are fp32
+            # one pass over the batch repeated: two dropout views
+            views = common.repeat_views(batch, 2)
+            # the encoder only: embeddings and losses are fp32
+            with common.autocast(device, args.precision):
                 outputs = forward(**views, output_hidden_states=True, output_attentions=True)
             if not outputs.attentions or outputs.attentions[0] is None:
-                raise RuntimeError("no attention weights: load the encoder with attn_implementation='eager'")
-            z1, z2 = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head).chunk(2)
-            loss = moco_info_nce(distributed.gather(z1), distributed.gather(z2), queue.tensor, args.temp)
-            # AMI's layers only, stacked (N, K, H, n, n) and cast to fp32; AMI is per sample, so it stays local.
-            attn1, attn2 = torch.stack(outputs.attentions[args.ami_min_layer:args.ami_max_layer], 1).float().chunk(2)
-            loss = loss + args.ami_lambda * ami_loss(attn1, attn2, 0, args.ami_max_layer - args.ami_min_layer,
+                raise RuntimeError("no attention weights: load the encoder with "
+                                   "attn_implementation='eager'")
+            z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
+            z1, z2 = z.chunk(2)
+            z1, z2 = distributed.gather(z1), distributed.gather(z2)
+            loss = moco_info_nce(z1, z2, queue.tensor, args.temp)
+            # AMI's layers only, stacked (N, K, H, n, n) and cast to fp32; AMI is per sample, so it
+            # stays local.
+            attentions = torch.stack(outputs.attentions[ami_min:ami_max], 1).float()
+            attn1, attn2 = attentions.chunk(2)
+            loss = loss + args.ami_lambda * ami_loss(attn1, attn2, 0, ami_max - ami_min,
                                                      args.ami_samples, generator)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
@@ -232,24 +270,30 @@ def main(argv=None):
             scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
             scaler.update()
             scheduler.step()
-            if momentum_backbone is not None:  # after the step: EMA update, then this batch's keys into the queue
+            # after the step: EMA update, then this batch's keys into the queue
+            if momentum_backbone is not None:
                 ema_update(momentum_backbone, backbone, args.momentum)
                 with torch.no_grad():
                     with common.autocast(device, args.precision):
-                        hidden_states = momentum_backbone(**batch, output_hidden_states=True).hidden_states
+                        outputs_momentum = momentum_backbone(**batch, output_hidden_states=True)
+                    hidden_states = outputs_momentum.hidden_states
                     keys = common.embed(hidden_states, batch["attention_mask"], args.pooler, head)
                 queue.push(distributed.gather(keys))  # the same queue on every process
-            pending.append(loss.detach())  # stays on the device until the next log or dev step: no host sync
+            # stays on the device until the next log or dev step: no host sync
+            pending.append(loss.detach())
             bar.update()  # a clock read, no host sync
         stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
         if dev_step or stopping or step % args.logging_steps == 0:
-            common.read_losses(pending, losses)  # one host sync; the first NaN or inf stops the run with its step
-            train_time += time.perf_counter() - clock  # the device has finished every step up to here
+            # one host sync; the first NaN or inf stops the run with its step
+            common.read_losses(pending, losses)
+            # the device has finished every step up to here
+            train_time += time.perf_counter() - clock
             time_curve.append([step, round(train_time, 3)])
             message = common.progress(step, total_steps, losses, train_time)
             if dev_step:  # the STS-B dev gate
-                dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
+                modules = [backbone] + ([head] if head is not None else [])
+                dev = common.dev_score(modules, encode, senteval_dir)
                 dev_curve.append([step, dev])
                 if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
                     best_dev, best_step = dev, step
@@ -263,9 +307,10 @@ def main(argv=None):
             break
 
     bar.close()
-    distributed.shutdown()  # the other processes exit here: process 0's final evaluation holds nobody in a barrier
-    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated on
-    # the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
+    # the other processes exit here: process 0's final evaluation holds nobody in a barrier
+    distributed.shutdown()
+    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated
+    # on the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
     if distributed.rank() == 0:
         out = Path(args.output_dir)
         results = common.run_record(
@@ -280,11 +325,11 @@ def main(argv=None):
                 encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
                 if not args.no_test_eval:
                     results["test"] = common.sts_test_scores(encode, senteval_dir)
-                results["align_uniform"] = common.align_uniform(encode, args, eval_pooler, senteval_dir,
-                                                                device)
+                results["align_uniform"] = common.align_uniform(
+                    encode, args, eval_pooler, senteval_dir, device)
                 if args.eval_transfer:
-                    results["transfer"] = common.transfer_scores(encode, senteval_dir, args, device,
-                                                                 results)
+                    results["transfer"] = common.transfer_scores(
+                        encode, senteval_dir, args, device, results)
         plumbing.write_json(out / "results.json", results)
         distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
     stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM

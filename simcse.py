@@ -1,23 +1,25 @@
 """SimCSE: Simple Contrastive Learning of Sentence Embeddings (Gao, Yao & Chen, EMNLP 2021).
 
-Unsupervised: a sentence is its own positive, the two views differing only by dropout masks; the other
-sentences of the batch are the negatives (InfoNCE, Eq. 4). Supervised (--supervised): NLI entailment
-hypotheses are the positives and contradiction hypotheses extra hard negatives (Eq. 5, weighted as Eq. 8).
+Unsupervised: a sentence is its own positive, the two views differing only by dropout masks; the
+other sentences of the batch are the negatives (InfoNCE, Eq. 4). Supervised (--supervised): NLI
+entailment hypotheses are the positives and contradiction hypotheses extra hard negatives (Eq. 5,
+weighted as Eq. 8).
 
 Headline (Table 5, BERT-base, 7-task STS average): unsupervised 76.25, supervised 81.57.
 
-    python simcse.py                    # unsupervised, BERT-base, wiki1m, Table A.1 settings
-    python simcse.py --supervised       # nli_for_simcse.csv, batch 512, lr 5e-5, 3 epochs, MLP kept at eval
-    torchrun --nproc_per_node 4 simcse.py --supervised     # the authors' 4 x 128: --batch_size stays 512
+    python simcse.py               # unsupervised, BERT-base, wiki1m, Table A.1 settings
+    python simcse.py --supervised  # NLI, batch 512, lr 5e-5, 3 epochs, MLP kept at eval
+    torchrun --nproc_per_node 4 simcse.py --supervised  # the authors' 4 x 128: batch stays 512
 
 Offline: add --model_name_or_path DIR --train_file FILE --senteval_dir DIR.
-Follows the released code (run_unsup_example.sh, run_sup_example.sh, the HF Trainer) where the paper is silent:
-gradient clipping at 1.0, the last incomplete batch kept, evaluation in fp32.
-Choices: the initial model is evaluated at step 0 and counts as a candidate for the best checkpoint; empty lines
-of the corpus are skipped; NLI cells such as "NA" stay text (pandas would make them missing values); under
---precision bf16/fp16 only the encoder runs in half precision, while the MLP head, the embeddings and the loss are
-fp32 (the authors' fp16 Trainer ran the head under autocast too; the cosine was fp32 there as here); an fp16 step
-skipped by the GradScaler still advances the schedule (checking would cost a host sync).
+Follows the released code (run_unsup_example.sh, run_sup_example.sh, the HF Trainer) where the paper
+is silent: gradient clipping at 1.0, the last incomplete batch kept, evaluation in fp32.
+Choices: the initial model is evaluated at step 0 and counts as a candidate for the best checkpoint;
+empty lines of the corpus are skipped; NLI cells such as "NA" stay text (pandas would make them
+missing values); under --precision bf16/fp16 only the encoder runs in half precision, while the MLP
+head, the embeddings and the loss are fp32 (the authors' fp16 Trainer ran the head under autocast
+too; the cosine was fp32 there as here); an fp16 step skipped by the GradScaler still advances the
+schedule (checking would cost a host sync).
 """
 from __future__ import annotations
 
@@ -34,18 +36,22 @@ import distributed
 import eval_sts
 import plumbing
 
-# Table A.1 and Appendix A (supervised BERT-base): defaults under --supervised; flags the user gives win.
-SUPERVISED_DEFAULTS = {"batch_size": 512, "lr": 5e-5, "epochs": 3, "eval_steps": 250, "mlp_only_train": False}
+# Table A.1 and Appendix A (supervised BERT-base): defaults under --supervised; flags the user gives
+# win.
+SUPERVISED_DEFAULTS = {"batch_size": 512, "lr": 5e-5, "epochs": 3, "eval_steps": 250,
+                       "mlp_only_train": False}
 
 
 def parse_args(argv=None):
     parser = common.base_parser(__doc__, method="simcse")
     g = parser.add_argument_group("SimCSE")
     g.add_argument("--supervised", action="store_true",
-                   help="train on NLI triplets (sent0, sent1, hard_neg); default file nli_for_simcse.csv; sets "
-                        "batch 512, lr 5e-5, 3 epochs, dev every 250 steps, MLP kept at evaluation unless given")
+                   help="train on NLI triplets (sent0, sent1, hard_neg); default file "
+                        "nli_for_simcse.csv; sets batch 512, lr 5e-5, 3 epochs, dev every 250 "
+                        "steps, MLP kept at evaluation unless given")
     g.add_argument("--hard_negative_weight", type=float, default=0.0,
-                   help="Eq. 8: added to the logit of each anchor's own hard negative (alpha = e^weight)")
+                   help="Eq. 8: added to the logit of each anchor's own hard negative "
+                        "(alpha = e^weight)")
     known, _ = parser.parse_known_args(argv)
     return common.parse_with_presets(parser, argv, SUPERVISED_DEFAULTS if known.supervised else {},
                                      "supervised SimCSE (Table A.1, Appendix A)")
@@ -57,48 +63,61 @@ def main(argv=None):
     transformers.set_seed(args.seed)
     device = distributed.init(plumbing.resolve_device(args.device))
 
-    # Data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard negatives), tokenised
-    # once; a batch is then only gathered and padded to its longest row.
+    # Data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard
+    # negatives), tokenised once; a batch is then only gathered and padded to its longest row.
     default_file = "nli_for_simcse.csv" if args.supervised else "wiki1m_for_simcse.txt"
-    with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
-        examples, train_file, subset = common.training_examples(args, default_file, triplets=args.supervised)
-        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
+    # downloads, senteval.tar and datasets' cache: process 0 first
+    with distributed.main_process_first():
+        examples, train_file, subset = common.training_examples(args, default_file,
+                                                                triplets=args.supervised)
+        # read once now
+        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
-        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
+        pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
+        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     loader = common.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless --no-mlp_only_train.
+    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
+    # --no-mlp_only_train.
     backbone.to(device).train()
-    forward = torch.compile(backbone) if args.compile else backbone  # --compile: the training passes only
+    # --compile: the training passes only
+    forward = torch.compile(backbone) if args.compile else backbone
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    scaler = common.grad_scaler(device, args.precision)  # loss scaling for fp16; a pass-through otherwise
-    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps, device)
+    # loss scaling for fp16; a pass-through otherwise
+    scaler = common.grad_scaler(device, args.precision)
+    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
+                                 device)
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
     best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
     train_time, clock = 0.0, time.perf_counter()
-    bar = plumbing.Progress(total_steps, "training", unit="step", enabled=distributed.rank() == 0, leave=True)
+    bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True)
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            if args.supervised:  # one pass: anchors, entailments, contradictions (dropout on, as in training)
-                with common.autocast(device, args.precision):  # the encoder only: embeddings and loss are fp32
+            # one pass: anchors, entailments, contradictions (dropout on, as in training)
+            if args.supervised:
+                # the encoder only: embeddings and loss are fp32
+                with common.autocast(device, args.precision):
                     outputs = forward(**batch, output_hidden_states=True)
                 z = common.embed(outputs.hidden_states, batch["attention_mask"], args.pooler, head)
                 anchor, positive, hard_negative = (distributed.gather(part) for part in z.chunk(3))
-                loss = common.info_nce(anchor, positive, args.temp, hard_negative, args.hard_negative_weight)
+                loss = common.info_nce(anchor, positive, args.temp, hard_negative,
+                                       args.hard_negative_weight)
             else:  # one pass over the batch repeated: two dropout masks, two views
                 views = common.repeat_views(batch, 2)
-                with common.autocast(device, args.precision):  # the encoder only: embeddings and loss are fp32
+                # the encoder only: embeddings and loss are fp32
+                with common.autocast(device, args.precision):
                     outputs = forward(**views, output_hidden_states=True)
-                z1, z2 = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head).chunk(2)
+                z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
+                z1, z2 = z.chunk(2)
                 loss = common.info_nce(distributed.gather(z1), distributed.gather(z2), args.temp)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
@@ -109,17 +128,21 @@ def main(argv=None):
             scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
             scaler.update()
             scheduler.step()
-            pending.append(loss.detach())  # stays on the device until the next log or dev step: no host sync
+            # stays on the device until the next log or dev step: no host sync
+            pending.append(loss.detach())
             bar.update()  # a clock read, no host sync
         stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
         if dev_step or stopping or step % args.logging_steps == 0:
-            common.read_losses(pending, losses)  # one host sync; the first NaN or inf stops the run with its step
-            train_time += time.perf_counter() - clock  # the device has finished every step up to here
+            # one host sync; the first NaN or inf stops the run with its step
+            common.read_losses(pending, losses)
+            # the device has finished every step up to here
+            train_time += time.perf_counter() - clock
             time_curve.append([step, round(train_time, 3)])
             message = common.progress(step, total_steps, losses, train_time)
             if dev_step:  # the STS-B dev gate
-                dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
+                modules = [backbone] + ([head] if head is not None else [])
+                dev = common.dev_score(modules, encode, senteval_dir)
                 dev_curve.append([step, dev])
                 if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
                     best_dev, best_step = dev, step
@@ -133,9 +156,10 @@ def main(argv=None):
             break
 
     bar.close()
-    distributed.shutdown()  # the other processes exit here: process 0's final evaluation holds nobody in a barrier
-    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated on
-    # the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
+    # the other processes exit here: process 0's final evaluation holds nobody in a barrier
+    distributed.shutdown()
+    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated
+    # on the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
     if distributed.rank() == 0:
         out = Path(args.output_dir)
         results = common.run_record(
@@ -150,11 +174,11 @@ def main(argv=None):
                 encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
                 if not args.no_test_eval:
                     results["test"] = common.sts_test_scores(encode, senteval_dir)
-                results["align_uniform"] = common.align_uniform(encode, args, eval_pooler, senteval_dir,
-                                                                device)
+                results["align_uniform"] = common.align_uniform(
+                    encode, args, eval_pooler, senteval_dir, device)
                 if args.eval_transfer:
-                    results["transfer"] = common.transfer_scores(encode, senteval_dir, args, device,
-                                                                 results)
+                    results["transfer"] = common.transfer_scores(
+                        encode, senteval_dir, args, device, results)
         plumbing.write_json(out / "results.json", results)
         distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
     stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM

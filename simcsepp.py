@@ -1,23 +1,26 @@
-"""SimCSE++: Improving Contrastive Learning for Sentence Embeddings from Two Perspectives (Xu et al., EMNLP 2023).
+"""SimCSE++: Improving Contrastive Learning for Sentence Embeddings from Two Perspectives (Xu et
+al., EMNLP 2023).
 
-Two changes to SimCSE's loss: (1) off-dropout sampling: the negatives come from a third pass of the batch with
-every dropout switched off, since dropout noise helps positives but hurts negatives (Section 3, Eq. 3);
-(2) dimension-wise contrastive learning (DCL): each embedding dimension should be more similar to itself across
-the two views than to the other dimensions (Section 4.3, Eq. 5).
+Two changes to SimCSE's loss: (1) off-dropout sampling: the negatives come from a third pass of the
+batch with every dropout switched off, since dropout noise helps positives but hurts negatives
+(Section 3, Eq. 3); (2) dimension-wise contrastive learning (DCL): each embedding dimension should
+be more similar to itself across the two views than to the other dimensions (Section 4.3, Eq. 5).
 
-Headline (Table 3, BERT-base, 7-task STS average): SimCSE 76.25 -> SimCSE++ 78.05 (off-dropout alone 77.13,
-DCL alone 77.40).
+Headline (Table 3, BERT-base, 7-task STS average): SimCSE 76.25 -> SimCSE++ 78.05 (off-dropout alone
+77.13, DCL alone 77.40).
 
     python simcsepp.py                                  # m 0.9, DCL weight 0.1, DCL temperature 5
     python simcsepp.py --no_off_dropout                 # Table 3 "+DCL" row
     python simcsepp.py --dcl_weight 0                   # Table 3 "+Off-Info" row
 
-Follows the authors' code where it differs from the paper's equations (marked in the loss functions): m scales
-the positive logit, and DCL averages over dimensions with the correlation divided by the batch size.
-Released-code notes: m = 0.9 as in Section 5.1 and run_re.sh, while the DCL script run_re_vicreg.sh sets pos=1;
-gradient clipping at 1.0, the last incomplete batch kept and fp32 evaluation come from the HF Trainer it uses.
-Choices: with --no_off_dropout, m still scales the positive logit (so --m 1 gives SimCSE's InfoNCE exactly); the
-dropout-off pass keeps its gradients; see simcse.py for the shared choices.
+Follows the authors' code where it differs from the paper's equations (marked in the loss
+functions): m scales the positive logit, and DCL averages over dimensions with the correlation
+divided by the batch size.
+Released-code notes: m = 0.9 as in Section 5.1 and run_re.sh, while the DCL script run_re_vicreg.sh
+sets pos=1; gradient clipping at 1.0, the last incomplete batch kept and fp32 evaluation come from
+the HF Trainer it uses.
+Choices: with --no_off_dropout, m still scales the positive logit (so --m 1 gives SimCSE's InfoNCE
+exactly); the dropout-off pass keeps its gradients; see simcse.py for the shared choices.
 """
 from __future__ import annotations
 
@@ -41,11 +44,14 @@ import plumbing
 def parse_args(argv=None):
     parser = common.base_parser(__doc__, method="simcsepp")
     g = parser.add_argument_group("SimCSE++ (Section 5.1 defaults)")
-    g.add_argument("--m", type=float, default=0.9, help="weight m on the positive logit (Table 5 best: 0.9)")
-    g.add_argument("--dcl_weight", type=float, default=0.1, help="lambda, weight of the DCL loss (Table 5: 0.1)")
+    g.add_argument("--m", type=float, default=0.9,
+                   help="weight m on the positive logit (Table 5 best: 0.9)")
+    g.add_argument("--dcl_weight", type=float, default=0.1,
+                   help="lambda, weight of the DCL loss (Table 5: 0.1)")
     g.add_argument("--dcl_temp", type=float, default=5.0, help="DCL temperature (Table 5: 5)")
     g.add_argument("--no_off_dropout", action="store_true",
-                   help="negatives from the dropout views s(z1_i, z2_j), no third pass (Table 3 '+DCL' row)")
+                   help="negatives from the dropout views s(z1_i, z2_j), no third pass "
+                        "(Table 3 '+DCL' row)")
     args = parser.parse_args(argv)
     plumbing.check_range(args, "m", lambda v: v > 0, "a positive weight")
     plumbing.check_range(args, "dcl_weight", lambda v: v >= 0, ">= 0 (0 disables DCL)")
@@ -56,14 +62,19 @@ def parse_args(argv=None):
 def off_dropout_info_nce(z1, z2, z_dropout_off, temp: float = 0.05, m: float = 0.9) -> torch.Tensor:
     """Off-dropout InfoNCE (Eq. 3 as the authors implemented it).
 
-    loss_i = -m s(z1_i, z2_i) + log(e^{m s(z1_i, z2_i)} + sum_{j != i} e^{s(z0_i, z0_j)}), s = cos / temp, where
-    z0 = `z_dropout_off` is the batch encoded with dropout off. `z_dropout_off=None` takes the negatives from the
-    dropout views instead, s(z1_i, z2_j) (the ablation); with m = 1 that is SimCSE's InfoNCE.
+    loss_i = -m s(z1_i, z2_i) + log(e^{m s(z1_i, z2_i)} + sum_{j != i} e^{s(z0_i, z0_j)}), s = cos /
+    temp, where z0 = `z_dropout_off` is the batch encoded with dropout off. `z_dropout_off=None`
+    takes the negatives from the dropout views instead, s(z1_i, z2_j) (the ablation); with m = 1
+    that is SimCSE's InfoNCE.
     """
     cross = common.cos_sim(z1, z2) / temp
-    negatives = cross if z_dropout_off is None else common.cos_sim(z_dropout_off, z_dropout_off) / temp
+    if z_dropout_off is None:
+        negatives = cross
+    else:
+        negatives = common.cos_sim(z_dropout_off, z_dropout_off) / temp
     diagonal = torch.eye(len(z1), dtype=torch.bool, device=z1.device)
-    # Code over paper: m scales the positive logit; Eq. 3 writes m as a factor on the negative sum instead.
+    # Code over paper: m scales the positive logit; Eq. 3 writes m as a factor on the negative sum
+    # instead.
     logits = torch.where(diagonal, m * cross, negatives)
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
 
@@ -71,8 +82,8 @@ def off_dropout_info_nce(z1, z2, z_dropout_off, temp: float = 0.05, m: float = 0
 def dcl_loss(z1, z2, temp: float = 5.0) -> torch.Tensor:
     """Dimension-wise contrastive learning (Eq. 5 as the authors implemented it).
 
-    Standardise each dimension over the batch (BatchNorm1d without affine, training mode), C = z1~^T z2~ / (N temp)
-    (D x D); loss = mean over c of [-C_cc + log sum_d e^{C_cd}].
+    Standardise each dimension over the batch (BatchNorm1d without affine, training mode), C = z1~^T
+    z2~ / (N temp) (D x D); loss = mean over c of [-C_cc + log sum_d e^{C_cd}].
     """
     def standardise(z):
         return (z - z.mean(0)) / torch.sqrt(z.var(0, unbiased=False) + 1e-5)
@@ -85,8 +96,8 @@ def dcl_loss(z1, z2, temp: float = 5.0) -> torch.Tensor:
 def dropout_off(module: nn.Module):
     """Every nn.Dropout of `module` off for one pass, then each one's mode and rate restored.
 
-    eval() alone is not enough in transformers 5: BERT applies attention dropout under the attention module's own
-    training flag with rate `dropout.p`, so the rate is zeroed as well.
+    eval() alone is not enough in transformers 5: BERT applies attention dropout under the attention
+    module's own training flag with rate `dropout.p`, so the rate is zeroed as well.
     """
     saved = [(m, m.training, m.p) for m in module.modules() if isinstance(m, nn.Dropout)]
     for m, _, _ in saved:
@@ -106,46 +117,59 @@ def main(argv=None):
     transformers.set_seed(args.seed)
     device = distributed.init(plumbing.resolve_device(args.device))
 
-    with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
+    # downloads, senteval.tar and datasets' cache: process 0 first
+    with distributed.main_process_first():
         examples, train_file, subset = common.training_examples(args)
-        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
+        # read once now
+        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
-        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
+        pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
+        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     loader = common.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless --no-mlp_only_train.
+    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
+    # --no-mlp_only_train.
     backbone.to(device).train()
-    forward = torch.compile(backbone) if args.compile else backbone  # --compile: the training passes only
+    # --compile: the training passes only
+    forward = torch.compile(backbone) if args.compile else backbone
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    scaler = common.grad_scaler(device, args.precision)  # loss scaling for fp16; a pass-through otherwise
-    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps, device)
+    # loss scaling for fp16; a pass-through otherwise
+    scaler = common.grad_scaler(device, args.precision)
+    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
+                                 device)
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
     best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
     train_time, clock = 0.0, time.perf_counter()
-    bar = plumbing.Progress(total_steps, "training", unit="step", enabled=distributed.rank() == 0, leave=True)
+    bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True)
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two dropout views
-            with common.autocast(device, args.precision):  # the encoder only: embeddings and loss are fp32
+            # one pass over the batch repeated: two dropout views
+            views = common.repeat_views(batch, 2)
+            # the encoder only: embeddings and loss are fp32
+            with common.autocast(device, args.precision):
                 outputs = forward(**views, output_hidden_states=True)
-            z1, z2 = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head).chunk(2)
+            z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
+            z1, z2 = z.chunk(2)
             z1, z2, z_dropout_off = distributed.gather(z1), distributed.gather(z2), None
-            if not args.no_off_dropout:  # a third pass with every dropout off gives the negatives (with grads)
+            # a third pass with every dropout off gives the negatives (with grads)
+            if not args.no_off_dropout:
                 with dropout_off(backbone), common.autocast(device, args.precision):
                     outputs_off = forward(**batch, output_hidden_states=True)
-                z_dropout_off = distributed.gather(
-                    common.embed(outputs_off.hidden_states, batch["attention_mask"], args.pooler, head))
+                z_dropout_off = common.embed(outputs_off.hidden_states, batch["attention_mask"],
+                                             args.pooler, head)
+                z_dropout_off = distributed.gather(z_dropout_off)
             loss = off_dropout_info_nce(z1, z2, z_dropout_off, args.temp, args.m)
-            if args.dcl_weight > 0:  # DCL's per-dimension statistics are the global batch's (gathered)
+            # DCL's per-dimension statistics are the global batch's (gathered)
+            if args.dcl_weight > 0:
                 loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
@@ -156,17 +180,21 @@ def main(argv=None):
             scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
             scaler.update()
             scheduler.step()
-            pending.append(loss.detach())  # stays on the device until the next log or dev step: no host sync
+            # stays on the device until the next log or dev step: no host sync
+            pending.append(loss.detach())
             bar.update()  # a clock read, no host sync
         stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
         if dev_step or stopping or step % args.logging_steps == 0:
-            common.read_losses(pending, losses)  # one host sync; the first NaN or inf stops the run with its step
-            train_time += time.perf_counter() - clock  # the device has finished every step up to here
+            # one host sync; the first NaN or inf stops the run with its step
+            common.read_losses(pending, losses)
+            # the device has finished every step up to here
+            train_time += time.perf_counter() - clock
             time_curve.append([step, round(train_time, 3)])
             message = common.progress(step, total_steps, losses, train_time)
             if dev_step:  # the STS-B dev gate
-                dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
+                modules = [backbone] + ([head] if head is not None else [])
+                dev = common.dev_score(modules, encode, senteval_dir)
                 dev_curve.append([step, dev])
                 if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
                     best_dev, best_step = dev, step
@@ -180,9 +208,10 @@ def main(argv=None):
             break
 
     bar.close()
-    distributed.shutdown()  # the other processes exit here: process 0's final evaluation holds nobody in a barrier
-    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated on
-    # the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
+    # the other processes exit here: process 0's final evaluation holds nobody in a barrier
+    distributed.shutdown()
+    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated
+    # on the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
     if distributed.rank() == 0:
         out = Path(args.output_dir)
         results = common.run_record(
@@ -197,11 +226,11 @@ def main(argv=None):
                 encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
                 if not args.no_test_eval:
                     results["test"] = common.sts_test_scores(encode, senteval_dir)
-                results["align_uniform"] = common.align_uniform(encode, args, eval_pooler, senteval_dir,
-                                                                device)
+                results["align_uniform"] = common.align_uniform(
+                    encode, args, eval_pooler, senteval_dir, device)
                 if args.eval_transfer:
-                    results["transfer"] = common.transfer_scores(encode, senteval_dir, args, device,
-                                                                 results)
+                    results["transfer"] = common.transfer_scores(
+                        encode, senteval_dir, args, device, results)
         plumbing.write_json(out / "results.json", results)
         distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
     stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM

@@ -1,22 +1,25 @@
-"""SSCL: Alleviating Over-smoothing for Unsupervised Sentence Representation (Chen et al., ACL 2023).
+"""SSCL: Alleviating Over-smoothing for Unsupervised Sentence Representation (Chen et al., ACL
+2023).
 
 Adjacent layers of a pretrained encoder give nearly identical sentence representations (inter-layer
-over-smoothing, measured by SetSim, Eq. 2). SSCL uses the encoder's own intermediate-layer representations of
-the batch as extra negatives for the last layer's (Eq. 4), a plug-in to any contrastive objective.
+over-smoothing, measured by SetSim, Eq. 2). SSCL uses the encoder's own intermediate-layer
+representations of the batch as extra negatives for the last layer's (Eq. 4), a plug-in to any
+contrastive objective.
 
 Headline (Table 2, BERT-base, 7-task STS average): SimCSE 76.25 -> SSCL-SimCSE 77.90.
 
-    python sscl.py                                   # progressive SSCL, layers L-1 and L-2 (Figure 3b's best)
-    python sscl.py --neg_layer_index 10              # one chosen layer (Figure 3a)
+    python sscl.py                         # progressive SSCL, layers L-1 and L-2 (Figure 3b's best)
+    python sscl.py --neg_layer_index 10    # one chosen layer (Figure 3a)
     python sscl.py --pooler cls --report_oversmoothing
 
-Released code over paper: --pooler avg by default (run_unsup_example.sh --pooler_type avg, test.sh --pooler avg;
-the paper does not say); the loss averages Eq. 4 with SimCSE's plain term (marked in sscl_loss). Gradient
-clipping at 1.0, the last incomplete batch kept and fp32 evaluation come from the HF Trainer it uses.
-Choices: intermediate-layer negatives keep their gradients (they are part of the same forward pass, not a
-detached memory); SetSim is reported for every pair of adjacent transformer layers (1-2, ..., (L-1)-L), on the
-layer's sentence representation before the MLP ([CLS] or masked mean), averaged over the distinct STS-B test
-sentences.
+Released code over paper: --pooler avg by default (run_unsup_example.sh --pooler_type avg, test.sh
+--pooler avg; the paper does not say); the loss averages Eq. 4 with SimCSE's plain term (marked in
+sscl_loss). Gradient clipping at 1.0, the last incomplete batch kept and fp32 evaluation come from
+the HF Trainer it uses.
+Choices: intermediate-layer negatives keep their gradients (they are part of the same forward pass,
+not a detached memory); SetSim is reported for every pair of adjacent transformer layers (1-2, ...,
+(L-1)-L), on the layer's sentence representation before the MLP ([CLS] or masked mean), averaged
+over the distinct STS-B test sentences.
 """
 from __future__ import annotations
 
@@ -39,12 +42,16 @@ def parse_args(argv=None):
     parser = common.base_parser(__doc__, method="sscl")
     g = parser.add_argument_group("SSCL")
     g.add_argument("--neg_layers", type=int, default=2,
-                   help="k: negatives from layers L-1, ..., L-k below the last (progressive SSCL, Figure 3b: 2)")
+                   help="k: negatives from layers L-1, ..., L-k below the last (progressive SSCL, "
+                        "Figure 3b: 2)")
     g.add_argument("--neg_layer_index", type=int, default=None,
-                   help="use this one hidden-state layer (1..L-1) as the negatives instead (Figure 3a)")
+                   help="use this one hidden-state layer (1..L-1) as the negatives instead "
+                        "(Figure 3a)")
     g.add_argument("--report_oversmoothing", action="store_true",
-                   help="write SetSim (Eq. 2) of adjacent layers on STS-B test, before and after training")
-    args = common.parse_with_presets(parser, argv, {"pooler": "avg"}, "SSCL's released scripts")  # train and eval
+                   help="write SetSim (Eq. 2) of adjacent layers on STS-B test, before and after "
+                        "training")
+    # the released scripts train and evaluate with the average pooler
+    args = common.parse_with_presets(parser, argv, {"pooler": "avg"}, "SSCL's released scripts")
     if args.pooler not in ("cls", "avg"):
         parser.error("SSCL trains with --pooler cls or avg (Section 4.2)")
     plumbing.check_range(args, "neg_layers", lambda v: v >= 0, "a non-negative number of layers")
@@ -54,52 +61,63 @@ def parse_args(argv=None):
 def sscl_loss(z1, z2, layer_negatives, temp: float = 0.05) -> torch.Tensor:
     """SSCL's contrastive loss with intermediate-layer negatives (Eq. 4).
 
-    logits = [s(z1, z2) | s(z1, n1_l) | s(z1, n2_l) for each layer l], s = cos / temp, target i for row i;
-    `layer_negatives` is a list of (n1, n2): one layer's representations of the two dropout views.
+    logits = [s(z1, z2) | s(z1, n1_l) | s(z1, n2_l) for each layer l], s = cos / temp, target i for
+    row i; `layer_negatives` is a list of (n1, n2): one layer's representations of the two dropout
+    views.
     """
     in_batch = common.cos_sim(z1, z2) / temp
-    logits = torch.cat([in_batch] + [common.cos_sim(z1, n) / temp for pair in layer_negatives for n in pair], dim=1)
+    negatives = [common.cos_sim(z1, n) / temp for pair in layer_negatives for n in pair]
+    logits = torch.cat([in_batch] + negatives, dim=1)
     labels = torch.arange(len(z1), device=z1.device)
-    # Code over paper: the authors average this with SimCSE's plain loss; Eq. 4 shows only the first term.
+    # Code over paper: the authors average this with SimCSE's plain loss; Eq. 4 has only the first.
     return (F.cross_entropy(logits, labels) + F.cross_entropy(in_batch, labels)) / 2
 
 
 def negative_layers(num_layers: int, k: int, index: int | None = None) -> list[int]:
-    """hidden_states indices of the negative layers: [index], or L-1, ..., L-k (hidden_states[L] is the last)."""
+    """hidden_states indices of the negative layers: [index], or L-1, ..., L-k (hidden_states[L] is
+    the last)."""
     if index is not None:
         if not 1 <= index < num_layers:
-            raise plumbing.UsageError(f"--neg_layer_index must be in 1..{num_layers - 1}, got {index}")
+            raise plumbing.UsageError(f"--neg_layer_index must be in 1..{num_layers - 1}, "
+                                      f"got {index}")
         return [index]
     if not 0 <= k < num_layers:
         raise plumbing.UsageError(f"--neg_layers must be in 0..{num_layers - 1}, got {k}")
     return [num_layers - i for i in range(1, k + 1)]
 
 
-def layer_representations(hidden_states, attention_mask, layers, pooler: str, head=None, num_views: int = 2):
-    """Each negative layer's sentence representations, pooled like z, split into the dropout views."""
-    # hidden_states[:l + 1] ends at layer l, so embed pools (and for [CLS], applies the MLP to) layer l.
-    return [tuple(common.embed(hidden_states[:layer + 1], attention_mask, pooler, head).chunk(num_views))
-            for layer in layers]
+def layer_representations(hidden_states, attention_mask, layers, pooler: str, head=None,
+                          num_views: int = 2):
+    """Each negative layer's sentence representations, pooled like z, split into the dropout
+    views."""
+    # hidden_states[:l + 1] ends at layer l: embed pools (for [CLS], applies the MLP to) layer l
+    return [tuple(common.embed(hidden_states[:layer + 1], attention_mask, pooler, head)
+                  .chunk(num_views)) for layer in layers]
 
 
 def set_sim(hidden_states, attention_mask, pooler: str) -> torch.Tensor:
     """SetSim (Eq. 2) of each sentence for adjacent layers (1,2), ..., (L-1,L): shape (L-1, N)."""
     pooler = "cls_before_pooler" if pooler == "cls" else pooler
-    reps = [eval_sts.pool(hidden_states[:layer + 1], attention_mask, pooler) for layer in range(1, len(hidden_states))]
-    return torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1) for a, b in zip(reps, reps[1:])])
+    reps = [eval_sts.pool(hidden_states[:layer + 1], attention_mask, pooler)
+            for layer in range(1, len(hidden_states))]
+    return torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1)
+                        for a, b in zip(reps, reps[1:])])
 
 
 @torch.no_grad()
-@torch.no_grad()
-def oversmoothing(backbone, tokenizer, pooler: str, senteval_dir, device, desc: str = "SetSim") -> dict:
-    """Mean SetSim over the distinct STS-B test sentences, per adjacent layer pair (Figure 1), in eval mode."""
-    sentences = sorted({s for pair in eval_sts.load_pairs(senteval_dir, "STSBenchmark", "test") for s in pair[:2]})
+def oversmoothing(backbone, tokenizer, pooler: str, senteval_dir, device,
+                  desc: str = "SetSim") -> dict:
+    """Mean SetSim over the distinct STS-B test sentences, per adjacent layer pair (Figure 1), in
+    eval mode."""
+    pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", "test")
+    sentences = sorted({s for pair in pairs for s in pair[:2]})
     was_training = backbone.training
     backbone.eval()
     total = 0.0
     with plumbing.Progress(len(sentences), desc, unit="sentence") as bar:
         for i in range(0, len(sentences), 128):
-            batch = tokenizer(sentences[i:i + 128], padding=True, truncation=True, return_tensors="pt").to(device)
+            batch = tokenizer(sentences[i:i + 128], padding=True, truncation=True,
+                              return_tensors="pt").to(device)
             hidden_states = backbone(**batch, output_hidden_states=True).hidden_states
             total = total + set_sim(hidden_states, batch["attention_mask"], pooler).sum(dim=1)
             bar.update(len(batch["input_ids"]))
@@ -114,46 +132,60 @@ def main(argv=None):
     transformers.set_seed(args.seed)
     device = distributed.init(plumbing.resolve_device(args.device))
 
-    with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
+    # downloads, senteval.tar and datasets' cache: process 0 first
+    with distributed.main_process_first():
         examples, train_file, subset = common.training_examples(args)
-        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
+        # read once now
+        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
-        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
+        pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
+        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     loader = common.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless --no-mlp_only_train.
+    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
+    # --no-mlp_only_train.
     backbone.to(device).train()
-    forward = torch.compile(backbone) if args.compile else backbone  # --compile: the training passes only
+    # --compile: the training passes only
+    forward = torch.compile(backbone) if args.compile else backbone
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    scaler = common.grad_scaler(device, args.precision)  # loss scaling for fp16; a pass-through otherwise
-    neg_layers = negative_layers(backbone.config.num_hidden_layers, args.neg_layers, args.neg_layer_index)
-    setsim = {"before": oversmoothing(backbone, tokenizer, args.pooler, senteval_dir, device, "SetSim before")} \
-        if args.report_oversmoothing and distributed.rank() == 0 else None
-    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps, device)
+    # loss scaling for fp16; a pass-through otherwise
+    scaler = common.grad_scaler(device, args.precision)
+    neg_layers = negative_layers(backbone.config.num_hidden_layers, args.neg_layers,
+                                 args.neg_layer_index)
+    setsim = None
+    if args.report_oversmoothing and distributed.rank() == 0:
+        setsim = {"before": oversmoothing(backbone, tokenizer, args.pooler, senteval_dir, device,
+                                          "SetSim before")}
+    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
+                                 device)
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
     best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
     train_time, clock = 0.0, time.perf_counter()
-    bar = plumbing.Progress(total_steps, "training", unit="step", enabled=distributed.rank() == 0, leave=True)
+    bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True)
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two dropout views
-            with common.autocast(device, args.precision):  # the encoder only: embeddings and loss are fp32
+            # one pass over the batch repeated: two dropout views
+            views = common.repeat_views(batch, 2)
+            # the encoder only: embeddings and loss are fp32
+            with common.autocast(device, args.precision):
                 outputs = forward(**views, output_hidden_states=True)
             mask = views["attention_mask"]
             z1, z2 = common.embed(outputs.hidden_states, mask, args.pooler, head).chunk(2)
-            # The negatives come from the same pass: the intermediate layers' representations of both views.
-            layer_negatives = [(distributed.gather(n1), distributed.gather(n2)) for n1, n2 in
-                               layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head)]
-            loss = sscl_loss(distributed.gather(z1), distributed.gather(z2), layer_negatives, args.temp)
+            # The negatives come from the same pass: the intermediate layers' representations of
+            # both views.
+            reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head)
+            layer_negatives = [(distributed.gather(n1), distributed.gather(n2)) for n1, n2 in reps]
+            z1, z2 = distributed.gather(z1), distributed.gather(z2)
+            loss = sscl_loss(z1, z2, layer_negatives, args.temp)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             distributed.average_gradients(params)  # what DDP does; nothing on one process
@@ -163,17 +195,21 @@ def main(argv=None):
             scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
             scaler.update()
             scheduler.step()
-            pending.append(loss.detach())  # stays on the device until the next log or dev step: no host sync
+            # stays on the device until the next log or dev step: no host sync
+            pending.append(loss.detach())
             bar.update()  # a clock read, no host sync
         stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
         if dev_step or stopping or step % args.logging_steps == 0:
-            common.read_losses(pending, losses)  # one host sync; the first NaN or inf stops the run with its step
-            train_time += time.perf_counter() - clock  # the device has finished every step up to here
+            # one host sync; the first NaN or inf stops the run with its step
+            common.read_losses(pending, losses)
+            # the device has finished every step up to here
+            train_time += time.perf_counter() - clock
             time_curve.append([step, round(train_time, 3)])
             message = common.progress(step, total_steps, losses, train_time)
             if dev_step:  # the STS-B dev gate
-                dev = common.dev_score([backbone] + ([head] if head is not None else []), encode, senteval_dir)
+                modules = [backbone] + ([head] if head is not None else [])
+                dev = common.dev_score(modules, encode, senteval_dir)
                 dev_curve.append([step, dev])
                 if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
                     best_dev, best_step = dev, step
@@ -187,12 +223,14 @@ def main(argv=None):
             break
 
     bar.close()
-    distributed.shutdown()  # the other processes exit here: process 0's evaluations hold nobody in a barrier
+    # the other processes exit here: process 0's evaluations hold nobody in a barrier
+    distributed.shutdown()
     if setsim is not None and stop.signum is None:
-        setsim["after"] = oversmoothing(plumbing.load_pretrained(str(Path(args.output_dir) / "best"))[1].to(device),
-                                        tokenizer, args.pooler, senteval_dir, device, "SetSim after")
-    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated on
-    # the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
+        best = plumbing.load_pretrained(str(Path(args.output_dir) / "best"))[1].to(device)
+        setsim["after"] = oversmoothing(best, tokenizer, args.pooler, senteval_dir, device,
+                                        "SetSim after")
+    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated
+    # on the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
     if distributed.rank() == 0:
         out = Path(args.output_dir)
         results = common.run_record(
@@ -207,11 +245,11 @@ def main(argv=None):
                 encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
                 if not args.no_test_eval:
                     results["test"] = common.sts_test_scores(encode, senteval_dir)
-                results["align_uniform"] = common.align_uniform(encode, args, eval_pooler, senteval_dir,
-                                                                device)
+                results["align_uniform"] = common.align_uniform(
+                    encode, args, eval_pooler, senteval_dir, device)
                 if args.eval_transfer:
-                    results["transfer"] = common.transfer_scores(encode, senteval_dir, args, device,
-                                                                 results)
+                    results["transfer"] = common.transfer_scores(
+                        encode, senteval_dir, args, device, results)
         plumbing.write_json(out / "results.json", results)
         distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
     stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM

@@ -1,25 +1,28 @@
 """WhitenedCSE: Whitening-based Contrastive Learning of Sentence Embeddings (Zhuo et al., ACL 2023).
 
-The training head whitens the [CLS] features in groups of channels after a random shuffle of the channels
-(shuffled group whitening, SGW, Section 3); a different shuffle gives a different whitening of the same
-sentence, a feature-wise perturbation (Eq. 11), so several shuffled views serve as several positives (Eq. 7).
+The training head whitens the [CLS] features in groups of channels after a random shuffle of the
+channels (shuffled group whitening, SGW, Section 3); a different shuffle gives a different whitening
+of the same sentence, a feature-wise perturbation (Eq. 11), so several shuffled views serve as
+several positives (Eq. 7).
 
 Headline (Table 1, BERT-base, 7-task STS average): 78.78, +2.53 over SimCSE's 76.25.
 
-    python whitenedcse.py                               # 384 groups (of 2 channels for BERT-base), 3 positives
-    python whitenedcse.py --no_shuffle                  # Table 4: a fixed identity permutation
-    python whitenedcse.py --num_pos 2 --num_groups 128  # the authors' released code uses 128 groups
+    python whitenedcse.py                  # 384 groups (of 2 channels for BERT-base), 3 positives
+    python whitenedcse.py --no_shuffle     # Table 4: a fixed identity permutation
+    python whitenedcse.py --num_pos 2 --num_groups 128  # the authors' released code: 128 groups
 
-The released code calls the removed torch.symeig and does not parse; this file is written from the paper and
-that code. Where they differ: the released code whitens contiguous thirds of the interleaved batch, one
-permutation per third (so a sentence's views mostly share a permutation), with 128 groups, 128 sentences per
-GPU on 2 GPUs and lr 1e-5, and its README evaluates --pooler cls while its dev gate uses [CLS] before the head;
-this file follows the paper's per-view shuffles. Gradient clipping at 1.0, the last incomplete batch kept (a
-batch no wider than a group is skipped: its covariance is singular) and fp32 evaluation come from the HF Trainer.
+The released code calls the removed torch.symeig and does not parse; this file is written from the
+paper and that code. Where they differ: the released code whitens contiguous thirds of the
+interleaved batch, one permutation per third (so a sentence's views mostly share a permutation),
+with 128 groups, 128 sentences per GPU on 2 GPUs and lr 1e-5, and its README evaluates --pooler cls
+while its dev gate uses [CLS] before the head; this file follows the paper's per-view shuffles.
+Gradient clipping at 1.0, the last incomplete batch kept (a batch no wider than a group is skipped:
+its covariance is singular) and fp32 evaluation come from the HF Trainer.
 Choices: each view is one dropout pass of the batch (all m in one forward pass) with its own fresh
-permutation drawn on the device from a generator seeded by --seed; the whole whitening runs in fp32 whatever
---precision the encoder uses; eigenvalues are floored at 1e-12 before the inverse square
-root so rounding cannot produce a NaN; evaluation takes [CLS] before the head (SGW is training-only).
+permutation drawn on the device from a generator seeded by --seed; the whole whitening runs in fp32
+whatever --precision the encoder uses; eigenvalues are floored at 1e-12 before the inverse square
+root so rounding cannot produce a NaN; evaluation takes [CLS] before the head (SGW is
+training-only).
 """
 from __future__ import annotations
 
@@ -43,45 +46,55 @@ def parse_args(argv=None):
     parser = common.base_parser(__doc__, method="whitenedcse")
     g = parser.add_argument_group("WhitenedCSE (Section 4.1 defaults)")
     g.add_argument("--num_groups", type=int, default=384,
-                   help="SGW groups; 384 = groups of 2 channels for a 768-wide encoder (the paper's best, Table 4); "
-                        "for another width choose groups of 2 channels (hidden_size / 2), e.g. 192 for 384")
-    g.add_argument("--num_pos", type=int, default=3, help="m, the number of whitened views (Table 5: 3)")
-    g.add_argument("--no_shuffle", action="store_true", help="identity permutation for every view (Table 4 ablation)")
+                   help="SGW groups; 384 = groups of 2 channels for a 768-wide encoder (the "
+                        "paper's best, Table 4); for another width choose groups of 2 channels "
+                        "(hidden_size / 2), e.g. 192 for 384")
+    g.add_argument("--num_pos", type=int, default=3,
+                   help="m, the number of whitened views (Table 5: 3)")
+    g.add_argument("--no_shuffle", action="store_true",
+                   help="identity permutation for every view (Table 4 ablation)")
     args = parser.parse_args(argv)
     plumbing.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
     plumbing.check_range(args, "num_groups", lambda v: v >= 1, "a positive number of groups")
     return args
 
 
-def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tensor,
+                             eps: float = 0.0) -> torch.Tensor:
     """Shuffled group whitening (Section 3.2; ZCA per group, W = U diag(lambda^-1/2) U^T).
 
-    Channels are taken in the order x[:, perm], split into `num_groups` consecutive groups, each centred over
-    the batch and multiplied by the ZCA matrix of its covariance X^T X / N (+ eps I); the channels are then put
-    back in their original order. W is computed from the detached covariance, as the authors' code does, so
-    gradients flow through X only. Everything runs in fp32 (fp64 for fp64 input), also inside an autocast block.
+    Channels are taken in the order x[:, perm], split into `num_groups` consecutive groups, each
+    centred over the batch and multiplied by the ZCA matrix of its covariance X^T X / N (+ eps I);
+    the channels are then put back in their original order. W is computed from the detached
+    covariance, as the authors' code does, so gradients flow through X only. Everything runs in fp32
+    (fp64 for fp64 input), also inside an autocast block.
     """
     n, d = x.shape
     if d % num_groups:
         raise ValueError(f"{d} channels cannot be split into {num_groups} equal groups")
     width = d // num_groups
     if width > n - 1 and eps <= 0:
-        raise ValueError(f"groups of {width} channels need a batch of more than {width} (got {n}): the covariance "
-                         "is singular; use more groups, a larger batch or eps > 0")
-    with torch.autocast(device_type=x.device.type, enabled=False):  # fp32 (or fp64) even inside an autocast block
+        raise ValueError(f"groups of {width} channels need a batch of more than {width} (got {n}): "
+                         "the covariance is singular; use more groups, a larger batch or eps > 0")
+    # fp32 (or fp64) even inside an autocast block
+    with torch.autocast(device_type=x.device.type, enabled=False):
         x = x if x.dtype == torch.float64 else x.float()
         groups = x[:, perm].reshape(n, num_groups, width).transpose(0, 1)  # (G, N, width)
         centred = groups - groups.mean(dim=1, keepdim=True)
         c = centred.detach()
-        covariance = c.transpose(1, 2) @ c / n + eps * torch.eye(width, dtype=x.dtype, device=x.device)
-        eigenvalues, eigenvectors = torch.linalg.eigh(covariance)  # checks convergence on the host: one sync
-        whitening = eigenvectors @ torch.diag_embed(eigenvalues.clamp_min(1e-12).rsqrt()) @ eigenvectors.transpose(1, 2)
+        identity = torch.eye(width, dtype=x.dtype, device=x.device)
+        covariance = c.transpose(1, 2) @ c / n + eps * identity
+        # checks convergence on the host: one sync
+        eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
+        inverse_sqrt = torch.diag_embed(eigenvalues.clamp_min(1e-12).rsqrt())
+        whitening = eigenvectors @ inverse_sqrt @ eigenvectors.transpose(1, 2)
         whitened = centred @ whitening
     return whitened.transpose(0, 1).reshape(n, d)[:, torch.argsort(perm)]
 
 
 def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
-    """Multi-positive InfoNCE (Eq. 7 with lambda_m = 1): sum over p = 2..m of CE(s(z_1, z_p)), s = cos / temp."""
+    """Multi-positive InfoNCE (Eq. 7 with lambda_m = 1): sum over p = 2..m of CE(s(z_1, z_p)), s =
+    cos / temp."""
     anchor = views[0]
     labels = torch.arange(len(anchor), device=anchor.device)
     return sum(F.cross_entropy(common.cos_sim(anchor, z) / temp, labels) for z in views[1:])
@@ -107,49 +120,62 @@ def main(argv=None):
     transformers.set_seed(args.seed)
     device = distributed.init(plumbing.resolve_device(args.device))
 
-    with distributed.main_process_first():  # downloads, senteval.tar and datasets' cache: process 0 first
+    # downloads, senteval.tar and datasets' cache: process 0 first
+    with distributed.main_process_first():
         examples, train_file, subset = common.training_examples(args)
-        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)  # read once now
+        # read once now
+        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
-        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, 8 if args.compile else 1)
+        pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
+        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     hidden = backbone.config.hidden_size
     if hidden % args.num_groups:
-        raise plumbing.UsageError(f"--num_groups {args.num_groups} does not divide the hidden size {hidden}; "
-                                f"use groups of 2 channels: --num_groups {hidden // 2}")
+        raise plumbing.UsageError(f"--num_groups {args.num_groups} does not divide the hidden size "
+                                  f"{hidden}; use groups of 2 channels: --num_groups {hidden // 2}")
     width = hidden // args.num_groups
     if width >= args.batch_size:
         raise plumbing.UsageError(f"groups of {width} channels need --batch_size above {width}")
-    loader = common.make_loader(corpus, args, device, min_rows=width + 1)  # fewer rows: a singular covariance
+    # fewer rows: a singular covariance
+    loader = common.make_loader(corpus, args, device, min_rows=width + 1)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: SGW -> Linear -> Tanh on [CLS], training only; evaluation reads [CLS] before it.
+    # Encoder and head: SGW -> Linear -> Tanh on [CLS], training only; evaluation reads [CLS] before
+    # it.
     backbone.to(device).train()
-    forward = torch.compile(backbone) if args.compile else backbone  # --compile: the training passes only
+    # --compile: the training passes only
+    forward = torch.compile(backbone) if args.compile else backbone
     head = WhitenedHead(hidden, args.num_groups, backbone.config.initializer_range).to(device)
     params = list(backbone.parameters()) + list(head.parameters())
     eval_pooler = "cls_before_pooler"
-    generator = torch.Generator(device).manual_seed(args.seed)  # the channel shuffles, the same on every process
+    # the channel shuffles, the same on every process
+    generator = torch.Generator(device).manual_seed(args.seed)
     encode = eval_sts.pooled_encode(backbone, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    scaler = common.grad_scaler(device, args.precision)  # loss scaling for fp16; a pass-through otherwise
-    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps, device)
+    # loss scaling for fp16; a pass-through otherwise
+    scaler = common.grad_scaler(device, args.precision)
+    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
+                                 device)
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
     best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
     train_time, clock = 0.0, time.perf_counter()
-    bar = plumbing.Progress(total_steps, "training", unit="step", enabled=distributed.rank() == 0, leave=True)
+    bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True)
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            with common.autocast(device, args.precision):  # the encoder only: whitening and loss are fp32
-                outputs = forward(**common.repeat_views(batch, args.num_pos))  # m dropout views in one pass
+            # the encoder only: whitening and loss are fp32
+            with common.autocast(device, args.precision):
+                # m dropout views in one pass
+                outputs = forward(**common.repeat_views(batch, args.num_pos))
             # The [CLS] features of the global batch: each view's covariance is the whole batch's.
-            cls_views = [distributed.gather(c) for c in outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)]
+            cls_tokens = outputs.last_hidden_state[:, 0].float()
+            cls_views = [distributed.gather(c) for c in cls_tokens.chunk(args.num_pos)]
+            # Eq. 11: a fresh shuffle per view and step (the identity with --no_shuffle)
             perms = [torch.arange(hidden, device=device) if args.no_shuffle else
-                     torch.randperm(hidden, generator=generator, device=device) for _ in cls_views]  # Eq. 11
-            views = [head(cls, perm) for cls, perm in zip(cls_views, perms)]  # a fresh shuffle per view and step
+                     torch.randperm(hidden, generator=generator, device=device) for _ in cls_views]
+            views = [head(cls, perm) for cls, perm in zip(cls_views, perms)]
             loss = multi_positive_info_nce(views, args.temp)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
@@ -160,13 +186,16 @@ def main(argv=None):
             scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
             scaler.update()
             scheduler.step()
-            pending.append(loss.detach())  # stays on the device until the next log or dev step: no host sync
+            # stays on the device until the next log or dev step: no host sync
+            pending.append(loss.detach())
             bar.update()  # a clock read, no host sync
         stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
         if dev_step or stopping or step % args.logging_steps == 0:
-            common.read_losses(pending, losses)  # one host sync; the first NaN or inf stops the run with its step
-            train_time += time.perf_counter() - clock  # the device has finished every step up to here
+            # one host sync; the first NaN or inf stops the run with its step
+            common.read_losses(pending, losses)
+            # the device has finished every step up to here
+            train_time += time.perf_counter() - clock
             time_curve.append([step, round(train_time, 3)])
             message = common.progress(step, total_steps, losses, train_time)
             if dev_step:  # the STS-B dev gate
@@ -184,9 +213,10 @@ def main(argv=None):
             break
 
     bar.close()
-    distributed.shutdown()  # the other processes exit here: process 0's final evaluation holds nobody in a barrier
-    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated on
-    # the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
+    # the other processes exit here: process 0's final evaluation holds nobody in a barrier
+    distributed.shutdown()
+    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated
+    # on the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
     if distributed.rank() == 0:
         out = Path(args.output_dir)
         results = common.run_record(
@@ -201,11 +231,11 @@ def main(argv=None):
                 encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
                 if not args.no_test_eval:
                     results["test"] = common.sts_test_scores(encode, senteval_dir)
-                results["align_uniform"] = common.align_uniform(encode, args, eval_pooler, senteval_dir,
-                                                                device)
+                results["align_uniform"] = common.align_uniform(
+                    encode, args, eval_pooler, senteval_dir, device)
                 if args.eval_transfer:
-                    results["transfer"] = common.transfer_scores(encode, senteval_dir, args, device,
-                                                                 results)
+                    results["transfer"] = common.transfer_scores(
+                        encode, senteval_dir, args, device, results)
         plumbing.write_json(out / "results.json", results)
         distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
     stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM

@@ -20,7 +20,7 @@ from conftest import ROOT, smoke_args, write_tiny_model
 DRIVER = '''
 import sys
 sys.path[:0] = [{root!r}, {tests!r}]
-import common, importlib
+import common, importlib, plumbing
 from test_distributed import recording_dev_score
 script, out, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 common.dev_score = recording_dev_score(common.dev_score, out)
@@ -112,7 +112,7 @@ import datetime, functools, sys, time
 sys.path[:0] = [{root!r}]
 import torch.distributed as dist
 dist.init_process_group = functools.partial(dist.init_process_group, timeout=datetime.timedelta(seconds={timeout}))
-import common, eval_sts, simcse
+import common, eval_sts, plumbing, simcse
 real_evaluate = eval_sts.evaluate
 
 def slow_evaluate(encode, senteval_dir, tasks=None, mode="test", **kwargs):
