@@ -25,6 +25,7 @@ import resource
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import plumbing
@@ -219,6 +220,7 @@ def metric_rows(runs, names, columns, get):
 
 
 def write(results_dir: Path | None = None, page: Path | None = None, plots: bool = True) -> None:
+    """RESULTS.md from results/*.json, one function per section; every fact on it comes from there."""
     results_dir = results_dir or RESULTS
     page = page or ROOT / "RESULTS.md"
     runs = load(results_dir)
@@ -227,30 +229,104 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     for needed in ("initial.json", "machine.json"):
         if not (results_dir / needed).exists():
             fail(f"no {results_dir.name}/{needed}; run `python report.py run` first")
-    # {label: scores} of the pretrained model per pooler, STS and transfer; only initial.json is required
-    initial_sts, initial_transfer = {}, {}
+    ctx = context(results_dir, runs)
+    lines = (header(ctx) + protocol_section(ctx) + sts_section(ctx) + few_shot_section(ctx)
+             + transfer_section(ctx) + align_uniform_section(ctx) + speed_section(ctx)
+             + commands_section(ctx))
+    page.write_text("\n".join(lines))
+    print(f"wrote {page}")
+    if plots:
+        plot_dev_curves(runs, results_dir, ctx.main_names, ctx.few_names)
+        plot_align_uniform(runs, results_dir, ctx.main_names, ctx.few_names)
+
+
+def context(results_dir: Path, runs: dict) -> types.SimpleNamespace:
+    """What the sections share: the runs, the initial checkpoint's scores, the machine, the rows."""
+    initial_sts, initial_transfer = {}, {}  # {pooler label: scores}; only initial.json is required
     for stem, _, label in INITIAL:
         for found, path in ((initial_sts, results_dir / f"{stem}.json"),
                             (initial_transfer, results_dir / f"{stem}_transfer.json")):
             if path.exists():
                 found[label] = json.loads(path.read_text())
-    info = json.loads((results_dir / "machine.json").read_text())
-    main_names = [name for name, *_ in RUNS]
-    few_names = [name for name, *_ in FEW_SHOT]
-    rows = {name: (script, flags, paper, source) for name, script, flags, paper, source in RUNS + FEW_SHOT}
-    seeds = sorted({s for by_seed in runs.values() for s in by_seed})
-    done = sum(len(by_seed) for by_seed in runs.values())
-    with_transfer = sum("transfer" in r for by_seed in runs.values() for r in by_seed.values())
-    costs = [r.get("report", {}) for by_seed in runs.values() for r in by_seed.values()]
-    costs += [scores.get("report", {}) for scores in [*initial_sts.values(), *initial_transfer.values()]]
+    every_run = [r for by_seed in runs.values() for r in by_seed.values()]
+    return types.SimpleNamespace(
+        runs=runs, every_run=every_run, initial_sts=initial_sts, initial_transfer=initial_transfer,
+        info=json.loads((results_dir / "machine.json").read_text()),
+        main_names=[name for name, *_ in RUNS], few_names=[name for name, *_ in FEW_SHOT],
+        rows={name: (script, flags, paper, source) for name, script, flags, paper, source in RUNS + FEW_SHOT},
+        seeds=sorted({s for by_seed in runs.values() for s in by_seed}),
+        done=len(every_run), with_transfer=sum("transfer" in r for r in every_run),
+        diff_header="avg − SimCSE (paired)")
+
+
+def protocol_value(flag: str) -> int:
+    return int(PROTOCOL[PROTOCOL.index(flag) + 1])
+
+
+def corpus(ctx, name: str, what: str = "Wikipedia sentences") -> str:
+    """'11,900 Wikipedia sentences, about 40% of one pass': the row's recorded corpus size against the
+    protocol's steps x batch; empty when the runs did not record it."""
+    sizes = {r["num_train_examples"] for r in ctx.runs.get(name, {}).values() if "num_train_examples" in r}
+    if len(sizes) != 1:
+        return ""
+    size = sizes.pop()
+    passes = protocol_value("--max_steps") * protocol_value("--batch_size") / size
+    share = f"about {round(passes * 100, -1):.0f}% of one pass" if passes < 1 else f"about {passes:.0f} passes"
+    return f"{size:,} {what}, {share}"
+
+
+def device_text(ctx) -> str:
+    """'CPU only' or the GPUs the runs recorded, and the encoder's precision where it was not fp32."""
+    devices = sorted({r["device"] for r in ctx.every_run if "device" in r})
+    if not devices:
+        text = "device not recorded"
+    elif all(d.startswith("cpu") for d in devices):
+        text = "CPU only"
+    else:
+        text = "GPU: " + ", ".join(devices)
+    precisions = sorted({r.get("precision") or r.get("args", {}).get("precision") or "fp32"
+                         for r in ctx.every_run} - {"fp32"})
+    return text + (f", the encoder in {' and '.join(precisions)}" if precisions else "")
+
+
+def memory_text(ctx) -> str:
+    kinds = {r.get("peak_memory_kind") for r in ctx.every_run}
+    texts = {"cpu_max_rss": "the process's peak RSS on CPU, model loading and evaluation included",
+             "cuda_max_allocated": "the GPU's peak allocated memory (torch.cuda.max_memory_allocated), "
+                                   "model loading and evaluation included"}
+    return "; ".join(texts.get(kind, "the peak memory each run recorded") for kind in sorted(kinds, key=str))
+
+
+def header(ctx) -> list[str]:
+    info = ctx.info
+    full = corpus(ctx, "simcse")
+    return ["# Results: every method under one protocol, over seeds", "",
+            "Generated by `python report.py run` (training + this page) or `python report.py write` (this page and",
+            "the plots from `results/*.json`). Do not edit by hand.", "",
+            f"Machine: {info['cpu']}, {info['cores']} cores, {device_text(ctx)}; Python {info['python']}, "
+            f"torch {info['torch']}, transformers {info['transformers']}; last run on {info['date']}.", "",
+            "## What these numbers can and cannot show", "",
+            "Every run starts from all-MiniLM-L6-v2, a 6-layer encoder *already trained for sentence embeddings* "
+            f"on a billion sentence pairs, and takes {protocol_value('--max_steps')} steps of batch "
+            f"{protocol_value('--batch_size')} on `wiki1m_head.txt`" + (f" ({full})" if full else "") + ". The "
+            "rows show whether each method runs under one protocol, how it moves an already-tuned encoder, and how "
+            "large seed noise is at this scale. They cannot show the papers' gains, which are measured from "
+            "`bert-base-uncased` (no sentence training) on the full million sentences; the papers' column is "
+            "theirs, not ours. A difference marked in **bold** exceeds two standard errors of the seed-paired "
+            "differences (over 2 or 3 seeds: a rough screen, not a test).", ""]
+
+
+def protocol_section(ctx) -> list[str]:
+    """The protocol, what is on the page and what it cost, what is missing and what a full run costs."""
+    runs, done, with_transfer = ctx.runs, ctx.done, ctx.with_transfer
+    costs = [r.get("report", {}) for r in ctx.every_run]
+    costs += [scores.get("report", {}) for scores in [*ctx.initial_sts.values(), *ctx.initial_transfer.values()]]
     cpu_s = sum(c.get("cpu_s", 0) + c.get("transfer_cpu_s", 0) for c in costs)
     wall_s = sum(c.get("wall_s", 0) + c.get("transfer_wall_s", 0) for c in costs)
     untimed = sum("wall_s" not in c for c in costs)
-    diff_header = "avg − SimCSE (paired)"
     expected = len(RUNS + FEW_SHOT) * len(SEEDS)
-    run_cpu = [r["report"]["cpu_s"] for by_seed in runs.values() for r in by_seed.values() if "cpu_s" in r.get("report", {})]
-    transfer_cpu = [r["report"]["transfer_cpu_s"] for by_seed in runs.values() for r in by_seed.values()
-                    if "transfer_cpu_s" in r.get("report", {})]
+    run_cpu = [r["report"]["cpu_s"] for r in ctx.every_run if "cpu_s" in r.get("report", {})]
+    transfer_cpu = [r["report"]["transfer_cpu_s"] for r in ctx.every_run if "transfer_cpu_s" in r.get("report", {})]
     estimate = ""
     # the measured total falls short of a full run while runs are missing or untimed
     if run_cpu and (done < expected or with_transfer < expected or untimed):
@@ -261,124 +337,139 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
                     + f"all {expected} runs{' and their transfer evaluations' if transfer_cpu else ''} are about "
                     f"{expected * (per_run + per_transfer * bool(transfer_cpu)) / 3600:.1f} CPU-hours.")
     missing = []
-    for name in main_names + few_names:
+    for name in ctx.main_names + ctx.few_names:
         absent = [str(s) for s in SEEDS if s not in runs.get(name, {})]
         if absent:
             missing.append(f"{name} (seed{'s' if len(absent) > 1 else ''} {', '.join(absent)})")
+    gates = ", ".join(str(s) for s in range(0, protocol_value("--max_steps") + 1, protocol_value("--eval_steps")))
+    return ["## Protocol", "",
+            f"Every run: `{' '.join(PROTOCOL)} --seed S` plus the method's own flags (Commands, below), seeds "
+            f"{', '.join(map(str, ctx.seeds))}. Each run's best STS-B dev checkpoint (steps {gates}) is evaluated "
+            "on the 7 STS test tasks (Spearman × 100, \"all\"), on SentEval's 7 transfer tasks "
+            f"(`eval_transfer.py --mode {TRANSFER_MODE}`: SentEval's prototyping setting, since the full protocol "
+            "does not fit this CPU budget) and for ℓ_align/ℓ_uniform on STS-B dev. Cells are mean ± sample standard "
+            "deviation over the seeds (n runs); the last column is the mean of the seed-paired differences of the "
+            "average to SimCSE ± its standard error.", "",
+            f"Runs on this page: {done} ({with_transfer} with transfer scores). Total cost: "
+            f"{cpu_s / 3600:.1f} CPU-hours, {wall_s / 3600:.1f} hours of wall time on {ctx.info['cores']} cores"
+            + (f" ({untimed} runs made before report.py timed its runs are not counted)" if untimed else "") + ".",
+            "", ("Not run yet (`python report.py run` resumes with them): " + "; ".join(missing) + "." if missing
+                 else f"Every row has every default seed ({', '.join(map(str, SEEDS))}).")
+            + (f" Transfer scores are missing for {done - with_transfer} of the {done} runs."
+               if done > with_transfer else "") + estimate, ""]
 
-    L = ["# Results: every method under one protocol, over seeds", "",
-         "Generated by `python report.py run` (training + this page) or `python report.py write` (this page and",
-         "the plots from `results/*.json`). Do not edit by hand.", "",
-         f"Machine: {info['cpu']}, {info['cores']} cores, CPU only; Python {info['python']}, torch {info['torch']}, "
-         f"transformers {info['transformers']}; last run on {info['date']}.", "",
-         "## What these numbers can and cannot show", "",
-         "Every run starts from all-MiniLM-L6-v2, a 6-layer encoder *already trained for sentence embeddings* on a "
-         "billion sentence pairs, and takes 150 steps of batch 32 on `wiki1m_head.txt` (11,900 Wikipedia "
-         "sentences, about 40% of one pass). The rows show whether each method runs under one protocol, how it "
-         "moves an already-tuned encoder, and how large seed noise is at this scale. They cannot show the papers' "
-         "gains, which are measured from `bert-base-uncased` (no sentence training) on the full million "
-         "sentences; the papers' column is theirs, not ours. A difference marked in **bold** exceeds two "
-         "standard errors of the seed-paired differences (over 2 or 3 seeds: a rough screen, not a test).", "",
-         "## Protocol", "",
-         f"Every run: `{' '.join(PROTOCOL)} --seed S` plus the method's own flags (Commands, below), seeds "
-         f"{', '.join(map(str, seeds))}. Each run's best STS-B dev checkpoint (steps 0, 50, 100, 150) is evaluated "
-         "on the 7 STS test tasks (Spearman × 100, \"all\"), on SentEval's 7 transfer tasks "
-         f"(`eval_transfer.py --mode {TRANSFER_MODE}`: SentEval's prototyping setting, since the full protocol does "
-         "not fit this CPU budget) and for ℓ_align/ℓ_uniform on STS-B dev. Cells are mean ± sample standard "
-         "deviation over the seeds (n runs); the last column is the mean of the seed-paired differences of the "
-         "average to SimCSE ± its standard error.", "",
-         f"Runs on this page: {done} ({with_transfer} with transfer scores). Total cost: "
-         f"{cpu_s / 3600:.1f} CPU-hours, {wall_s / 3600:.1f} hours of wall time on {info['cores']} cores"
-         + (f" ({untimed} runs made before report.py timed its runs are not counted)" if untimed else "") + ".",
-         "", ("Not run yet (`python report.py run` resumes with them): " + "; ".join(missing) + "." if missing
-              else f"Every row has every default seed ({', '.join(map(str, SEEDS))}).")
-         + (f" Transfer scores are missing for {done - with_transfer} of the {done} runs." if done > with_transfer else "")
-         + estimate, "",
-         "## STS test (best STS-B dev checkpoint)", "",
-         "| run | n | " + " | ".join(STS_COLUMNS) + f" | {diff_header} |", "|---|---|" + "---|" * (len(STS_COLUMNS) + 1)]
-    L += [f"| initial checkpoint ({label}) | 1 | " + " | ".join(f"{scores[t]:.2f}" for t in STS_COLUMNS) + " | — |"
-          for label, scores in initial_sts.items()]
-    L += metric_rows(runs, main_names, STS_COLUMNS, lambda r: r.get("test"))
-    L += ["", "SSCL trains and evaluates with the average pooler, as its released scripts do (the others evaluate "
-          "[CLS]), so compare SSCL's rows with the initial checkpoint (avg) here and in the transfer table; the "
-          "initial checkpoint's STS-B dev figure with that pooler is 86.72, not 79.73.", "",
-          "| run | best dev STS-B | best step (per seed) | paper's BERT-base avg (not ours) |", "|---|---|---|---|"]
-    for name in main_names + few_names:
-        if name in runs:
-            by_seed = runs[name]
+
+def initial_dev(ctx, name: str) -> float | None:
+    """The step-0 STS-B dev score of a row's runs: the initial checkpoint under that row's pooler."""
+    scores = [r["dev_curve"][0][1] for r in ctx.runs.get(name, {}).values()
+              if r.get("dev_curve") and r["dev_curve"][0][0] == 0]
+    return sum(scores) / len(scores) if scores else None
+
+
+def sts_section(ctx) -> list[str]:
+    lines = ["## STS test (best STS-B dev checkpoint)", "",
+             "| run | n | " + " | ".join(STS_COLUMNS) + f" | {ctx.diff_header} |",
+             "|---|---|" + "---|" * (len(STS_COLUMNS) + 1)]
+    lines += [f"| initial checkpoint ({label}) | 1 | " + " | ".join(f"{scores[t]:.2f}" for t in STS_COLUMNS)
+              + " | — |" for label, scores in ctx.initial_sts.items()]
+    lines += metric_rows(ctx.runs, ctx.main_names, STS_COLUMNS, lambda r: r.get("test"))
+    avg_dev, cls_dev = initial_dev(ctx, "sscl"), initial_dev(ctx, "simcse")
+    figures = (f"; the initial checkpoint's STS-B dev figure with that pooler is {avg_dev:.2f}, not {cls_dev:.2f}"
+               if avg_dev is not None and cls_dev is not None else "")
+    lines += ["", "SSCL trains and evaluates with the average pooler, as its released scripts do (the others "
+              "evaluate [CLS]), so compare SSCL's rows with the initial checkpoint (avg) here and in the transfer "
+              f"table{figures}.", "",
+              "| run | best dev STS-B | best step (per seed) | paper's BERT-base avg (not ours) |", "|---|---|---|---|"]
+    for name in ctx.main_names + ctx.few_names:
+        if name in ctx.runs:
+            by_seed = ctx.runs[name]
             steps = ", ".join(str(by_seed[s]["best_step"]) for s in sorted(by_seed))
             dev = fmt(*mean_std([r["best_dev_stsb"] for r in by_seed.values()]))
-            L.append(f"| {name} | {dev} | {steps} | {rows[name][2]} ({rows[name][3]}) |")
+            lines.append(f"| {name} | {dev} | {steps} | {ctx.rows[name][2]} ({ctx.rows[name][3]}) |")
+    return lines
 
-    L += ["", "## Few-shot: SimCSE and miCSE on a fraction of the corpus", "",
-          "The same protocol on `--fraction 0.1` (1,190 sentences, about 4 passes in 150 steps) and `--fraction "
-          "0.01` (119 sentences, about 40 passes) of `wiki1m_head.txt`; each seed draws its own subset (common."
-          "subsample), as miCSE's five subsets do, and miCSE takes its per-fraction λ (FEW_SHOT_SETTINGS) while "
-          "the protocol's batch, learning rate and steps override the rest of those settings. The paper's column "
-          "is miCSE's Table 2: BERT-base on fractions of the full wiki1m, mean ± std over 5 subsets. The last "
-          "column pairs miCSE with SimCSE on the same subsets.", "",
-          "| run | n | " + " | ".join(STS_COLUMNS) + " | miCSE − SimCSE (paired) |",
-          "|---|---|" + "---|" * (len(STS_COLUMNS) + 1)]
-    L += metric_rows(runs, few_names, STS_COLUMNS, lambda r: r.get("test"))
 
-    L += ["", f"## Transfer tasks (`--mode {TRANSFER_MODE}`, accuracy × 100)", "",
-          "| run | n | " + " | ".join(TRANSFER_COLUMNS) + f" | {diff_header} |",
-          "|---|---|" + "---|" * (len(TRANSFER_COLUMNS) + 1)]
-    L += [f"| initial checkpoint ({label}) | 1 | " + " | ".join(f"{scores[t]:.2f}" for t in TRANSFER_COLUMNS)
-          + " | — |" for label, scores in initial_transfer.items()]
-    L += metric_rows(runs, main_names + few_names, TRANSFER_COLUMNS, lambda r: r.get("transfer"))
-    if "avg" in initial_transfer:
-        L += ["", "SSCL's row is avg-pooled, the others [CLS]: its difference to SimCSE mixes the method with the "
-              "pooler, and what SSCL's training changed is its distance to the initial checkpoint (avg)."]
-    L += ["", "Papers, BERT-base, `--mode test` (not ours): SimCSE 85.81 (SimCSE Table E.1), SSCL-BERT (avg.) "
-          "83.68 (SSCL Table 3), WhitenedCSE +0.59 over SimCSE (WhitenedCSE §4.3).", "",
-          "## Alignment and uniformity (STS-B dev, lower is better for both)", "",
-          "| run | n | ℓ_align initial | ℓ_align best | ℓ_uniform initial | ℓ_uniform best |", "|---|---|---|---|---|---|"]
-    for name in main_names + few_names:
-        if name in runs:
-            au = [r["align_uniform"] for r in runs[name].values() if "align_uniform" in r]
+def few_shot_section(ctx) -> list[str]:
+    tenth, hundredth = corpus(ctx, "simcse_10pct", "sentences"), corpus(ctx, "simcse_1pct", "sentences")
+    lines = ["", "## Few-shot: SimCSE and miCSE on a fraction of the corpus", "",
+             "The same protocol on `--fraction 0.1`"
+             + (f" ({tenth} in {protocol_value('--max_steps')} steps)" if tenth else "")
+             + " and `--fraction 0.01`" + (f" ({hundredth})" if hundredth else "") + " of `wiki1m_head.txt`; "
+             "each seed draws its own subset (common.subsample), as miCSE's five subsets do, and miCSE takes its "
+             "per-fraction λ (FEW_SHOT_SETTINGS) while the protocol's batch, learning rate and steps override the "
+             "rest of those settings. The paper's column is miCSE's Table 2: BERT-base on fractions of the full "
+             "wiki1m, mean ± std over 5 subsets. The last column pairs miCSE with SimCSE on the same subsets.", "",
+             "| run | n | " + " | ".join(STS_COLUMNS) + " | miCSE − SimCSE (paired) |",
+             "|---|---|" + "---|" * (len(STS_COLUMNS) + 1)]
+    return lines + metric_rows(ctx.runs, ctx.few_names, STS_COLUMNS, lambda r: r.get("test"))
+
+
+def transfer_section(ctx) -> list[str]:
+    lines = ["", f"## Transfer tasks (`--mode {TRANSFER_MODE}`, accuracy × 100)", "",
+             "| run | n | " + " | ".join(TRANSFER_COLUMNS) + f" | {ctx.diff_header} |",
+             "|---|---|" + "---|" * (len(TRANSFER_COLUMNS) + 1)]
+    lines += [f"| initial checkpoint ({label}) | 1 | " + " | ".join(f"{scores[t]:.2f}" for t in TRANSFER_COLUMNS)
+              + " | — |" for label, scores in ctx.initial_transfer.items()]
+    lines += metric_rows(ctx.runs, ctx.main_names + ctx.few_names, TRANSFER_COLUMNS, lambda r: r.get("transfer"))
+    if "avg" in ctx.initial_transfer:
+        lines += ["", "SSCL's row is avg-pooled, the others [CLS]: its difference to SimCSE mixes the method with "
+                  "the pooler, and what SSCL's training changed is its distance to the initial checkpoint (avg)."]
+    return lines + ["", "Papers, BERT-base, `--mode test` (not ours): SimCSE 85.81 (SimCSE Table E.1), SSCL-BERT "
+                    "(avg.) 83.68 (SSCL Table 3), WhitenedCSE +0.59 over SimCSE (WhitenedCSE §4.3).", ""]
+
+
+def align_uniform_section(ctx) -> list[str]:
+    lines = ["## Alignment and uniformity (STS-B dev, lower is better for both)", "",
+             "| run | n | ℓ_align initial | ℓ_align best | ℓ_uniform initial | ℓ_uniform best |",
+             "|---|---|---|---|---|---|"]
+    for name in ctx.main_names + ctx.few_names:
+        if name in ctx.runs:
+            au = [r["align_uniform"] for r in ctx.runs[name].values() if "align_uniform" in r]
             if au:
                 cells = [fmt(*mean_std([a[when][m] for a in au]), digits=3) for m in ("align", "uniform")
                          for when in ("initial", "best")]
-                L.append(f"| {name} | {len(au)} | " + " | ".join(cells) + " |")
-    L += ["", "![ℓ_align against ℓ_uniform](results/align_uniform.png)", "",
-          "## Dev curves", "", "![STS-B dev Spearman against step, band over seeds](results/dev_curves.png)", "",
-          "## Speed and memory (same runs)", "", "| run | steps/s | × simcse | peak memory MiB | × simcse |",
-          "|---|---|---|---|---|"]
-    base_speed = mean_std([r["steps_per_second"] for r in runs["simcse"].values()])[0]
-    base_memory = mean_std([r["peak_memory_mb"] for r in runs["simcse"].values()])[0]
-    for name in main_names + few_names:
-        if name in runs:
-            speed = mean_std([r["steps_per_second"] for r in runs[name].values()])[0]
-            memory = mean_std([r["peak_memory_mb"] for r in runs[name].values()])[0]
-            L.append(f"| {name} | {speed:.3f} | {speed / base_speed:.2f} | {memory:.0f} | {memory / base_memory:.2f} |")
-    L += ["", "Means over the seeds. Steps/s exclude the dev evaluations; memory is the process's peak RSS on CPU, "
-          "model loading and evaluation included. Runs go one after another and are timed as they ran, so work "
-          "sharing the machine slows some rows: `bench.py` measures speed ratios in one session.", "",
-          "## Commands", "", "```bash",
-          f"python report.py run --seeds {' '.join(map(str, seeds))}     # all of the below, resumable",
-          *[f"python eval_sts.py --model_name_or_path {MODEL} --pooler {pooler} --senteval_dir {SENTEVAL} "
-            f"--json results/{stem}.json" for stem, pooler, _ in INITIAL]]
-    for name in main_names + few_names:
-        if name in runs:
-            script, flags, _, _ = rows[name]
-            L.append(" ".join(["python", script, *PROTOCOL, "--seed", "S", *flags, "--output_dir",
-                               f"runs/report/{name}.seedS", "--overwrite_output_dir"]))
-    L += [f"python eval_transfer.py --model_name_or_path runs/report/NAME.seedS/best --pooler POOLER "
-          f"--senteval_dir {SENTEVAL} --mode {TRANSFER_MODE}", "```", "",
-          "The papers' setting on a GPU (`bert-base-uncased`, the full wiki1m, the scripts' defaults are the "
-          "papers' hyper-parameters; downloads from the Hugging Face Hub):", "", "```bash"]
+                lines.append(f"| {name} | {len(au)} | " + " | ".join(cells) + " |")
+    return lines + ["", "![ℓ_align against ℓ_uniform](results/align_uniform.png)", "",
+                    "## Dev curves", "", "![STS-B dev Spearman against step, band over seeds](results/dev_curves.png)",
+                    ""]
+
+
+def speed_section(ctx) -> list[str]:
+    lines = ["## Speed and memory (same runs)", "", "| run | steps/s | × simcse | peak memory MiB | × simcse |",
+             "|---|---|---|---|---|"]
+    base_speed = mean_std([r["steps_per_second"] for r in ctx.runs["simcse"].values()])[0]
+    base_memory = mean_std([r["peak_memory_mb"] for r in ctx.runs["simcse"].values()])[0]
+    for name in ctx.main_names + ctx.few_names:
+        if name in ctx.runs:
+            speed = mean_std([r["steps_per_second"] for r in ctx.runs[name].values()])[0]
+            memory = mean_std([r["peak_memory_mb"] for r in ctx.runs[name].values()])[0]
+            lines.append(f"| {name} | {speed:.3f} | {speed / base_speed:.2f} | {memory:.0f} | "
+                         f"{memory / base_memory:.2f} |")
+    return lines + ["", f"Means over the seeds. Steps/s exclude the dev evaluations; memory is {memory_text(ctx)}. "
+                    "Runs go one after another and are timed as they ran, so work sharing the machine slows some "
+                    "rows: `bench.py` measures speed ratios in one session.", ""]
+
+
+def commands_section(ctx) -> list[str]:
+    lines = ["## Commands", "", "```bash",
+             f"python report.py run --seeds {' '.join(map(str, ctx.seeds))}     # all of the below, resumable",
+             *[f"python eval_sts.py --model_name_or_path {MODEL} --pooler {pooler} --senteval_dir {SENTEVAL} "
+               f"--json results/{stem}.json" for stem, pooler, _ in INITIAL]]
+    for name in ctx.main_names + ctx.few_names:
+        if name in ctx.runs:
+            script, flags, _, _ = ctx.rows[name]
+            lines.append(" ".join(["python", script, *PROTOCOL, "--seed", "S", *flags, "--output_dir",
+                                   f"runs/report/{name}.seedS", "--overwrite_output_dir"]))
+    lines += [f"python eval_transfer.py --model_name_or_path runs/report/NAME.seedS/best --pooler POOLER "
+              f"--senteval_dir {SENTEVAL} --mode {TRANSFER_MODE}", "```", "",
+              "The papers' setting on a GPU (`bert-base-uncased`, the full wiki1m, the scripts' defaults are the "
+              "papers' hyper-parameters; downloads from the Hugging Face Hub):", "", "```bash"]
     for script, extra in (("simcse.py", ""), ("simcsepp.py", ""), ("sscl.py", ""), ("whitenedcse.py", ""),
-                          ("micse.py", ""), ("simcse.py", " --fraction 0.01   # S in 48-52: miCSE's released 1% subsets"),
+                          ("micse.py", ""),
+                          ("simcse.py", " --fraction 0.01   # S in 48-52: miCSE's released 1% subsets"),
                           ("micse.py", " --fraction 0.01   # Table 2's few-shot row, with its per-fraction settings")):
-        L.append(f"python {script} --model_name_or_path bert-base-uncased --seed S --eval_transfer{extra}")
-    L += ["```", ""]
-    page.write_text("\n".join(L))
-    print(f"wrote {page}")
-    if not plots:
-        return
-    plot_dev_curves(runs, results_dir, main_names, few_names)
-    plot_align_uniform(runs, results_dir, main_names, few_names)
+        lines.append(f"python {script} --model_name_or_path bert-base-uncased --seed S --eval_transfer{extra}")
+    return lines + ["```", ""]
 
 
 def pyplot():

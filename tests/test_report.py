@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import report
+from conftest import ROOT
 
 STS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness", "avg"]
 TRANSFER = ["MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC", "avg"]
@@ -223,3 +224,26 @@ def test_bad_row_name_is_one_line_and_status_2(capsys):
     with pytest.raises(SystemExit) as stop:
         report.main(["run", "--only", "nosuchmethod"])
     assert stop.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_the_page_states_the_device_memory_and_corpus_its_results_record(tmp_path):
+    """A GPU run's page says GPU, its precision and CUDA memory, never "CPU only" or "peak RSS"; the corpus
+    size and the initial checkpoint's dev figures come from the runs."""
+    results = fake_results(tmp_path / "results")
+    for path in results.glob("*.seed4?.json"):
+        run = json.loads(path.read_text())
+        run.update(device="cuda:0", precision="bf16", peak_memory_kind="cuda_max_allocated",
+                   num_train_examples=2400)
+        if path.name.startswith("sscl"):
+            run["dev_curve"][0] = [0, 86.0]
+        path.write_text(json.dumps(run))
+    report.write(results, tmp_path / "RESULTS.md", plots=False)
+    page = (tmp_path / "RESULTS.md").read_text()
+    assert "test cpu, 2 cores, GPU: cuda:0, the encoder in bf16;" in page
+    assert "CPU only" not in page and "peak RSS" not in page
+    assert "memory is the GPU's peak allocated memory (torch.cuda.max_memory_allocated)" in page
+    assert "on `wiki1m_head.txt` (2,400 Wikipedia sentences, about 2 passes)." in page
+    assert "the initial checkpoint's STS-B dev figure with that pooler is 86.00, not 79.00." in page
+    committed = (ROOT / "RESULTS.md").read_text()  # the CPU results: what the page said before, from data
+    assert "2 cores, CPU only;" in committed and "peak RSS on CPU" in committed
+    assert "(11,900 Wikipedia sentences, about 40% of one pass)" in committed and "86.72, not 79.73" in committed
