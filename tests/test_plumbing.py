@@ -1,0 +1,43 @@
+"""plumbing.py: the hub's senteval.tar unpacked once, checkpoints loaded in fp32 whatever their dtype.
+(Its one-line errors are tested with each script in test_reliability.py; its progress display in
+test_progress.py.)"""
+import numpy as np
+
+import eval_sts
+import plumbing
+
+
+def test_senteval_tar_is_unpacked_once_and_found(tmp_path, senteval_dir, monkeypatch):
+    """The default path: senteval.tar from the hub (mocked here) unpacked next to it, STS/ found inside."""
+    import tarfile
+    tar_path = tmp_path / "cache" / "senteval.tar"
+    tar_path.parent.mkdir()
+    with tarfile.open(tar_path, "w") as tar:
+        tar.add(senteval_dir, arcname="downstream")
+    requested = []
+    monkeypatch.setattr(plumbing, "hub_file",
+                        lambda repo, name, flag, local: requested.append((repo, name, flag, local)) or str(tar_path))
+    root = eval_sts.resolve_senteval_dir(None)
+    assert root == tmp_path / "cache" / "senteval_unpacked" / "downstream"
+    assert requested == [("princeton-nlp/datasets-for-simcse", "senteval.tar", "--senteval_dir", "folder")]
+    assert eval_sts.load_pairs(root, "STS13") == eval_sts.load_pairs(senteval_dir, "STS13")
+    tar_path.write_bytes(b"")  # a second call reuses the unpacked copy
+    assert eval_sts.resolve_senteval_dir(None) == root
+    # a user-given parent folder works too
+    assert eval_sts.resolve_senteval_dir(str(tmp_path / "cache")) == root
+
+
+def test_half_precision_checkpoint_loads_in_fp32(tiny_model, tmp_path):
+    """transformers 5 keeps a checkpoint's dtype: a bf16 checkpoint must still evaluate and train in fp32."""
+    import shutil
+    import torch
+    from transformers import AutoModel
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(tiny_model, bf16)
+    AutoModel.from_pretrained(tiny_model).to(torch.bfloat16).save_pretrained(bf16)
+    assert next(AutoModel.from_pretrained(bf16).parameters()).dtype == torch.bfloat16  # the library's default
+    _, backbone = plumbing.load_pretrained(str(bf16))
+    assert {p.dtype for p in backbone.parameters()} == {torch.float32}
+    embeddings = eval_sts.load_encode(str(bf16), "avg", torch.device("cpu"))(["a b c", "d e"])
+    assert embeddings.dtype == np.float32
+
