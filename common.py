@@ -63,6 +63,9 @@ def base_parser(doc: str, method: str) -> plumbing.Parser:
     g.add_argument("--max_grad_norm", type=float, default=1.0,
                    help="gradient clipping (the Trainer's); 0 disables")
     g.add_argument("--temp", type=float, default=0.05, help="InfoNCE temperature tau")
+    g.add_argument("--dropout", type=float, default=None,
+                   help="the encoder's hidden and attention dropout rate (SimCSE Table 3: 0 to "
+                        "0.5; default: the checkpoint's own, 0.1 for BERT and RoBERTa)")
     g.add_argument("--pooler", default="cls", choices=eval_sts.POOLERS,
                    help="training pooler; cls = [CLS] + MLP head")
     g.add_argument("--mlp_only_train", action=argparse.BooleanOptionalAction, default=True,
@@ -122,6 +125,7 @@ def check_args(args) -> None:
         check(args, name, lambda v: v > 0, "a positive number")
     for name in ("max_steps", "warmup_steps", "max_grad_norm", "num_workers"):
         check(args, name, lambda v: v >= 0, "a non-negative number")
+    check(args, "dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
     args.logging_steps = args.logging_steps or args.eval_steps
     args.precision = resolve_precision(args.precision, plumbing.resolve_device(args.device))
     args.output_dir = str(args.output_dir or Path("runs") / args.method)
@@ -358,6 +362,20 @@ class MLPHead(nn.Sequential):
         super().__init__(nn.Linear(config.hidden_size, config.hidden_size), nn.Tanh())
         nn.init.normal_(self[0].weight, std=getattr(config, "initializer_range", 0.02))
         nn.init.zeros_(self[0].bias)
+
+
+def set_dropout(module: nn.Module, p: float | None) -> None:
+    """--dropout: the rate of every nn.Dropout (BERT's and RoBERTa's attention read `dropout.p`
+    too) and the config's hidden and attention rates, so a saved checkpoint says what it trained
+    with. None keeps the checkpoint's own rates."""
+    if p is None:
+        return
+    for m in module.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if hasattr(getattr(module, "config", None), name):
+            setattr(module.config, name, p)
 
 
 def embed(hidden_states, attention_mask, pooler: str, head=None) -> torch.Tensor:

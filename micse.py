@@ -39,7 +39,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 
@@ -172,13 +171,6 @@ class EmbeddingQueue:
             self.tensor = torch.cat([self.tensor, embeddings.detach().float()])[-self.size:]
 
 
-def set_dropout(module: nn.Module, p: float) -> None:
-    """Set the rate of every nn.Dropout (attention dropout included: BERT reads `dropout.p`)."""
-    for m in module.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = p
-
-
 def default_ami_layers(num_layers: int) -> tuple[int, int]:
     if num_layers >= 6:
         return num_layers - 5, num_layers - 1
@@ -214,6 +206,7 @@ def main(argv=None):
     # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
     # --no-mlp_only_train.
     backbone.to(device).train()
+    common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
     # --compile: the training passes only
     forward = torch.compile(backbone) if args.compile else backbone
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
@@ -229,7 +222,7 @@ def main(argv=None):
     momentum_backbone = copy.deepcopy(backbone).requires_grad_(False) if args.queue_size else None
     if momentum_backbone is not None:
         momentum_backbone.set_attn_implementation("sdpa")
-        set_dropout(momentum_backbone, args.momentum_dropout)
+        common.set_dropout(momentum_backbone, args.momentum_dropout)
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
     summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
                                  device)

@@ -146,6 +146,7 @@ def main(argv=None):
     # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
     # --no-mlp_only_train.
     backbone.to(device).train()
+    common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
     # --compile: the training passes only
     forward = torch.compile(backbone) if args.compile else backbone
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None

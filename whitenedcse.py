@@ -142,6 +142,7 @@ def main(argv=None):
     # Encoder and head: SGW -> Linear -> Tanh on [CLS], training only; evaluation reads [CLS] before
     # it.
     backbone.to(device).train()
+    common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
     # --compile: the training passes only
     forward = torch.compile(backbone) if args.compile else backbone
     head = WhitenedHead(hidden, args.num_groups, backbone.config.initializer_range).to(device)

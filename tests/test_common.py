@@ -270,10 +270,9 @@ def test_repeated_views_get_independent_dropout_masks(tiny_model):
 
 def test_dropout_off_is_deterministic_and_restores_modes(tiny_model):
     from transformers import AutoModel, AutoTokenizer
-    import micse
     import simcsepp
     tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
-    micse.set_dropout(backbone, 0.5)
+    common.set_dropout(backbone, 0.5)
     batch = dict(tokenizer(["a man runs in the park"], return_tensors="pt"))
     backbone.eval()
     reference = backbone(**batch).last_hidden_state
@@ -309,3 +308,39 @@ def test_linear_schedule_warmup_then_decay():
     opt2 = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     reference = get_linear_schedule_with_warmup(opt2, 2, 6)
     assert [reference.lr_lambdas[0](s) for s in range(6)] == pytest.approx(lrs)
+
+
+def test_dropout_flag_sets_every_rate_and_zero_makes_the_two_views_equal(tiny_model):
+    from transformers import AutoModel, AutoTokenizer
+    tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
+    batch = common.repeat_views(dict(tokenizer(["a man runs in the park", "the dog eats"], padding=True,
+                                               return_tensors="pt")), 2)
+
+    def views():
+        hidden_states = backbone(**batch, output_hidden_states=True).hidden_states
+        return common.embed(hidden_states, batch["attention_mask"], "avg").chunk(2)
+
+    backbone.train()
+    common.set_dropout(backbone, None)  # the checkpoint's own rates stay
+    assert backbone.config.hidden_dropout_prob == 0.1 and not torch.equal(*views())
+    common.set_dropout(backbone, 0.0)
+    dropouts = [m for m in backbone.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.p == 0.0 for m in dropouts)
+    assert backbone.config.hidden_dropout_prob == backbone.config.attention_probs_dropout_prob == 0.0
+    z1, z2 = views()
+    assert torch.equal(z1, z2)  # no noise, no second view: SimCSE Table 3's dropout 0 row
+    common.set_dropout(backbone, 0.3)
+    assert all(m.p == 0.3 for m in dropouts) and backbone.config.attention_probs_dropout_prob == 0.3
+    assert not torch.equal(*views())
+
+
+def test_a_run_with_dropout_zero_records_it_in_the_checkpoint(tiny_model, corpus, senteval_dir, tmp_path):
+    import json
+    import simcse
+    from conftest import smoke_args
+    out = tmp_path / "run"
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--dropout", "0.0",
+                                            "--no_test_eval")])
+    assert json.loads((out / "results.json").read_text())["args"]["dropout"] == 0.0
+    config = json.loads((out / "best" / "config.json").read_text())
+    assert config["hidden_dropout_prob"] == config["attention_probs_dropout_prob"] == 0.0

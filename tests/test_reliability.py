@@ -24,6 +24,7 @@ SHARED_CASES = [
     (["--max_grad_norm", "-1"], "--max_grad_norm"), (["--seed", "-1"], "--seed"), (["--epochs", "0"], "--epochs"),
     (["--warmup_steps", "-5"], "--warmup_steps"), (["--max_steps", "-1"], "--max_steps"),
     (["--num_workers", "-1"], "--num_workers"), (["--pooler", "max"], "--pooler"), (["--batch_size", "500"], "--batch_size"),
+    (["--dropout", "1"], "--dropout"), (["--dropout", "-0.1"], "--dropout"),
 ]
 METHOD_CASES = {
     "simcsepp": [(["--m", "0"], "--m"), (["--dcl_temp", "0"], "--dcl_temp"), (["--dcl_weight", "-1"], "--dcl_weight")],
