@@ -96,14 +96,22 @@ def base_parser(doc: str, method: str) -> plumbing.Parser:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the encoder for the training passes (batches padded to a "
                         "multiple of 8, so that few shapes compile)")
-    p.set_defaults(method=method, presets=None)
+    p.set_defaults(method=method, presets=None, backbone=None, backbone_config=None)
     return p
 
 
-def parse_with_presets(parser, argv, presets: dict, source: str):
-    """parser.parse_args(argv) with `presets` as the defaults (flags the user gives win);
+def parse_with_presets(parser, argv, presets: dict, source: str, backbone_table=None):
+    """parser.parse_args(argv) with `presets` as the defaults (flags the user gives win), and the
+    method's settings for this backbone (`backbone_table`: {backbone: (settings, source)}) on top;
     args.presets records where they come from, which applied and which the user's flags replaced
-    (the run summary, results.json)."""
+    (the run summary, results.json); args.backbone what the model is."""
+    known, _ = parser.parse_known_args(argv)
+    kind, config = backbone(known.model_name_or_path)
+    parser.set_defaults(backbone=kind, backbone_config=config)
+    settings, table_source = (backbone_table or {}).get(kind, ({}, None))
+    if settings:
+        presets = {**presets, **settings}
+        source = f"{source}; {table_source}" if source else table_source
     parser.set_defaults(**presets)
     args = parser.parse_args(argv)
     if presets:
@@ -112,6 +120,25 @@ def parse_with_presets(parser, argv, presets: dict, source: str):
                         "applied": {k: v for k, v in given.items() if v == presets[k]},
                         "overridden": {k: v for k, v in given.items() if v != presets[k]}}
     return args
+
+
+# What a model is, from its config (model_type, width, depth), not its name: a local copy of
+# roberta-large is roberta-large. A hub id not downloaded yet is known by its published config.
+BACKBONES = {("bert", 768, 12): "bert-base", ("bert", 1024, 24): "bert-large",
+             ("roberta", 768, 12): "roberta-base", ("roberta", 1024, 24): "roberta-large"}
+HUB_BACKBONES = {"bert-base-uncased": "bert-base", "bert-base-cased": "bert-base",
+                 "bert-large-uncased": "bert-large", "bert-large-cased": "bert-large",
+                 "roberta-base": "roberta-base", "roberta-large": "roberta-large"}
+
+
+def backbone(name_or_path: str) -> tuple[str | None, str]:
+    """(bert-base, bert-large, roberta-base, roberta-large or None, what its config says)."""
+    config = plumbing.local_config(name_or_path)
+    if config is None:
+        kind = HUB_BACKBONES.get(name_or_path.split("/")[-1])
+        return kind, "not read yet" if kind is None else f"{kind} (the hub's config)"
+    key = (config.model_type, config.hidden_size, config.num_hidden_layers)
+    return BACKBONES.get(key), f"{key[0]}, {key[1]} wide, {key[2]} layers"
 
 
 def check_args(args) -> None:
@@ -167,7 +194,7 @@ def run_summary(args, num_examples: int, train_file, subset, steps_per_epoch: in
             data += " (not the authors' subset: theirs are --seed 48-52)"
     else:
         data = f"{num_examples:,} examples from {train_file}"
-    presets = "none: the defaults in --help"
+    presets = "none: the defaults in --help (BERT-base's)"
     if args.presets:
         applied, overridden = args.presets["applied"], args.presets["overridden"]
         presets = args.presets["source"] + ": " + ", ".join(f"{k} {v}" for k, v in applied.items())
@@ -175,7 +202,11 @@ def run_summary(args, num_examples: int, train_file, subset, steps_per_epoch: in
             presets += "; your flags replaced " + ", ".join(f"{k} (now {v})"
                                                             for k, v in overridden.items())
     compiled = ", torch.compile" if args.compile else ""
-    summary = {"presets": presets, "data": data,
+    if args.backbone:
+        model = f"{args.backbone} ({args.backbone_config})"
+    else:
+        model = f"{args.backbone_config}: no preset for this backbone, the BERT-base settings"
+    summary = {"presets": presets, "backbone": model, "data": data,
                "model": f"{args.model_name_or_path}, trained with pooler {args.pooler}, "
                         f"evaluated with {eval_pooler(args)}",
                "device": f"{device} x {distributed.world_size()}, precision {args.precision}"

@@ -14,6 +14,9 @@ for 76.15); 78.13 with 100%.
     python micse.py                           # 100%: batch 50, lr 3e-5, 250 warm-up steps
     python micse.py --queue_size 0            # AMI + SimCSE, the variant the authors released
 
+Backbones: no per-backbone settings in the paper or the released README; AMI's layers follow the
+depth (see Choices), e.g. 19:23 for 24-layer encoders.
+
 Follows the authors' released code where the paper differs (marked in ami_loss): MI keeps Eq. 4's
 log, attention tiles are formed by layer parity, and the loss is scaled by the squared fraction of
 valid attention entries.

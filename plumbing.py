@@ -192,6 +192,21 @@ def load_pretrained(name_or_path: str, attn_implementation: str | None = None):
         raise UsageError(f"cannot load model '{name_or_path}' ({reason}); check --model_name_or_path") from None
 
 
+def local_config(name_or_path: str):
+    """The model's config from a local folder or the hub cache, without the network; None if there
+    is none (the model itself is loaded, or refused in one line, later)."""
+    from transformers import AutoConfig
+    from transformers.utils import logging as tf_logging
+    verbosity = tf_logging.get_verbosity()
+    tf_logging.set_verbosity_error()
+    try:
+        return AutoConfig.from_pretrained(name_or_path, local_files_only=True)
+    except Exception:
+        return None
+    finally:
+        tf_logging.set_verbosity(verbosity)
+
+
 def _find_data_root(folder: Path, marker: str = "STS") -> Path | None:
     """The folder that holds `marker`/ (SentEval's data/downstream), searched a few levels down."""
     for candidate in [folder, *sorted(folder.glob("*")), *sorted(folder.glob("*/*")), *sorted(folder.glob("*/*/*"))]:

@@ -11,6 +11,14 @@ Headline (Table 5, BERT-base, 7-task STS average): unsupervised 76.25, supervise
     python simcse.py --supervised  # NLI, batch 512, lr 5e-5, 3 epochs, MLP kept at eval
     torchrun --nproc_per_node 4 simcse.py --supervised  # the authors' 4 x 128: batch stays 512
 
+Backbone presets (Table A.1), read from the model's config; flags the user gives win:
+
+    backbone        unsupervised     supervised
+    BERT-base       64 / 3e-5        512 / 5e-5
+    BERT-large      64 / 1e-5        512 / 1e-5
+    RoBERTa-base    512 / 1e-5       512 / 5e-5
+    RoBERTa-large   512 / 3e-5       512 / 1e-5      (batch / lr; every cell: Table A.1)
+
 Offline: add --model_name_or_path DIR --train_file FILE --senteval_dir DIR.
 Follows the released code (run_unsup_example.sh, run_sup_example.sh, the HF Trainer) where the paper
 is silent: gradient clipping at 1.0, the last incomplete batch kept, evaluation in fp32.
@@ -40,6 +48,15 @@ import plumbing
 # win.
 SUPERVISED_DEFAULTS = {"batch_size": 512, "lr": 5e-5, "epochs": 3, "eval_steps": 250,
                        "mlp_only_train": False}
+# Table A.1 per backbone (BERT-base's are the shared defaults): {backbone: (settings, source)}
+BACKBONE_SETTINGS = {
+    "bert-large": ({"lr": 1e-5}, "Table A.1, BERT-large"),
+    "roberta-base": ({"batch_size": 512, "lr": 1e-5}, "Table A.1, RoBERTa-base"),
+    "roberta-large": ({"batch_size": 512, "lr": 3e-5}, "Table A.1, RoBERTa-large"),
+}
+SUPERVISED_BACKBONE_SETTINGS = {  # supervised large models: batch 512, lr 1e-5
+    kind: ({"lr": 1e-5}, f"Table A.1, supervised {kind}")
+    for kind in ("bert-large", "roberta-large")}
 
 
 def parse_args(argv=None):
@@ -53,8 +70,11 @@ def parse_args(argv=None):
                    help="Eq. 8: added to the logit of each anchor's own hard negative "
                         "(alpha = e^weight)")
     known, _ = parser.parse_known_args(argv)
-    return common.parse_with_presets(parser, argv, SUPERVISED_DEFAULTS if known.supervised else {},
-                                     "supervised SimCSE (Table A.1, Appendix A)")
+    if known.supervised:
+        return common.parse_with_presets(parser, argv, SUPERVISED_DEFAULTS,
+                                         "supervised SimCSE (Table A.1, Appendix A)",
+                                         SUPERVISED_BACKBONE_SETTINGS)
+    return common.parse_with_presets(parser, argv, {}, "", BACKBONE_SETTINGS)
 
 
 def main(argv=None):

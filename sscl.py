@@ -12,6 +12,9 @@ Headline (Table 2, BERT-base, 7-task STS average): SimCSE 76.25 -> SSCL-SimCSE 7
     python sscl.py --neg_layer_index 10    # one chosen layer (Figure 3a)
     python sscl.py --pooler cls --report_oversmoothing
 
+Backbone presets, read from the model's config; flags the user gives win: lr 3e-5 for BERT-base
+and 1e-5 for BERT-large, batch 64 (Section 4.2); other backbones take BERT-base's settings.
+
 Released code over paper: --pooler avg by default (run_unsup_example.sh --pooler_type avg, test.sh
 --pooler avg; the paper does not say); the loss averages Eq. 4 with SimCSE's plain term (marked in
 sscl_loss). Gradient clipping at 1.0, the last incomplete batch kept and fp32 evaluation come from
@@ -38,6 +41,10 @@ import eval_sts
 import plumbing
 
 
+# Section 4.2: lr 3e-5 for BERT-base (the shared default) and 1e-5 for BERT-large, batch 64
+BACKBONE_SETTINGS = {"bert-large": ({"lr": 1e-5}, "SSCL Section 4.2, BERT-large")}
+
+
 def parse_args(argv=None):
     parser = common.base_parser(__doc__, method="sscl")
     g = parser.add_argument_group("SSCL")
@@ -51,7 +58,8 @@ def parse_args(argv=None):
                    help="write SetSim (Eq. 2) of adjacent layers on STS-B test, before and after "
                         "training")
     # the released scripts train and evaluate with the average pooler
-    args = common.parse_with_presets(parser, argv, {"pooler": "avg"}, "SSCL's released scripts")
+    args = common.parse_with_presets(parser, argv, {"pooler": "avg"}, "SSCL's released scripts",
+                                     BACKBONE_SETTINGS)
     if args.pooler not in ("cls", "avg"):
         parser.error("SSCL trains with --pooler cls or avg (Section 4.2)")
     plumbing.check_range(args, "neg_layers", lambda v: v >= 0, "a non-negative number of layers")

@@ -109,16 +109,18 @@ def test_a_run_in_a_log_file_has_the_summary_plain_progress_and_no_redraws(tiny_
     lines = proc.stdout.splitlines()
     assert "\r" not in proc.stdout and "%|" not in proc.stdout + proc.stderr
     assert lines[0] == "simcse" and lines[1].startswith("  presets   none")
-    assert lines[2] == f"  data      100 examples, a 0.5 subset of {corpus} drawn with --seed 42"
-    assert lines[4] == "  device    cpu x 1, precision fp32"
-    assert lines[5].startswith("  schedule  4 steps (13 an epoch), batch 8")
+    assert lines[2] == "  backbone  bert, 32 wide, 2 layers: no preset for this backbone, the BERT-base settings"
+    assert lines[3] == f"  data      100 examples, a 0.5 subset of {corpus} drawn with --seed 42"
+    assert lines[5] == "  device    cpu x 1, precision fp32"
+    assert lines[6].startswith("  schedule  4 steps (13 an epoch), batch 8")
     assert "step 0/4  STS-B dev" in proc.stdout and "loss nan" not in proc.stdout
     for phase in ("training: 1/4 steps", "dev gate: STS-B dev: ", "STS test: encoding: ", "alignment/uniformity: "):
         assert phase in proc.stdout, phase
     assert "ETA" in next(line for line in lines if line.startswith("step 2/4"))
     results = json.loads((out / "results.json").read_text())
-    assert set(results["summary"]) == {"presets", "data", "model", "device", "schedule", "output"}
-    assert results["summary"]["data"] == lines[2].split(None, 1)[1] and results["args"]["presets"] is None
+    assert set(results["summary"]) == {"presets", "backbone", "data", "model", "device", "schedule", "output"}
+    assert results["summary"]["data"] == lines[3].split(None, 1)[1] and results["args"]["presets"] is None
+    assert results["args"]["backbone"] is None
 
 
 def test_presets_are_recorded_with_their_source_and_the_users_overrides():
@@ -132,7 +134,7 @@ def test_presets_are_recorded_with_their_source_and_the_users_overrides():
 def summary_args(**kw):
     values = dict(fraction=1.0, seed=42, train_file=None, presets=None, method="micse", model_name_or_path="m",
                   pooler="cls", mlp_only_train=True, precision="fp32", compile=False, batch_size=64, lr=1e-5,
-                  eval_steps=500, output_dir="out")
+                  eval_steps=500, output_dir="out", backbone="bert-base", backbone_config="bert, 768 wide")
     return argparse.Namespace(**{**values, **kw})
 
 
