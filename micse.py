@@ -125,8 +125,7 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     valid = (tiles1 > 0) & (tiles2 > 0)
     counts = valid.sum(dim=1)
     valid_fraction = counts.sum().to(tiles1.dtype) / valid.numel()
-    # Data-dependent shapes, as the authors' code has them: these lines wait for the GPU (host
-    # syncs).
+    # Data-dependent shapes, as the authors' code has them: these lines wait for the GPU.
     if counts.max() < num_samples:  # no tile has enough: use the smallest tile's count for all
         k = int(counts.min())
     else:  # drop the tiles with fewer than num_samples valid entries
@@ -142,8 +141,7 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     log1, log2 = tiles1.gather(1, index).log(), tiles2.gather(1, index).log()
     log1, log2 = log1 - log1.mean(dim=1, keepdim=True), log2 - log2.mean(dim=1, keepdim=True)
     rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)
-    # Code over paper: Algorithm 1 drops the log of Eq. 4; the released code keeps it (and scales by
-    # the fraction).
+    # Code over paper: Algorithm 1 drops Eq. 4's log; the released code keeps it (and scales).
     mutual_information = -0.5 * torch.log(1 - (rho ** 2).clamp(max=1 - 1e-6))
     return -mutual_information.mean() * (valid_fraction ** 2 + 1e-6)
 
@@ -190,7 +188,7 @@ def main(argv=None):
     with distributed.main_process_first():
         # miCSE's own subset where they released one
         examples, train_file, subset = common.training_examples(args)
-        # read once now
+        # every SentEval file read once now: a bad one stops the run before training
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
@@ -251,8 +249,7 @@ def main(argv=None):
             z1, z2 = z.chunk(2)
             z1, z2 = distributed.gather(z1), distributed.gather(z2)
             loss = moco_info_nce(z1, z2, queue.tensor, args.temp)
-            # AMI's layers only, stacked (N, K, H, n, n) and cast to fp32; AMI is per sample, so it
-            # stays local.
+            # AMI's layers only, stacked (N, K, H, n, n), in fp32; per sample, so it stays local.
             attentions = torch.stack(outputs.attentions[ami_min:ami_max], 1).float()
             attn1, attn2 = attentions.chunk(2)
             loss = loss + args.ami_lambda * ami_loss(attn1, attn2, 0, ami_max - ami_min,

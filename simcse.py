@@ -90,7 +90,7 @@ def main(argv=None):
     with distributed.main_process_first():
         examples, train_file, subset = common.training_examples(args, default_file,
                                                                 triplets=args.supervised)
-        # read once now
+        # every SentEval file read once now: a bad one stops the run before training
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile

@@ -81,8 +81,7 @@ def off_dropout_info_nce(z1, z2, z_dropout_off, temp: float = 0.05, m: float = 0
     else:
         negatives = common.cos_sim(z_dropout_off, z_dropout_off) / temp
     diagonal = torch.eye(len(z1), dtype=torch.bool, device=z1.device)
-    # Code over paper: m scales the positive logit; Eq. 3 writes m as a factor on the negative sum
-    # instead.
+    # Code over paper: m scales the positive logit; Eq. 3 puts m on the sum of the negatives.
     logits = torch.where(diagonal, m * cross, negatives)
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
 
@@ -128,7 +127,7 @@ def main(argv=None):
     # downloads, senteval.tar and datasets' cache: process 0 first
     with distributed.main_process_first():
         examples, train_file, subset = common.training_examples(args)
-        # read once now
+        # every SentEval file read once now: a bad one stops the run before training
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile

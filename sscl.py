@@ -143,7 +143,7 @@ def main(argv=None):
     # downloads, senteval.tar and datasets' cache: process 0 first
     with distributed.main_process_first():
         examples, train_file, subset = common.training_examples(args)
-        # read once now
+        # every SentEval file read once now: a bad one stops the run before training
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
@@ -189,8 +189,7 @@ def main(argv=None):
                 outputs = forward(**views, output_hidden_states=True)
             mask = views["attention_mask"]
             z1, z2 = common.embed(outputs.hidden_states, mask, args.pooler, head).chunk(2)
-            # The negatives come from the same pass: the intermediate layers' representations of
-            # both views.
+            # The negatives come from the same pass: intermediate layers of both views.
             reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head)
             layer_negatives = [(distributed.gather(n1), distributed.gather(n2)) for n1, n2 in reps]
             z1, z2 = distributed.gather(z1), distributed.gather(z2)

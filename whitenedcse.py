@@ -136,7 +136,7 @@ def main(argv=None):
     # downloads, senteval.tar and datasets' cache: process 0 first
     with distributed.main_process_first():
         examples, train_file, subset = common.training_examples(args)
-        # read once now
+        # every SentEval file read once now: a bad one stops the run before training
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
@@ -153,8 +153,7 @@ def main(argv=None):
     loader = common.make_loader(corpus, args, device, min_rows=width + 1)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: SGW -> Linear -> Tanh on [CLS], training only; evaluation reads [CLS] before
-    # it.
+    # Encoder and head: SGW -> Linear -> Tanh on [CLS], training only; evaluation reads [CLS].
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
     # --compile: the training passes only
