@@ -10,6 +10,7 @@ Headline (Table 5, BERT-base, 7-task STS average): unsupervised 76.25, supervise
     python simcse.py               # unsupervised, BERT-base, wiki1m, Table A.1 settings
     python simcse.py --supervised  # NLI, batch 512, lr 5e-5, 3 epochs, MLP kept at eval
     torchrun --nproc_per_node 4 simcse.py --supervised  # the authors' 4 x 128: batch stays 512
+    python simcse.py --dropout 0.05    # Table 3's dropout rates; --fixed_dropout_mask: "Fixed 0.1"
 
 Backbone presets (Table A.1), read from the model's config; flags the user gives win:
 
@@ -18,6 +19,11 @@ Backbone presets (Table A.1), read from the model's config; flags the user gives
     BERT-large      64 / 1e-5        512 / 1e-5
     RoBERTa-base    512 / 1e-5       512 / 5e-5
     RoBERTa-large   512 / 3e-5       512 / 1e-5      (batch / lr; every cell: Table A.1)
+
+Few-shot (miCSE Table 2's SimCSE rows): --fraction 0.1 to 0.0001 keeps SimCSE's batch 64 and lr
+3e-5 (miCSE Section 4: each approach with its authors' hyperparameters) and takes miCSE's
+per-fraction epochs and dev steps (10/500, 50/500, 500/500, 2500/250), which the authors give for
+no baseline; with --seed 48-52 the subset is theirs.
 
 Offline: add --model_name_or_path DIR --train_file FILE --senteval_dir DIR.
 Follows the released code (run_unsup_example.sh, run_sup_example.sh, the HF Trainer) where the paper
@@ -54,6 +60,13 @@ BACKBONE_SETTINGS = {
     "roberta-base": ({"batch_size": 512, "lr": 1e-5}, "Table A.1, RoBERTa-base"),
     "roberta-large": ({"batch_size": 512, "lr": 3e-5}, "Table A.1, RoBERTa-large"),
 }
+# Few-shot (miCSE Table 2's SimCSE rows): SimCSE's own batch and lr, as miCSE Section 4 says ("we
+# follow the same hyperparameters proposed by the authors"); they give no schedule for SimCSE, so
+# epochs and dev steps follow miCSE's per-fraction schedule (the released README's commands).
+FEW_SHOT_SCHEDULE = {0.1: {"epochs": 10, "eval_steps": 500},
+                     0.01: {"epochs": 50, "eval_steps": 500},
+                     0.001: {"epochs": 500, "eval_steps": 500},
+                     0.0001: {"epochs": 2500, "eval_steps": 250}}
 SUPERVISED_BACKBONE_SETTINGS = {  # supervised large models: batch 512, lr 1e-5
     kind: ({"lr": 1e-5}, f"Table A.1, supervised {kind}")
     for kind in ("bert-large", "roberta-large")}
@@ -66,15 +79,27 @@ def parse_args(argv=None):
                    help="train on NLI triplets (sent0, sent1, hard_neg); default file "
                         "nli_for_simcse.csv; sets batch 512, lr 5e-5, 3 epochs, dev every 250 "
                         "steps, MLP kept at evaluation unless given")
+    g.add_argument("--fixed_dropout_mask", action="store_true",
+                   help="Table 3's 'Fixed 0.1' row: both views share one dropout mask (one view "
+                        "used twice)")
     g.add_argument("--hard_negative_weight", type=float, default=0.0,
                    help="Eq. 8: added to the logit of each anchor's own hard negative "
                         "(alpha = e^weight)")
     known, _ = parser.parse_known_args(argv)
+    plumbing.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
+    if known.supervised and known.fixed_dropout_mask:
+        parser.error("--fixed_dropout_mask is unsupervised SimCSE's (Table 3)")
     if known.supervised:
         return common.parse_with_presets(parser, argv, SUPERVISED_DEFAULTS,
                                          "supervised SimCSE (Table A.1, Appendix A)",
                                          SUPERVISED_BACKBONE_SETTINGS)
-    return common.parse_with_presets(parser, argv, {}, "", BACKBONE_SETTINGS)
+    presets, source = {}, ""
+    if known.fraction <= 0.1:  # few-shot: the nearest fraction of miCSE's schedule
+        nearest = min(FEW_SHOT_SCHEDULE,
+                      key=lambda f: abs(math.log10(f) - math.log10(known.fraction)))
+        presets = FEW_SHOT_SCHEDULE[nearest]
+        source = f"miCSE's few-shot schedule for fraction {nearest:g} (SimCSE's batch and lr)"
+    return common.parse_with_presets(parser, argv, presets, source, BACKBONE_SETTINGS)
 
 
 def main(argv=None):
@@ -133,12 +158,12 @@ def main(argv=None):
                 loss = common.info_nce(anchor, positive, args.temp, hard_negative,
                                        args.hard_negative_weight)
             else:  # one pass over the batch repeated: two dropout masks, two views
-                views = common.repeat_views(batch, 2)
+                views = common.repeat_views(batch, 1 if args.fixed_dropout_mask else 2)
                 # the encoder only: embeddings and loss are fp32
                 with common.autocast(device, args.precision):
                     outputs = forward(**views, output_hidden_states=True)
                 z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
-                z1, z2 = z.chunk(2)
+                z1, z2 = (z, z) if args.fixed_dropout_mask else z.chunk(2)  # Table 3, "Fixed 0.1"
                 loss = common.info_nce(distributed.gather(z1), distributed.gather(z2), args.temp)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()

@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 
+import common
 import eval_sts
 import plumbing
 from conftest import SHARED, in_process_scores, needs_shared, random_sentence, run_script, smoke_args
@@ -130,3 +131,38 @@ def test_simcse_on_minilm_improves_over_its_start(tmp_path):
     assert [s for s, _ in results["dev_curve"]] == [0, 5] and results["best_step"] == 5
     assert results["best_dev_stsb"] > 79.73 and (out / "best" / "model.safetensors").is_file()
     assert results["precision"] == "fp32"
+
+
+def test_the_few_shot_baseline_takes_simcses_hyperparameters_and_micses_schedule():
+    import simcse
+    args = simcse.parse_args(["--fraction", "0.01", "--seed", "48"])
+    assert (args.batch_size, args.lr, args.epochs, args.eval_steps) == (64, 3e-5, 50, 500)
+    assert args.presets["source"] == "miCSE's few-shot schedule for fraction 0.01 (SimCSE's batch and lr)"
+    assert common.micse_subset(args.fraction, args.seed) == "wiki_subset_1M_001.00percent_seed48.txt"
+    assert simcse.parse_args(["--fraction", "0.0001", "--epochs", "3"]).epochs == 3  # the user's flag wins
+    assert simcse.parse_args(["--fraction", "0.0001"]).eval_steps == 250
+    assert simcse.parse_args(["--fraction", "0.5"]).presets is None  # not few-shot: SimCSE's defaults
+
+
+def test_a_fixed_dropout_mask_gives_both_views_the_same_embeddings(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                   monkeypatch):
+    """SimCSE Table 3's "Fixed 0.1": dropout stays on, but the pair shares its mask."""
+    import torch
+    import simcse
+    pairs = []
+    info_nce = common.info_nce
+
+    def recording(z1, z2, *rest, **kw):
+        pairs.append((z1.detach().clone(), z2.detach().clone()))
+        return info_nce(z1, z2, *rest, **kw)
+
+    monkeypatch.setattr(common, "info_nce", recording)
+    args = smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "fixed", "--no_test_eval")
+    simcse.main([str(a) for a in args + ["--fixed_dropout_mask"]])
+    assert len(pairs) == 4 and all(torch.equal(z1, z2) for z1, z2 in pairs)
+    pairs.clear()
+    simcse.main([str(a) for a in args + ["--overwrite_output_dir"]])
+    assert len(pairs) == 4 and not any(torch.equal(z1, z2) for z1, z2 in pairs)
+    with pytest.raises(SystemExit) as exit_info:
+        simcse.parse_args(["--supervised", "--fixed_dropout_mask"])  # one line: the mask is unsupervised
+    assert exit_info.value.code == 2
