@@ -220,6 +220,11 @@ def run_summary(args, num_examples: int, train_file, subset, steps_per_epoch: in
     return summary
 
 
+def nearest_fraction(table: dict, fraction: float) -> float:
+    """The fraction of a per-fraction settings table nearest to --fraction, on a log scale."""
+    return min(table, key=lambda f: abs(math.log10(f) - math.log10(fraction)))
+
+
 def eval_pooler(args) -> str:
     """SimCSE: with --mlp_only_train the [CLS] pooler is evaluated before the MLP."""
     return "cls_before_pooler" if args.pooler == "cls" and args.mlp_only_train else args.pooler
@@ -544,9 +549,11 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> Non
     distributed.barrier()
 
 
-def run_record(args, eval_pooler: str, device, stop, **run) -> dict:
+def run_record(args, eval_pooler: str, device, stop, losses: list, train_time: float,
+               **run) -> dict:
     """results.json before the final evaluation: the method, every argument, where and how it ran,
-    what the loop measured (`run`), peak memory, and whether a signal stopped the training."""
+    what the loop measured (`run`; the steps, their losses and the training speed from `losses`
+    and `train_time`), peak memory, and whether a signal stopped the training."""
     cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
@@ -554,6 +561,8 @@ def run_record(args, eval_pooler: str, device, stop, **run) -> dict:
     results = {"method": args.method, "args": arguments,
                "device": str(device), "world_size": distributed.world_size(),
                "precision": args.precision, "eval_pooler": eval_pooler, **run,
+               "steps": len(losses), "train_loss": losses, "train_time_s": round(train_time, 2),
+               "steps_per_second": round(len(losses) / train_time, 3) if train_time else 0.0,
                "peak_memory_mb": round(peak / 2**20, 1),
                "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
                "interrupted": stop.signum is not None}

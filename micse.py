@@ -85,7 +85,7 @@ def parse_args(argv=None):
                    help="dropout rate of the momentum encoder")
     known, _ = parser.parse_known_args(argv)
     plumbing.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
-    nearest = min(FEW_SHOT_SETTINGS, key=lambda f: abs(math.log10(f) - math.log10(known.fraction)))
+    nearest = common.nearest_fraction(FEW_SHOT_SETTINGS, known.fraction)
     source = f"miCSE's settings for fraction {nearest:g} " + \
         ("(Section 3.1)" if nearest == 1.0 else "(the authors' README)")
     if nearest != known.fraction:
@@ -307,11 +307,10 @@ def main(argv=None):
     if distributed.rank() == 0:
         out = Path(args.output_dir)
         results = common.run_record(
-            args, eval_pooler, device, stop, summary=summary, train_file=train_file,
-            micse_subset=subset, num_train_examples=len(corpus), steps=len(losses),
+            args, eval_pooler, device, stop, losses, train_time, summary=summary,
+            train_file=train_file, micse_subset=subset, num_train_examples=len(corpus),
             best_dev_stsb=best_dev, best_step=best_step, dev_curve=dev_curve,
-            train_time_curve=time_curve, train_loss=losses, train_time_s=round(train_time, 2),
-            steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
+            train_time_curve=time_curve)
         with stop.final_evaluation(results):  # a signal now stops it; results.json records that
             if not results["interrupted"]:
                 distributed.log(f"best STS-B dev {best_dev:.2f} at step {best_step}; evaluating it")

@@ -95,8 +95,7 @@ def parse_args(argv=None):
                                          SUPERVISED_BACKBONE_SETTINGS)
     presets, source = {}, ""
     if known.fraction <= 0.1:  # few-shot: the nearest fraction of miCSE's schedule
-        nearest = min(FEW_SHOT_SCHEDULE,
-                      key=lambda f: abs(math.log10(f) - math.log10(known.fraction)))
+        nearest = common.nearest_fraction(FEW_SHOT_SCHEDULE, known.fraction)
         presets = FEW_SHOT_SCHEDULE[nearest]
         source = f"miCSE's few-shot schedule for fraction {nearest:g} (SimCSE's batch and lr)"
     return common.parse_with_presets(parser, argv, presets, source, BACKBONE_SETTINGS)
@@ -209,11 +208,10 @@ def main(argv=None):
     if distributed.rank() == 0:
         out = Path(args.output_dir)
         results = common.run_record(
-            args, eval_pooler, device, stop, summary=summary, train_file=train_file,
-            micse_subset=subset, num_train_examples=len(corpus), steps=len(losses),
+            args, eval_pooler, device, stop, losses, train_time, summary=summary,
+            train_file=train_file, micse_subset=subset, num_train_examples=len(corpus),
             best_dev_stsb=best_dev, best_step=best_step, dev_curve=dev_curve,
-            train_time_curve=time_curve, train_loss=losses, train_time_s=round(train_time, 2),
-            steps_per_second=round(len(losses) / train_time, 3) if train_time else 0.0)
+            train_time_curve=time_curve)
         with stop.final_evaluation(results):  # a signal now stops it; results.json records that
             if not results["interrupted"]:
                 distributed.log(f"best STS-B dev {best_dev:.2f} at step {best_step}; evaluating it")
