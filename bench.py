@@ -49,7 +49,7 @@ def bench_method(row, args, extra, workdir, root=ROOT, log_warmup=True) -> dict:
     if proc.returncode != 0:
         raise plumbing.UsageError(f"{row} ({root}) failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     results = json.loads((out / "results.json").read_text())
-    curve = dict(map(tuple, results.get("train_time_curve", [])))
+    curve = {row["step"]: row["train_time_s"] for row in plumbing.trajectory(results) if "train_time_s" in row}
     if log_warmup and args.warmup and args.warmup in curve:
         results["timed_steps_per_second"] = args.steps / (curve[total] - curve[args.warmup])
     else:

@@ -73,6 +73,13 @@ def base_parser(doc: str, method: str) -> plumbing.Parser:
                         "setting)")
     g.add_argument("--eval_steps", type=int, default=125,
                    help="evaluate STS-B dev every this many steps")
+    g.add_argument("--align_uniform_steps", type=int, default=None,
+                   help="also encode STS-B dev every this many steps between the dev gates, for "
+                        "the trajectory's l_align / l_uniform (SimCSE Figure 2: 10); each costs a "
+                        "dev encoding")
+    g.add_argument("--report_to", default="none", choices=["none", "tensorboard"],
+                   help="tensorboard: loss, lr, gradient norm, STS-B dev and l_align / l_uniform "
+                        "as scalars under <output_dir>/tb (pip install tensorboard)")
     g.add_argument("--logging_steps", type=int, default=None,
                    help="log loss and steps/s every this many steps (default: at the dev steps); "
                         "each log reads the losses from the device: one host sync")
@@ -148,12 +155,14 @@ def check_args(args) -> None:
     check(args, "seed", lambda v: 0 <= v < 2**32, "0 <= seed < 2^32")
     check(args, "batch_size", lambda v: v >= 2, "at least 2 (one sentence has no negatives)")
     check(args, "max_seq_length", lambda v: 2 <= v <= 512, "2..512 tokens")
-    for name in ("lr", "temp", "epochs", "eval_steps", "logging_steps"):
+    for name in ("lr", "temp", "epochs", "eval_steps", "logging_steps", "align_uniform_steps"):
         check(args, name, lambda v: v > 0, "a positive number")
     for name in ("max_steps", "warmup_steps", "max_grad_norm", "num_workers"):
         check(args, name, lambda v: v >= 0, "a non-negative number")
     check(args, "dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
     args.logging_steps = args.logging_steps or args.eval_steps
+    plumbing.check_installed(args.report_to == "tensorboard", "tensorboard",
+                             "--report_to tensorboard")
     args.precision = resolve_precision(args.precision, plumbing.resolve_device(args.device))
     args.output_dir = str(args.output_dir or Path("runs") / args.method)
     out = Path(args.output_dir)
@@ -477,18 +486,43 @@ def make_optimizer(params, args, total_steps: int):
     return optimizer, scheduler
 
 
-def read_losses(pending: list, losses: list) -> None:
-    """Move the steps' losses still on the device (`pending`) to `losses` as floats: one host sync,
-    at log and dev steps only. The first NaN or inf stops the run with its step (step k's loss is
-    losses[k - 1])."""
-    if pending:
-        values = torch.stack(pending).tolist()
-        pending.clear()
-        for step, value in enumerate(values, start=len(losses) + 1):
-            if not math.isfinite(value):
-                raise plumbing.UsageError(f"the loss became {value} at step {step}: the run "
+class History:
+    """What the loop measures, for results.json and --report_to: each step's loss and gradient norm
+    (`add`: kept on the device until `read`, one host sync at a log step), and the trajectory
+    (`record`: a row at every log, dev and --align_uniform_steps step). Step k's loss is
+    losses[k - 1]."""
+
+    def __init__(self, args):
+        self.losses, self.grad_norms, self.trajectory, self.pending = [], [], [], []
+        self.writer = plumbing.tensorboard(args.report_to, Path(args.output_dir) / "tb",
+                                           distributed.rank() == 0)
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.pending.append(torch.stack([loss.detach().float(), grad_norm.float()]))
+
+    def read(self) -> None:
+        """The pending steps' values as floats: one host sync. The first NaN or inf loss stops the
+        run with its step."""
+        if not self.pending:
+            return
+        values = torch.stack(self.pending).tolist()
+        self.pending.clear()
+        for step, (loss, grad_norm) in enumerate(values, start=len(self.losses) + 1):
+            if not math.isfinite(loss):
+                raise plumbing.UsageError(f"the loss became {loss} at step {step}: the run "
                                           "diverged (a lower --lr may help)")
-        losses.extend(values)
+            self.losses.append(loss)
+            self.grad_norms.append(grad_norm)
+            plumbing.add_scalars(self.writer, step,
+                                 {"train/loss": loss, "train/grad_norm": grad_norm})
+
+    def record(self, point: dict) -> None:
+        """One row of the trajectory: {"step", "train_time_s", "lr"} and, where STS-B dev was
+        encoded, {"stsb_dev", "align", "uniform", "gate"}."""
+        self.trajectory.append(point)
+        plumbing.add_scalars(self.writer, point["step"],
+                             {f"{'train' if k == 'lr' else 'dev'}/{k}": v for k, v in point.items()
+                              if k in ("lr", "stsb_dev", "align", "uniform")})
 
 
 def progress(step: int, total_steps: int, losses: list, train_time: float) -> str:
@@ -501,24 +535,26 @@ def progress(step: int, total_steps: int, losses: list, train_time: float) -> st
     return f"step {step}/{total_steps}  loss {losses[-1]:.4f}  {rate:.2f} steps/s{left}"
 
 # ------------------------------------------------------------------------- evaluation and saving
-def dev_score(modules, encode, senteval_dir) -> float:
-    """STS-B dev Spearman x100, in fp32 and eval mode; process 0 evaluates, every process gets the
-    score (-inf when it is undefined)."""
-    score = math.nan
+def dev_measures(modules, encode, senteval_dir) -> dict:
+    """STS-B dev in fp32 and eval mode, one encoding: {"stsb_dev": Spearman x100 (-inf when it is
+    undefined), "align", "uniform"} (l_align / l_uniform of the same embeddings, SimCSE Figure 2).
+    Process 0 evaluates; every process gets the score."""
+    measures = {"stsb_dev": math.nan}
     if distributed.rank() == 0:
         for m in modules:
             m.eval()
-        scores = eval_sts.evaluate(encode, senteval_dir, ["STSBenchmark"], mode="dev",
-                                   desc="dev gate: STS-B dev")
-        score = scores["STSBenchmark"]
+        scores = eval_sts.stsb_dev(encode, senteval_dir, desc="dev gate: STS-B dev")
+        measures = {"stsb_dev": scores["STSBenchmark"], "align": scores["align"],
+                    "uniform": scores["uniform"]}
         # constant embeddings have no Spearman: the score is the worst, not NaN
-        if not math.isfinite(score):
+        if not math.isfinite(measures["stsb_dev"]):
             distributed.log("note: the STS-B dev score is undefined (the embeddings are constant: "
                             "a collapsed or degenerate model); it counts as the worst score")
-            score = -math.inf
+            measures["stsb_dev"] = -math.inf
         for m in modules:
             m.train()
-    return distributed.broadcast_float(score)
+    measures["stsb_dev"] = distributed.broadcast_float(measures["stsb_dev"])
+    return measures
 
 
 def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> None:
@@ -549,11 +585,14 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> Non
     distributed.barrier()
 
 
-def run_record(args, eval_pooler: str, device, stop, losses: list, train_time: float,
+def run_record(args, eval_pooler: str, device, stop, history: History, train_time: float,
                **run) -> dict:
     """results.json before the final evaluation: the method, every argument, where and how it ran,
-    what the loop measured (`run`; the steps, their losses and the training speed from `losses`
-    and `train_time`), peak memory, and whether a signal stopped the training."""
+    what the loop measured (`run`; from `history` the steps, their losses and gradient norms and
+    the trajectory; the training speed), peak memory, and whether a signal stopped the training."""
+    if history.writer is not None:
+        history.writer.close()
+    losses = history.losses
     cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
@@ -561,7 +600,8 @@ def run_record(args, eval_pooler: str, device, stop, losses: list, train_time: f
     results = {"method": args.method, "args": arguments,
                "device": str(device), "world_size": distributed.world_size(),
                "precision": args.precision, "eval_pooler": eval_pooler, **run,
-               "steps": len(losses), "train_loss": losses, "train_time_s": round(train_time, 2),
+               "steps": len(losses), "train_loss": losses, "grad_norm": history.grad_norms,
+               "trajectory": history.trajectory, "train_time_s": round(train_time, 2),
                "steps_per_second": round(len(losses) / train_time, 3) if train_time else 0.0,
                "peak_memory_mb": round(peak / 2**20, 1),
                "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",

@@ -175,13 +175,21 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
         def embed(sentences):
             return np.concatenate([encode(sentences[i:i + batch_size]) for i in range(0, len(sentences), batch_size)])
 
-    scores = {}
-    for task, task_pairs in pairs.items():
-        left, right, gold = zip(*task_pairs)
-        predicted = _cosine(embed(list(left)), embed(list(right)))
-        scores[task] = round(float(spearmanr(predicted, np.array(gold)).correlation) * 100, 2)
+    scores = {task: spearman(task_pairs, embed) for task, task_pairs in pairs.items()}
     scores["avg"] = round(sum(scores[t] for t in tasks) / len(tasks), 2)
     return scores
+
+
+def pair_cosines(pairs, embed) -> np.ndarray:
+    """The cosine similarity of each (sentence1, sentence2, gold) pair, `embed(list[str]) -> np.ndarray`."""
+    left, right, _ = zip(*pairs)
+    return _cosine(embed(list(left)), embed(list(right)))
+
+
+def spearman(pairs, embed) -> float:
+    """Spearman x100 (two decimals) between the pairs' cosine similarities and their gold scores."""
+    gold = np.array([p[2] for p in pairs])
+    return round(float(spearmanr(pair_cosines(pairs, embed), gold).correlation) * 100, 2)
 
 
 def align_uniform_loss(x: np.ndarray, y: np.ndarray, data: np.ndarray) -> tuple[float, float]:
@@ -205,11 +213,25 @@ def align_uniform_loss(x: np.ndarray, y: np.ndarray, data: np.ndarray) -> tuple[
 def align_uniform(encode, senteval_dir, batch_size: int = 128, desc: str = "alignment/uniformity") -> dict:
     """SimCSE's alignment/uniformity: STS-B dev pairs with gold score > 4 as positives, all its sentences as data."""
     pairs = load_pairs(senteval_dir, "STSBenchmark", "dev")
-    table = encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size, desc)
+    return pairs_align_uniform(pairs, encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size, desc))
+
+
+def pairs_align_uniform(pairs, table: dict) -> dict:
+    """{"align", "uniform"} (four decimals) of encoded STS pairs (`table`: {sentence: vector}, every distinct
+    sentence of `pairs`): the pairs with gold score > 4 as positives, every distinct sentence as data."""
     positives = [p for p in pairs if p[2] > 4.0]
     align, uniform = align_uniform_loss(np.stack([table[a] for a, _, _ in positives]),
                                         np.stack([table[b] for _, b, _ in positives]), np.stack(list(table.values())))
     return {"align": round(align, 4), "uniform": round(uniform, 4)}
+
+
+def stsb_dev(encode, senteval_dir, batch_size: int = 128, desc: str = "STS-B dev") -> dict:
+    """{"STSBenchmark", "align", "uniform"}: the dev score of `evaluate(..., ["STSBenchmark"], "dev")` and the
+    `align_uniform` of the same embeddings, from one encoding of STS-B dev (the training runs' dev gate)."""
+    pairs = load_pairs(senteval_dir, "STSBenchmark", "dev")
+    table = encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size, desc)
+    score = spearman(pairs, lambda sentences: np.stack([table[s] for s in sentences]))
+    return {"STSBenchmark": score, **pairs_align_uniform(pairs, table)}
 
 
 def print_table(scores: dict) -> None:

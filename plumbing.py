@@ -4,7 +4,8 @@
   checks, the device check, files read with line numbers.
 - The Hugging Face Hub: files and models from the hub or a local path, an offline machine told which flag to use,
   `senteval.tar` unpacked once.
-- Writing: atomic JSON (NaN written as null), the sentence-transformers metadata of a checkpoint.
+- Writing: atomic JSON (NaN written as null), the sentence-transformers metadata of a checkpoint, TensorBoard
+  scalars (--report_to, an optional dependency), a results.json's trajectory in either format.
 - Progress: on a terminal (stderr is a TTY), a phase gets a tqdm bar with its rate and ETA. In a log file (CI,
   SLURM, nohup, a pipe) bars would be redraws, so a phase writes a plain line instead, every PROGRESS_INTERVAL
   seconds (default 10; after a phase's first 10 minutes, every 6 intervals), and a last one when it ends. Log
@@ -13,9 +14,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 import tarfile
@@ -259,6 +262,43 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def check_installed(needed: bool, package: str, flag: str) -> None:
+    """An optional dependency a flag needs: one line naming the package, before any work."""
+    if needed and importlib.util.find_spec(package) is None:
+        raise UsageError(f"{flag} needs the {package} package: pip install {package}")
+
+
+def tensorboard(report_to: str, folder: Path, enabled: bool = True):
+    """--report_to tensorboard: a SummaryWriter on `folder`, flushed every 10 s; None otherwise. A previous run's events there are removed: --overwrite_output_dir replaces that run."""
+    if report_to != "tensorboard" or not enabled:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+    if folder.exists():
+        write(f"removing the previous run's TensorBoard events in {folder}")
+        shutil.rmtree(folder)
+    return SummaryWriter(str(folder), flush_secs=10)
+
+
+def add_scalars(writer, step: int, values: dict) -> None:
+    """TensorBoard scalars at `step`; undefined values (None, NaN, inf) are left out."""
+    if writer is not None:
+        for tag, value in values.items():
+            if value is not None and math.isfinite(value):
+                writer.add_scalar(tag, value, step)
+
+
+def trajectory(results: dict) -> list[dict]:
+    """The trajectory rows of a results.json (common.History.record), also from the format before them:
+    "dev_curve" [[step, dev]] and "train_time_curve" [[step, seconds]] become rows without lr, align and
+    uniform."""
+    if "trajectory" in results:
+        return results["trajectory"]
+    rows = {step: {"step": step, "train_time_s": t} for step, t in results.get("train_time_curve", [])}
+    for step, dev in results.get("dev_curve", []):
+        rows.setdefault(step, {"step": step}).update(stsb_dev=dev, gate=True)
+    return [rows[step] for step in sorted(rows)]
 
 
 def check_json_path(path: str | None) -> None:

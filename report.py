@@ -361,9 +361,14 @@ def protocol_section(ctx) -> list[str]:
 
 def initial_dev(ctx, name: str) -> float | None:
     """The step-0 STS-B dev score of a row's runs: the initial checkpoint under that row's pooler."""
-    scores = [r["dev_curve"][0][1] for r in ctx.runs.get(name, {}).values()
-              if r.get("dev_curve") and r["dev_curve"][0][0] == 0]
+    scores = [dev_curve(r)[0][1] for r in ctx.runs.get(name, {}).values()
+              if dev_curve(r) and dev_curve(r)[0][0] == 0]
     return sum(scores) / len(scores) if scores else None
+
+
+def dev_curve(results: dict) -> list[tuple[int, float]]:
+    """[(step, STS-B dev)] at a run's dev gates, from its trajectory (or the older "dev_curve")."""
+    return [(row["step"], row["stsb_dev"]) for row in plumbing.trajectory(results) if row.get("gate")]
 
 
 def sts_section(ctx) -> list[str]:
@@ -493,7 +498,7 @@ def plot_dev_curves(runs, results_dir, main_names, few_names):
         for name in names:
             if name not in runs:
                 continue
-            curves = [dict(map(tuple, r["dev_curve"])) for r in runs[name].values()]
+            curves = [dict(dev_curve(r)) for r in runs[name].values()]
             steps = sorted(set.intersection(*(set(c) for c in curves)))
             per_step = [[c[s] for c in curves] for s in steps]
             line, = ax.plot(steps, [sum(v) / len(v) for v in per_step], marker="o", label=f"{name} (n={len(curves)})")

@@ -176,7 +176,8 @@ def main(argv=None):
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
-    best_dev, best_step, dev_curve, time_curve, losses, pending = -math.inf, None, [], [], [], []
+    best_dev, best_step = -math.inf, None
+    history = common.History(args)  # losses, gradient norms, the trajectory; --report_to
     train_time, clock = 0.0, time.perf_counter()
     bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True)
     for step in range(total_steps + 1):  # step 0 only evaluates the initial model
@@ -198,33 +199,39 @@ def main(argv=None):
             scaler.scale(loss).backward()
             distributed.average_gradients(params)  # what DDP does; nothing on one process
             scaler.unscale_(optimizer)  # fp16: clip the true gradients
-            if args.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
             scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
             scaler.update()
             scheduler.step()
             # stays on the device until the next log or dev step: no host sync
-            pending.append(loss.detach())
+            history.add(loss, grad_norm)
             bar.update()  # a clock read, no host sync
         stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
-        if dev_step or stopping or step % args.logging_steps == 0:
-            # one host sync; the first NaN or inf stops the run with its step
-            common.read_losses(pending, losses)
+        # --align_uniform_steps: STS-B dev encoded between the gates too, for the trajectory
+        align_uniform_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
+        if dev_step or align_uniform_step or stopping or step % args.logging_steps == 0:
+            # one host sync; the first NaN or inf loss stops the run with its step
+            history.read()
             # the device has finished every step up to here
             train_time += time.perf_counter() - clock
-            time_curve.append([step, round(train_time, 3)])
-            message = common.progress(step, total_steps, losses, train_time)
-            if dev_step:  # the STS-B dev gate
+            message = common.progress(step, total_steps, history.losses, train_time)
+            # lr: what the scheduler set for the next step (as the HF Trainer logs it)
+            point = {"step": step, "train_time_s": round(train_time, 3),
+                     "lr": scheduler.get_last_lr()[0]}
+            if dev_step or align_uniform_step:  # one encoding of STS-B dev: score, align, uniform
                 modules = [backbone] + ([head] if head is not None else [])
-                dev = common.dev_score(modules, encode, senteval_dir)
-                dev_curve.append([step, dev])
+                point.update(common.dev_measures(modules, encode, senteval_dir), gate=dev_step)
+            if dev_step:  # the STS-B dev gate
+                dev = point["stsb_dev"]
                 if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
                     best_dev, best_step = dev, step
                     common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
                 message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
+            history.record(point)  # results.json's trajectory; --report_to's scalars
             distributed.log(message)
-            bar.set_postfix(loss=losses[-1] if losses else None, best_dev=best_dev)
+            bar.set_postfix(loss=history.losses[-1] if history.losses else None, best_dev=best_dev)
             clock = time.perf_counter()  # the dev gate and the log are not training time
             bar.unpause()  # nor in the bar's speed and ETA
         if stopping:
@@ -242,10 +249,9 @@ def main(argv=None):
     if distributed.rank() == 0:
         out = Path(args.output_dir)
         results = common.run_record(
-            args, eval_pooler, device, stop, losses, train_time, summary=summary, setsim=setsim,
+            args, eval_pooler, device, stop, history, train_time, summary=summary, setsim=setsim,
             train_file=train_file, micse_subset=subset, num_train_examples=len(corpus),
-            best_dev_stsb=best_dev, best_step=best_step, dev_curve=dev_curve,
-            train_time_curve=time_curve)
+            best_dev_stsb=best_dev, best_step=best_step)
         with stop.final_evaluation(results):  # a signal now stops it; results.json records that
             if not results["interrupted"]:
                 distributed.log(f"best STS-B dev {best_dev:.2f} at step {best_step}; evaluating it")

@@ -111,6 +111,11 @@ def in_process_scores(evaluator, *args):
         return json.loads(Path(f"{tmp}/scores.json").read_text())
 
 
+def gates(results: dict) -> list[list]:
+    """[[step, STS-B dev], ...] at a run's dev gates, from its trajectory."""
+    return [[row["step"], row["stsb_dev"]] for row in results["trajectory"] if row.get("gate")]
+
+
 def smoke_args(tiny_model, corpus, senteval_dir, out, *extra):
     return ["--model_name_or_path", tiny_model, "--train_file", corpus, "--senteval_dir", senteval_dir,
             "--max_steps", 4, "--eval_steps", 2, "--batch_size", 8, "--output_dir", out, "--device", "cpu", *extra]

@@ -12,7 +12,7 @@ def test_timed_steps_exclude_the_warm_up(tiny_model, corpus, senteval_dir, tmp_p
                                  senteval_dir=str(senteval_dir), supervised_file=None, batch_size=8, warmup=2, steps=3,
                                  max_seq_length=16, seed=0, device="cpu")
     results = bench.bench_method("simcse", args, [], tmp_path)
-    curve = dict(map(tuple, results["train_time_curve"]))
+    curve = {row["step"]: row["train_time_s"] for row in results["trajectory"]}
     assert sorted(curve) == [0, 2, 4, 5]  # logs every --warmup steps, dev gates at 0 and 5
     assert results["timed_steps_per_second"] == pytest.approx(3 / (curve[5] - curve[2]))
     assert results["steps"] == 5 and results["args"]["logging_steps"] == 2

@@ -230,15 +230,73 @@ def test_padding_to_a_multiple_of_8_and_on_the_left(tiny_model):
     assert all(torch.equal(batch[k], expected[k]) for k in expected) and batch["attention_mask"][0, 0] == 0
 
 
-def test_read_losses_names_the_first_bad_step():
-    losses, pending = [1.5], [torch.tensor(1.25), torch.tensor(2.0)]
-    common.read_losses(pending, losses)
-    assert losses == [1.5, 1.25, 2.0] and pending == []
-    common.read_losses(pending, losses)  # nothing new: nothing changes
-    assert losses == [1.5, 1.25, 2.0]
-    pending += [torch.tensor(1.0), torch.tensor(float("inf")), torch.tensor(float("nan"))]
+def history_args(tmp_path, report_to="none"):
+    return types.SimpleNamespace(report_to=report_to, output_dir=str(tmp_path))
+
+
+def test_history_reads_losses_and_norms_at_once_and_names_the_first_bad_step(tmp_path):
+    history = common.History(history_args(tmp_path))
+    history.add(torch.tensor(1.5), torch.tensor(0.5))
+    history.read()
+    history.read()  # nothing new: nothing changes
+    history.add(torch.tensor(1.25, requires_grad=True) * 1, torch.tensor(3.0))
+    history.add(torch.tensor(2.0), torch.tensor(float("inf")))  # an fp16 overflow: recorded, not an error
+    assert len(history.losses) == 1 and len(history.pending) == 2  # nothing read before read()
+    history.read()
+    assert history.losses == [1.5, 1.25, 2.0] and history.grad_norms == [0.5, 3.0, float("inf")]
+    assert history.pending == []
+    for loss in (1.0, float("inf"), float("nan")):
+        history.add(torch.tensor(loss), torch.tensor(1.0))
     with pytest.raises(plumbing.UsageError, match="became inf at step 5"):
-        common.read_losses(pending, losses)
+        history.read()
+
+
+def test_the_norm_clipping_returns_is_the_norm_before_clipping_and_zero_does_not_clip():
+    """The loop records clip_grad_norm_'s return value; --max_grad_norm 0 passes inf: measured, not clipped."""
+    grads = [torch.tensor([3.0, 0.0]), torch.tensor([[4.0]])]
+    for max_norm, scale in ((1.0, 1 / 5), (math.inf, 1.0)):
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        assert norm.item() == pytest.approx(5.0)
+        for p, g in zip(params, grads):
+            torch.testing.assert_close(p.grad, g * scale, rtol=1e-5, atol=0)
+
+
+def test_dev_measures_are_the_dev_score_and_align_uniform_of_the_same_model(tiny_model, senteval_dir):
+    """The gate's l_align / l_uniform come from its own encoding, and equal eval_sts.align_uniform's."""
+    tokenizer, backbone = plumbing.load_pretrained(str(tiny_model))
+    encode = eval_sts.pooled_encode(backbone, tokenizer, "avg", torch.device("cpu"))
+    calls = []
+
+    def counting_encode(sentences):
+        calls.append(len(sentences))
+        return encode(sentences)
+    measures = common.dev_measures([backbone], counting_encode, senteval_dir)
+    assert backbone.training  # the gate hands the model back in training mode
+    pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", "dev")
+    assert sum(calls) == len({s for p in pairs for s in p[:2]})  # one encoding of each distinct sentence
+    backbone.eval()
+    expected = eval_sts.align_uniform(encode, senteval_dir)
+    assert measures == {"stsb_dev": eval_sts.evaluate(encode, senteval_dir, ["STSBenchmark"], "dev")["STSBenchmark"],
+                        "align": expected["align"], "uniform": expected["uniform"]}
+
+
+def test_tensorboard_scalars_read_back(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is a test requirement (requirements-test.txt)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    history = common.History(history_args(tmp_path, "tensorboard"))
+    history.add(torch.tensor(2.0), torch.tensor(0.5))
+    history.read()
+    history.record({"step": 1, "train_time_s": 0.1, "lr": 3e-5, "stsb_dev": 70.0, "align": 0.2,
+                    "uniform": float("-inf"), "gate": True})  # an undefined value is left out
+    history.writer.close()
+    events = EventAccumulator(str(tmp_path / "tb")).Reload()
+    assert sorted(events.Tags()["scalars"]) == ["dev/align", "dev/stsb_dev", "train/grad_norm", "train/loss",
+                                                "train/lr"]
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.0)]
+    assert events.Scalars("dev/stsb_dev")[0].value == 70.0
 
 
 def test_precision_resolves_per_device():

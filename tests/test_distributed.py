@@ -15,29 +15,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, smoke_args, write_tiny_model
+from conftest import ROOT, gates, smoke_args, write_tiny_model
 
 DRIVER = '''
 import sys
 sys.path[:0] = [{root!r}, {tests!r}]
 import common, importlib, plumbing
-from test_distributed import recording_dev_score
+from test_distributed import recording_dev_measures
 script, out, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-common.dev_score = recording_dev_score(common.dev_score, out)
+common.dev_measures = recording_dev_measures(common.dev_measures, out)
 plumbing.cli(lambda: importlib.import_module(script).main(argv))
 '''
 
 
-def recording_dev_score(real_dev_score, out):
+def recording_dev_measures(real_dev_measures, out):
     """The dev gate, saving first the parameters it evaluates to out/params_rank<rank>.pt (the last gate's file
     is what remains: the parameters after the last step)."""
     import distributed
 
-    def dev_score(modules, encode, senteval_dir):
+    def dev_measures(modules, encode, senteval_dir):
         state = {f"{i}.{k}": v.detach().clone() for i, m in enumerate(modules) for k, v in m.state_dict().items()}
         torch.save(state, Path(out) / f"params_rank{distributed.rank()}.pt")
-        return real_dev_score(modules, encode, senteval_dir)
-    return dev_score
+        return real_dev_measures(modules, encode, senteval_dir)
+    return dev_measures
 
 
 METHOD_FLAGS = {
@@ -56,7 +56,7 @@ def run_in_this_process(script, args, out, monkeypatch):
     import importlib
     import common
     out.mkdir(parents=True)
-    monkeypatch.setattr(common, "dev_score", recording_dev_score(common.dev_score, out))
+    monkeypatch.setattr(common, "dev_measures", recording_dev_measures(common.dev_measures, out))
     importlib.import_module(script).main([*map(str, args), "--output_dir", str(out), "--overwrite_output_dir"])
     return out
 
@@ -92,7 +92,7 @@ def test_two_processes_train_like_one(script, no_dropout_model, corpus, senteval
     r1, r2 = (json.loads((o / "results.json").read_text()) for o in (one_out, two_out))
     assert r2["world_size"] == 2 and r1["world_size"] == 1
     assert r1["steps"] == r2["steps"] == 2
-    assert [s for s, _ in r1["dev_curve"]] == [s for s, _ in r2["dev_curve"]] == [0, 1, 2]
+    assert [s for s, _ in gates(r1)] == [s for s, _ in gates(r2)] == [0, 1, 2]
     assert r1["train_loss"] == pytest.approx(r2["train_loss"], rel=1e-5)
     # written once, by process 0: one results.json, one checkpoint, one "wrote" line
     assert sorted(p.name for p in two_out.iterdir() if not p.name.startswith("params")) == ["best", "results.json"]

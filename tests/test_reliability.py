@@ -12,7 +12,7 @@ import torch
 
 import common
 import plumbing
-from conftest import ROOT, run_script, smoke_args
+from conftest import ROOT, gates, run_script, smoke_args
 
 SCRIPTS = ["simcse", "simcsepp", "sscl", "whitenedcse", "micse"]
 METHOD_FLAGS = {"whitenedcse": ["--num_groups", "16"]}
@@ -150,8 +150,8 @@ def test_signal_stops_at_a_step_boundary_and_keeps_what_the_run_reached(signum, 
     results = json.loads((out / "results.json").read_text())
     assert results["interrupted"] is True and results["interrupted_during"] == "training" and "test" not in results
     assert 5 <= results["steps"] < 100_000 and len(results["train_loss"]) == results["steps"]
-    assert results["dev_curve"][:2] == [[0, results["dev_curve"][0][1]], [5, results["dev_curve"][1][1]]]
-    assert results["best_step"] in [s for s, _ in results["dev_curve"]]
+    assert [s for s, _ in gates(results)][:2] == [0, 5]
+    assert results["best_step"] in [s for s, _ in gates(results)]
     from transformers import AutoModel
     AutoModel.from_pretrained(out / "best")
 
@@ -243,19 +243,18 @@ def test_an_undefined_dev_score_counts_as_the_worst_and_results_stay_valid_json(
     and results.json holds null, not a bare NaN."""
     import eval_sts
     import simcse
-    real_evaluate = eval_sts.evaluate
+    real_stsb_dev = eval_sts.stsb_dev
 
-    def undefined_dev(encode, senteval_dir, tasks=None, mode="test", **kwargs):
-        scores = real_evaluate(encode, senteval_dir, tasks, mode, **kwargs)
-        return {k: float("nan") for k in scores} if mode == "dev" else scores
-    monkeypatch.setattr(eval_sts, "evaluate", undefined_dev)
+    def undefined_dev(encode, senteval_dir, **kwargs):
+        return {**real_stsb_dev(encode, senteval_dir, **kwargs), "STSBenchmark": float("nan")}
+    monkeypatch.setattr(eval_sts, "stsb_dev", undefined_dev)
     out = tmp_path / "run"
     simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval")])
     assert "the STS-B dev score is undefined" in capsys.readouterr().out
     text = (out / "results.json").read_text()
     results = json.loads(text, parse_constant=lambda c: pytest.fail(f"results.json holds {c}"))
     assert results["best_step"] == 0 and results["best_dev_stsb"] is None
-    assert results["dev_curve"] == [[0, None], [2, None], [4, None]] and (out / "best" / "config.json").is_file()
+    assert gates(results) == [[0, None], [2, None], [4, None]] and (out / "best" / "config.json").is_file()
     assert "align_uniform" in results  # the final evaluation found best/
 
 

@@ -9,7 +9,7 @@ import pytest
 import common
 import eval_sts
 import plumbing
-from conftest import SHARED, in_process_scores, needs_shared, random_sentence, run_script, smoke_args
+from conftest import SHARED, gates, in_process_scores, needs_shared, random_sentence, run_script, smoke_args
 
 
 def test_unsupervised_smoke_run_writes_loadable_checkpoint(tiny_model, corpus, senteval_dir, tmp_path):
@@ -17,10 +17,10 @@ def test_unsupervised_smoke_run_writes_loadable_checkpoint(tiny_model, corpus, s
     proc = run_script("simcse.py", *smoke_args(tiny_model, corpus, senteval_dir, out))
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
-    assert [s for s, _ in results["dev_curve"]] == [0, 2, 4] and results["precision"] == "fp32"
-    assert [s for s, _ in results["train_time_curve"]] == [0, 2, 4]
-    assert results["train_time_curve"][-1][1] == pytest.approx(results["train_time_s"], abs=0.01)
-    assert results["best_dev_stsb"] == max(v for _, v in results["dev_curve"])
+    assert [s for s, _ in gates(results)] == [0, 2, 4] and results["precision"] == "fp32"
+    assert [row["step"] for row in results["trajectory"]] == [0, 2, 4]
+    assert results["trajectory"][-1]["train_time_s"] == pytest.approx(results["train_time_s"], abs=0.01)
+    assert results["best_dev_stsb"] == max(v for _, v in gates(results))
     assert results["best_step"] in (0, 2, 4) and results["steps"] == 4 and results["steps_per_second"] > 0
     assert len(results["train_loss"]) == 4 and results["interrupted"] is False
     assert set(results["test"]) == set(eval_sts.TASKS) | {"avg"}
@@ -127,8 +127,8 @@ def test_simcse_on_minilm_improves_over_its_start(tmp_path):
                                   "--max_steps", 5, "--eval_steps", 5, "--batch_size", 16, "--output_dir", out,
                                   "--no_test_eval", "--device", "cpu"]])
     results = json.loads((out / "results.json").read_text())
-    assert results["dev_curve"][0] == [0, 79.73]  # the untrained [CLS] dev figure from ../shared/models/README.md
-    assert [s for s, _ in results["dev_curve"]] == [0, 5] and results["best_step"] == 5
+    assert gates(results)[0] == [0, 79.73]  # the untrained [CLS] dev figure from ../shared/models/README.md
+    assert [s for s, _ in gates(results)] == [0, 5] and results["best_step"] == 5
     assert results["best_dev_stsb"] > 79.73 and (out / "best" / "model.safetensors").is_file()
     assert results["precision"] == "fp32"
 

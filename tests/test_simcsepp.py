@@ -109,6 +109,6 @@ def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
     proc = run_script("simcsepp.py", *smoke_args(tiny_model, corpus, senteval_dir, out))
     assert proc.returncode == 0, proc.stderr
     results = json.loads((out / "results.json").read_text())
-    assert results["method"] == "simcsepp" and results["args"]["m"] == 0.9 and len(results["dev_curve"]) == 3
+    assert results["method"] == "simcsepp" and results["args"]["m"] == 0.9 and len(results["trajectory"]) == 3
     assert in_process_scores(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
                              "--pooler", "cls_before_pooler") == results["test"]

@@ -1,0 +1,102 @@
+"""The trajectory every run records (dev gates, --align_uniform_steps, lr, gradient norms) and --report_to."""
+import json
+import sys
+
+import pytest
+
+import plumbing
+from conftest import gates, smoke_args
+
+SCRIPTS = ["simcse", "simcsepp", "sscl", "whitenedcse", "micse"]
+METHOD_FLAGS = {"whitenedcse": ["--num_groups", "16"], "sscl": ["--neg_layers", "1"]}
+
+
+@pytest.fixture(scope="module")
+def au_run(tiny_model, corpus, senteval_dir, tmp_path_factory):
+    """simcse.py with alignment/uniformity at every step and dev gates at 0, 2 and 4."""
+    import simcse
+    out = tmp_path_factory.mktemp("trajectory") / "run"
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--align_uniform_steps", 1,
+                                            "--no_test_eval", "--warmup_steps", 1)])
+    return json.loads((out / "results.json").read_text())
+
+
+def test_every_step_of_align_uniform_steps_has_a_row_and_only_eval_steps_gate(au_run):
+    rows = au_run["trajectory"]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3, 4]
+    assert [row["gate"] for row in rows] == [True, False, True, False, True]
+    assert all({"stsb_dev", "align", "uniform", "lr", "train_time_s"} <= set(row) for row in rows)
+    assert 0 <= min(row["align"] for row in rows) and max(row["uniform"] for row in rows) <= 0
+    # the best checkpoint is chosen at the gates only
+    assert au_run["best_dev_stsb"] == max(dev for _, dev in gates(au_run))
+    assert [row["train_time_s"] for row in rows] == sorted(row["train_time_s"] for row in rows)
+
+
+def test_lr_and_gradient_norms_follow_the_schedule(au_run):
+    """One warm-up step, then linear decay to 0 over the 4 steps; lr at row k is what the scheduler set after step
+    k (at row 0 the warm-up's 0); one gradient norm per step, before clipping."""
+    lr = 3e-5
+    assert [row["lr"] for row in au_run["trajectory"]] == pytest.approx([0, lr, lr * 2 / 3, lr / 3, 0])
+    assert len(au_run["grad_norm"]) == len(au_run["train_loss"]) == au_run["steps"] == 4
+    assert all(norm > 0 for norm in au_run["grad_norm"])
+
+
+def test_the_trajectory_ends_are_the_initial_and_best_checkpoints_align_uniform(au_run):
+    """Step 0's values are the pretrained model's, the best step's those of best/ reloaded (the final evaluation):
+    the gate measures what eval_sts.align_uniform measures."""
+    rows = {row["step"]: row for row in au_run["trajectory"]}
+    for which, step in (("initial", 0), ("best", au_run["best_step"])):
+        for key in ("align", "uniform"):
+            assert rows[step][key] == pytest.approx(au_run["align_uniform"][which][key], abs=2e-4), (which, key)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_method_records_the_trajectory(script, tiny_model, corpus, senteval_dir, tmp_path):
+    import importlib
+    out = tmp_path / "run"
+    importlib.import_module(script).main([str(a) for a in smoke_args(
+        tiny_model, corpus, senteval_dir, out, "--no_test_eval", "--max_steps", 2, *METHOD_FLAGS.get(script, []))])
+    results = json.loads((out / "results.json").read_text())
+    assert [(row["step"], row["gate"]) for row in results["trajectory"]] == [(0, True), (2, True)]
+    assert all(isinstance(row["align"], float) for row in results["trajectory"])
+    assert len(results["grad_norm"]) == 2 and "dev_curve" not in results
+
+
+def test_the_older_format_still_loads():
+    old = {"dev_curve": [[0, 70.0], [5, 71.0]], "train_time_curve": [[0, 0.0], [2, 1.0], [5, 2.5]]}
+    assert plumbing.trajectory(old) == [{"step": 0, "train_time_s": 0.0, "stsb_dev": 70.0, "gate": True},
+                                        {"step": 2, "train_time_s": 1.0},
+                                        {"step": 5, "train_time_s": 2.5, "stsb_dev": 71.0, "gate": True}]
+    new = {"trajectory": [{"step": 0}]}
+    assert plumbing.trajectory(new) is new["trajectory"]
+
+
+def test_report_to_tensorboard_writes_the_scalars(tiny_model, corpus, senteval_dir, tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is a test requirement (requirements-test.txt)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    import simcse
+    out = tmp_path / "run"
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval",
+                                            "--report_to", "tensorboard")])
+    events = EventAccumulator(str(out / "tb")).Reload()
+    assert sorted(events.Tags()["scalars"]) == ["dev/align", "dev/stsb_dev", "dev/uniform", "train/grad_norm",
+                                                "train/loss", "train/lr"]
+    results = json.loads((out / "results.json").read_text())
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(results["train_loss"])
+    assert [(e.step, round(e.value, 2)) for e in events.Scalars("dev/stsb_dev")] == [tuple(g) for g in gates(results)]
+    # a second run over it (--overwrite_output_dir) replaces the first run's events instead of mixing them in
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval", "--max_steps",
+                                            2, "--report_to", "tensorboard", "--overwrite_output_dir")])
+    assert [e.step for e in EventAccumulator(str(out / "tb")).Reload().Scalars("train/loss")] == [1, 2]
+
+
+def test_report_to_tensorboard_without_the_package_is_one_line(tiny_model, corpus, senteval_dir, tmp_path,
+                                                               monkeypatch):
+    import simcse
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # what importlib sees when it is not installed
+    out = tmp_path / "run"
+    with pytest.raises(plumbing.UsageError, match="--report_to tensorboard needs the tensorboard package: pip "
+                                                  "install tensorboard"):
+        simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--report_to",
+                                                "tensorboard")])
+    assert not out.exists()
