@@ -168,7 +168,7 @@ def check_args(args) -> None:
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise plumbing.UsageError(f"--output_dir {out} is a file; give a folder")
-    holds_a_run = (out / "results.json").exists() or (out / "best").exists()
+    holds_a_run = any((out / name).exists() for name in ("results.json", "best", "tb"))
     if holds_a_run and not args.overwrite_output_dir:
         raise plumbing.UsageError(f"--output_dir {out} already holds a run; pass "
                                   "--overwrite_output_dir or another folder")

@@ -12,7 +12,7 @@ and a run whose JSON has no "transfer" yet only gets its transfer evaluation, so
 and started again and completes in pieces. Checkpoints go to runs/report/ (not committed); each run's
 results.json is copied to results/ with the run's wall and CPU time under "report". The transfer tasks run
 with `eval_transfer.py --mode fasttest` on each best checkpoint (TRANSFER_MODE). The plots need matplotlib
-(`pip install matplotlib`); without it they are skipped with a message.
+(in requirements.txt); without it they are skipped with a message.
 """
 from __future__ import annotations
 

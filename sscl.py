@@ -22,7 +22,8 @@ the HF Trainer it uses.
 Choices: intermediate-layer negatives keep their gradients (they are part of the same forward pass,
 not a detached memory); SetSim is reported for every pair of adjacent transformer layers (1-2, ...,
 (L-1)-L), on the layer's sentence representation before the MLP ([CLS] or masked mean), averaged
-over the distinct STS-B test sentences.
+over the distinct STS-B test sentences (analyze.py's SetSim; `analyze.py setsim` measures any
+checkpoint the same way).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+import analyze
 import common
 import distributed
 import eval_sts
@@ -103,37 +105,6 @@ def layer_representations(hidden_states, attention_mask, layers, pooler: str, he
                   .chunk(num_views)) for layer in layers]
 
 
-def set_sim(hidden_states, attention_mask, pooler: str) -> torch.Tensor:
-    """SetSim (Eq. 2) of each sentence for adjacent layers (1,2), ..., (L-1,L): shape (L-1, N)."""
-    pooler = "cls_before_pooler" if pooler == "cls" else pooler
-    reps = [eval_sts.pool(hidden_states[:layer + 1], attention_mask, pooler)
-            for layer in range(1, len(hidden_states))]
-    return torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1)
-                        for a, b in zip(reps, reps[1:])])
-
-
-@torch.no_grad()
-def oversmoothing(backbone, tokenizer, pooler: str, senteval_dir, device,
-                  desc: str = "SetSim") -> dict:
-    """Mean SetSim over the distinct STS-B test sentences, per adjacent layer pair (Figure 1), in
-    eval mode."""
-    pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", "test")
-    sentences = sorted({s for pair in pairs for s in pair[:2]})
-    was_training = backbone.training
-    backbone.eval()
-    total = 0.0
-    with plumbing.Progress(len(sentences), desc, unit="sentence") as bar:
-        for i in range(0, len(sentences), 128):
-            batch = tokenizer(sentences[i:i + 128], padding=True, truncation=True,
-                              return_tensors="pt").to(device)
-            hidden_states = backbone(**batch, output_hidden_states=True).hidden_states
-            total = total + set_sim(hidden_states, batch["attention_mask"], pooler).sum(dim=1)
-            bar.update(len(batch["input_ids"]))
-    backbone.train(was_training)
-    means = (total / len(sentences)).tolist()
-    return {f"{layer}-{layer + 1}": round(v, 4) for layer, v in enumerate(means, start=1)}
-
-
 def main(argv=None):
     args = parse_args(argv)
     common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
@@ -168,8 +139,8 @@ def main(argv=None):
                                  args.neg_layer_index)
     setsim = None
     if args.report_oversmoothing and distributed.rank() == 0:
-        setsim = {"before": oversmoothing(backbone, tokenizer, args.pooler, senteval_dir, device,
-                                          "SetSim before")}
+        setsim = {"before": analyze.oversmoothing(backbone, tokenizer, args.pooler, senteval_dir,
+                                                  device, "SetSim before")}
     summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
                                  device)
 
@@ -242,8 +213,8 @@ def main(argv=None):
     distributed.shutdown()
     if setsim is not None and stop.signum is None:
         best = plumbing.load_pretrained(str(Path(args.output_dir) / "best"))[1].to(device)
-        setsim["after"] = oversmoothing(best, tokenizer, args.pooler, senteval_dir, device,
-                                        "SetSim after")
+        setsim["after"] = analyze.oversmoothing(best, tokenizer, args.pooler, senteval_dir, device,
+                                                "SetSim after")
     # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated
     # on the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
     if distributed.rank() == 0:

@@ -1,4 +1,5 @@
-"""sscl.py: the loss against a loop, the negative layers, SetSim on hand-built hidden states, a smoke run."""
+"""sscl.py: the loss against a loop, the negative layers, a smoke run with the over-smoothing report (SetSim
+itself: test_analyze.py)."""
 import json
 import math
 import types
@@ -67,19 +68,6 @@ def test_layer_representations_come_from_the_right_layers():
     head = common.MLPHead(types.SimpleNamespace(hidden_size=dim, initializer_range=0.02))
     reps = sscl.layer_representations(hidden, mask, [2], "cls", head)
     assert torch.allclose(reps[0][0], head(hidden[2][:n, 0]))
-
-
-def test_set_sim_on_hand_built_hidden_states():
-    mask = torch.tensor([[1, 1], [1, 0]])
-    h1 = torch.tensor([[[1., 0.], [1., 0.]], [[1., 0.], [5., 5.]]])
-    h2 = torch.tensor([[[0., 1.], [0., 1.]], [[1., 1.], [9., 9.]]])
-    h3 = torch.tensor([[[0., 2.], [0., 2.]], [[2., 2.], [0., 0.]]])
-    hidden = (torch.zeros(2, 2, 2), h1, h2, h3)
-    got = sscl.set_sim(hidden, mask, "avg")
-    s = 1 / math.sqrt(2)
-    assert torch.allclose(got, torch.tensor([[0.0, s], [1.0, 1.0]]), atol=1e-6)
-    got_cls = sscl.set_sim(hidden, mask, "cls")
-    assert torch.allclose(got_cls, torch.tensor([[0.0, s], [1.0, 1.0]]), atol=1e-6)
 
 
 def test_only_cls_and_avg_poolers_and_avg_by_default():
