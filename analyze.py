@@ -19,9 +19,10 @@
   (SSCL Figure 1). sscl.py --report_oversmoothing uses the same functions.
 
 Models: `--model_name_or_path A B ...` (a hub id or folder, with `--pooler`, one for all or one each), or a run's
-results.json given as a positional argument: its best/ checkpoint with its evaluation pooler. `--labels` name the
-lines (default: the paths). Output: `--out DIR` (default analysis/) gets <analysis>.png and <analysis>.json;
-existing ones are replaced only with --overwrite.
+results.json given as a positional argument (before the options): its best/ checkpoint with its evaluation
+pooler. `--labels` name the lines, the --model_name_or_path models first (default: the paths; a run's method and
+folder). Output: `--out DIR` (default analysis/) gets <analysis>.png and <analysis>.json; existing ones are
+replaced only with --overwrite.
 Choices: the spectrum is of L2-normalised embeddings (the space of cosine similarity and of l_uniform), not
 centred, since the shared mean direction is part of the anisotropy it shows (SimCSE F.1 does not say); SimCSE's
 figures use STS-B without naming the split, and the test split is used here (--split dev for the dev split); for
@@ -154,14 +155,17 @@ def pyplot():
 def plot_trajectory(runs: dict, path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 5.5))
+    starts = set()  # runs from the same checkpoint share a start: label it once
     for label, points in runs.items():
         x, y = [p["uniform"] for p in points], [p["align"] for p in points]
         line, = ax.plot(x, y, marker="o", markersize=3, linewidth=0.8, label=label)
         for i in range(len(points) - 1):
             ax.annotate("", xy=(x[i + 1], y[i + 1]), xytext=(x[i], y[i]),
                         arrowprops=dict(arrowstyle="->", color=line.get_color(), lw=1.0))
-        ax.annotate(f"step {points[0]['step']}", (x[0], y[0]), fontsize=7, color=line.get_color(),
-                    xytext=(4, 4), textcoords="offset points")
+        if (x[0], y[0]) not in starts:
+            ax.annotate(f"step {points[0]['step']}", (x[0], y[0]), fontsize=7, color=line.get_color(),
+                        xytext=(4, 4), textcoords="offset points")
+            starts.add((x[0], y[0]))
         ax.annotate(f"step {points[-1]['step']}", (x[-1], y[-1]), fontsize=7, color=line.get_color(),
                     xytext=(4, -10), textcoords="offset points")
     finish(fig, ax, path, "ℓ_uniform (lower is better)", "ℓ_align (lower is better)",
@@ -264,7 +268,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model_name_or_path", nargs="+", default=[], help="checkpoints: hub ids or folders")
     parser.add_argument("--pooler", nargs="+", default=["cls_before_pooler"], choices=eval_sts.POOLERS,
                         help="the --model_name_or_path models' pooler: one for all or one each")
-    parser.add_argument("--labels", nargs="+", default=None, help="a name for each line, in the order given")
+    parser.add_argument("--labels", nargs="+", default=None,
+                        help="a name for each line: the --model_name_or_path models first, then the runs")
     parser.add_argument("--senteval_dir", default=None, help="SentEval data folder (default: HF senteval.tar)")
     parser.add_argument("--split", default="test", choices=["test", "dev"], help="the STS-B split (default test)")
     parser.add_argument("--out", default="analysis", help="folder for <analysis>.png and <analysis>.json")
