@@ -247,3 +247,17 @@ def test_the_page_states_the_device_memory_and_corpus_its_results_record(tmp_pat
     committed = (ROOT / "RESULTS.md").read_text()  # the CPU results: what the page said before, from data
     assert "2 cores, CPU only;" in committed and "peak RSS on CPU" in committed
     assert "(11,900 Wikipedia sentences, about 40% of one pass)" in committed and "86.72, not 79.73" in committed
+
+
+def test_runs_with_a_trajectory_give_the_page_that_the_older_dev_curve_gave(tmp_path):
+    """results.json's trajectory replaced dev_curve: both formats load, and to the same page."""
+    old = fake_results(tmp_path / "results")
+    report.write(old, tmp_path / "OLD.md", plots=False)
+    for path in old.glob("*.seed4?.json"):
+        run = json.loads(path.read_text())
+        run["trajectory"] = [{"step": step, "train_time_s": 1.0, "lr": 3e-5, "stsb_dev": dev, "align": 0.1,
+                              "uniform": -2.0, "gate": True} for step, dev in run.pop("dev_curve")]
+        path.write_text(json.dumps(run))
+    report.write(old, tmp_path / "NEW.md", plots=False)
+    assert (tmp_path / "NEW.md").read_text() == (tmp_path / "OLD.md").read_text()
+    assert "79.00" in (tmp_path / "NEW.md").read_text()  # the step-0 dev figure, read from the trajectory
