@@ -27,6 +27,7 @@ import distributed
 import eval_sts
 import eval_transfer
 import plumbing
+import resume
 
 MICSE_DATA_REPO = "sap-ai-research/datasets-for-micse"
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -89,6 +90,15 @@ def base_parser(doc: str, method: str) -> plumbing.Parser:
                    help="best checkpoint (best/) + results.json (default runs/<method>)")
     g.add_argument("--overwrite_output_dir", action="store_true",
                    help="allow an --output_dir that holds a run")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in --output_dir from its last/ (the same "
+                        "arguments), to exactly the result of an uninterrupted run")
+    g.add_argument("--save_steps", type=int, default=None,
+                   help="also save last/ every this many steps (saved at every dev gate and on "
+                        "Ctrl-C / SIGTERM)")
+    g.add_argument("--keep_last", action="store_true",
+                   help="keep last/ when the run completes (the weights, twice their size of "
+                        "optimiser state, the RNG streams)")
     g.add_argument("--no_test_eval", action="store_true", help="skip the final STS test evaluation")
     g.add_argument("--eval_transfer", nargs="?", const="test", choices=["test", "fasttest"],
                    default=None, help="also evaluate the best checkpoint on SentEval's 7 transfer "
@@ -155,7 +165,8 @@ def check_args(args) -> None:
     check(args, "seed", lambda v: 0 <= v < 2**32, "0 <= seed < 2^32")
     check(args, "batch_size", lambda v: v >= 2, "at least 2 (one sentence has no negatives)")
     check(args, "max_seq_length", lambda v: 2 <= v <= 512, "2..512 tokens")
-    for name in ("lr", "temp", "epochs", "eval_steps", "logging_steps", "align_uniform_steps"):
+    for name in ("lr", "temp", "epochs", "eval_steps", "logging_steps", "align_uniform_steps",
+                 "save_steps"):
         check(args, name, lambda v: v > 0, "a positive number")
     for name in ("max_steps", "warmup_steps", "max_grad_norm", "num_workers"):
         check(args, name, lambda v: v >= 0, "a non-negative number")
@@ -168,8 +179,13 @@ def check_args(args) -> None:
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise plumbing.UsageError(f"--output_dir {out} is a file; give a folder")
-    holds_a_run = any((out / name).exists() for name in ("results.json", "best", "tb"))
-    if holds_a_run and not args.overwrite_output_dir:
+    holds_a_run = any((out / name).exists() for name in ("results.json", "best", "tb", "last"))
+    if args.resume and args.overwrite_output_dir:
+        raise plumbing.UsageError("--resume continues the run in --output_dir and "
+                                  "--overwrite_output_dir replaces it: give one of them")
+    if args.resume:
+        resume.check(args)  # a last/ to resume from, and the run's own arguments
+    elif holds_a_run and not args.overwrite_output_dir:
         raise plumbing.UsageError(f"--output_dir {out} already holds a run; pass "
                                   "--overwrite_output_dir or another folder")
 
@@ -311,6 +327,7 @@ class BatchSampler:
         self.n, self.batch_size, self.seed = num_examples, batch_size, seed
         self.rank, self.world = rank, world_size
         self.min_rows, self.epoch, last = max(min_rows, world_size), 0, num_examples % batch_size
+        self.skip = 0  # --resume: batches of the next epoch's order already trained on
         if 0 < last < self.min_rows:
             distributed.log(f"note: the last batch of each epoch has {last} example(s), fewer "
                             f"than the {self.min_rows} this method needs; it is skipped")
@@ -322,11 +339,12 @@ class BatchSampler:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.n, generator=generator).tolist()
         self.epoch += 1
-        for start in range(0, self.n, self.batch_size):
-            rows = order[start:start + self.batch_size]
-            if len(rows) >= self.min_rows:
-                n = len(rows)
-                yield rows[n * self.rank // self.world:n * (self.rank + 1) // self.world]
+        batches = [order[i:i + self.batch_size] for i in range(0, self.n, self.batch_size)]
+        batches = [rows for rows in batches if len(rows) >= self.min_rows]
+        skip, self.skip = self.skip, 0
+        for rows in batches[skip:]:
+            n = len(rows)
+            yield rows[n * self.rank // self.world:n * (self.rank + 1) // self.world]
 
 
 class TokenizedCorpus:
@@ -389,9 +407,11 @@ def make_loader(corpus: TokenizedCorpus, args, device,
                                   f"{world} processes")
     sampler = BatchSampler(len(corpus), args.batch_size, args.seed, min_rows, distributed.rank(),
                            world)
+    # its own generator: starting an epoch draws nothing from the RNG stream dropout uses (--resume)
     return torch.utils.data.DataLoader(range(len(corpus)), batch_sampler=sampler,
                                        collate_fn=corpus.collate, num_workers=args.num_workers,
-                                       pin_memory=device.type == "cuda")
+                                       pin_memory=device.type == "cuda",
+                                       generator=torch.Generator().manual_seed(args.seed))
 
 
 def repeat_views(batch: dict, num_views: int) -> dict:
@@ -492,10 +512,14 @@ class History:
     (`record`: a row at every log, dev and --align_uniform_steps step). Step k's loss is
     losses[k - 1]."""
 
-    def __init__(self, args):
-        self.losses, self.grad_norms, self.trajectory, self.pending = [], [], [], []
+    def __init__(self, args, saved: dict):
+        """`saved`: resume.new_run() or the record of the run being resumed (--resume)."""
+        self.losses, self.grad_norms = list(saved["losses"]), list(saved["grad_norms"])
+        self.trajectory, self.resumptions = list(saved["trajectory"]), list(saved["resumptions"])
+        self.pending = []
         self.writer = plumbing.tensorboard(args.report_to, Path(args.output_dir) / "tb",
-                                           distributed.rank() == 0)
+                                           distributed.rank() == 0,
+                                           saved["next_step"] if args.resume else None)
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.pending.append(torch.stack([loss.detach().float(), grad_norm.float()]))
@@ -563,7 +587,7 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> Non
     weights (as SimCSE's simcse_to_huggingface.py does), so `eval_sts.py --pooler cls` on the
     checkpoint is the head."""
     if distributed.rank() == 0:
-        target, tmp, old = (Path(out_dir) / name for name in ("best", "best.tmp", "best.old"))
+        target, tmp = Path(out_dir) / "best", Path(out_dir) / "best.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         state = backbone.state_dict()  # the training model itself stays untouched
         if isinstance(head, MLPHead) and "pooler.dense.weight" in state:
@@ -577,11 +601,7 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> Non
         # save_pretrained writes the weights through a 0600 temporary file
         for path in tmp.rglob("*"):
             path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-        if target.exists():
-            # a kill between the two renames leaves the previous best whole in best.old
-            target.rename(old)
-        tmp.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
+        plumbing.swap_in(tmp, target)  # a kill leaves the previous best whole (best.old at worst)
     distributed.barrier()
 
 
@@ -601,7 +621,8 @@ def run_record(args, eval_pooler: str, device, stop, history: History, train_tim
                "device": str(device), "world_size": distributed.world_size(),
                "precision": args.precision, "eval_pooler": eval_pooler, **run,
                "steps": len(losses), "train_loss": losses, "grad_norm": history.grad_norms,
-               "trajectory": history.trajectory, "train_time_s": round(train_time, 2),
+               "trajectory": history.trajectory, "resumptions": history.resumptions,
+               "train_time_s": round(train_time, 2),
                "steps_per_second": round(len(losses) / train_time, 3) if train_time else 0.0,
                "peak_memory_mb": round(peak / 2**20, 1),
                "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",

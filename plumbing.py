@@ -270,15 +270,17 @@ def check_installed(needed: bool, package: str, flag: str) -> None:
         raise UsageError(f"{flag} needs the {package} package: pip install {package}")
 
 
-def tensorboard(report_to: str, folder: Path, enabled: bool = True):
-    """--report_to tensorboard: a SummaryWriter on `folder`, flushed every 10 s; None otherwise. A previous run's events there are removed: --overwrite_output_dir replaces that run."""
+def tensorboard(report_to: str, folder: Path, enabled: bool = True, resume_at: int | None = None):
+    """--report_to tensorboard: a SummaryWriter on `folder`, flushed every 10 s; None otherwise. A previous run's
+    events there are removed (--overwrite_output_dir replaces that run), unless the run resumes at step
+    `resume_at`: then its events from that step on, written after its last save, are dropped."""
     if report_to != "tensorboard" or not enabled:
         return None
     from torch.utils.tensorboard import SummaryWriter
-    if folder.exists():
+    if folder.exists() and resume_at is None:
         write(f"removing the previous run's TensorBoard events in {folder}")
         shutil.rmtree(folder)
-    return SummaryWriter(str(folder), flush_secs=10)
+    return SummaryWriter(str(folder), flush_secs=10, purge_step=resume_at)
 
 
 def add_scalars(writer, step: int, values: dict) -> None:
@@ -299,6 +301,17 @@ def trajectory(results: dict) -> list[dict]:
     for step, dev in results.get("dev_curve", []):
         rows.setdefault(step, {"step": step}).update(stsb_dev=dev, gate=True)
     return [rows[step] for step in sorted(rows)]
+
+
+def swap_in(tmp: Path, target: Path) -> None:
+    """Replace the folder `target` by the complete folder `tmp` with two renames: a kill between them leaves the
+    previous one whole in <target>.old (and a kill before them leaves `target` as it was)."""
+    old = target.with_name(target.name + ".old")
+    if target.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+    tmp.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def check_json_path(path: str | None) -> None:
@@ -374,11 +387,12 @@ class Progress:
     Costs a clock read per update: nothing waits for a GPU."""
 
     def __init__(self, total: int, desc: str, unit: str = "it", enabled: bool = True, leave: bool = False,
-                 report_each: bool = False):
-        self.total, self.desc, self.unit, self.n, self.postfix = total, desc, unit, 0, ""
+                 report_each: bool = False, initial: int = 0):
+        self.total, self.desc, self.unit, self.n, self.postfix = total, desc, unit, initial, ""
+        self.initial = initial  # done before (a resumed run): not in the rate
         self.enabled, self.report_each = enabled, report_each  # report_each: a plain line for every update
         self.interval = float(os.environ.get("PROGRESS_INTERVAL", 10))
-        self.bar = tqdm(total=total, desc=desc, unit=unit, leave=leave, **width()) \
+        self.bar = tqdm(total=total, desc=desc, unit=unit, leave=leave, initial=initial, **width()) \
             if enabled and interactive() else None
         self.start = self.last = self.last_update = time.monotonic()
         self.lines = 0
@@ -415,7 +429,7 @@ class Progress:
 
     def line(self, now: float) -> str:
         elapsed = now - self.start
-        rate = self.n / elapsed if elapsed > 0 else 0.0
+        rate = (self.n - self.initial) / elapsed if elapsed > 0 else 0.0
         eta = (self.total - self.n) / rate if rate > 0 else None
         done = f"{self.n}/{self.total} {self.unit}s ({100 * self.n / max(self.total, 1):.0f}%)"
         postfix = f"  {self.postfix}" if self.postfix else ""

@@ -45,6 +45,7 @@ import common
 import distributed
 import eval_sts
 import plumbing
+import resume
 
 
 # Section 4.1: "384" groups for BERT-base and -large, "256" for RoBERTa-base and -large. 384 does
@@ -172,12 +173,19 @@ def main(argv=None):
 
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     stop = distributed.StopSignal()
+    # what last/ saves for --resume, with the RNG streams, the data position and the record so far
+    run_state = {"backbone": backbone, "head": head, "optimizer": optimizer,
+                 "scheduler": scheduler, "scaler": scaler, "shuffle_generator": generator}
+    # --resume: restored from last/ (the RNG streams last of all); otherwise a run from step 0
+    saved = resume.restore(args, run_state, loader, device) if args.resume else resume.new_run()
+    best_dev, best_step, train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
+    history = common.History(args, saved)  # losses, gradient norms, the trajectory; --report_to
     batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
-    best_dev, best_step = -math.inf, None
-    history = common.History(args)  # losses, gradient norms, the trajectory; --report_to
-    train_time, clock = 0.0, time.perf_counter()
-    bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True)
-    for step in range(total_steps + 1):  # step 0 only evaluates the initial model
+    clock = time.perf_counter()
+    bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
+                            initial=len(history.losses))
+    # step 0 only evaluates the initial model
+    for step in range(saved["next_step"], total_steps + 1):
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             # the encoder only: whitening and loss are fp32
@@ -208,7 +216,9 @@ def main(argv=None):
         dev_step = step % args.eval_steps == 0 or step == total_steps
         # --align_uniform_steps: STS-B dev encoded between the gates too, for the trajectory
         align_uniform_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
-        if dev_step or align_uniform_step or stopping or step % args.logging_steps == 0:
+        # last/ for --resume: at each dev gate, every --save_steps, and when a signal stops the run
+        save_step = dev_step or stopping or bool(args.save_steps) and step % args.save_steps == 0
+        if save_step or align_uniform_step or step % args.logging_steps == 0:
             # one host sync; the first NaN or inf loss stops the run with its step
             history.read()
             # the device has finished every step up to here
@@ -227,6 +237,9 @@ def main(argv=None):
                     common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
                 message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
             history.record(point)  # results.json's trajectory; --report_to's scalars
+            if save_step:  # written whole or not at all
+                loop = {"best_dev": best_dev, "best_step": best_step, "train_time": train_time}
+                resume.save(args, step, run_state, loader, history, loop)
             distributed.log(message)
             bar.set_postfix(loss=history.losses[-1] if history.losses else None, best_dev=best_dev)
             clock = time.perf_counter()  # the dev gate and the log are not training time
@@ -257,6 +270,7 @@ def main(argv=None):
                     results["transfer"] = common.transfer_scores(
                         encode, senteval_dir, args, device, results)
         plumbing.write_json(out / "results.json", results)
+        resume.drop(args, results)  # a completed run needs no last/ (unless --keep_last)
         distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
     stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM
 

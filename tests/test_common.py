@@ -9,6 +9,7 @@ import torch
 import common
 import eval_sts
 import plumbing
+import resume
 
 
 def loop_info_nce(z1, z2, temp, z3=None, weight=0.0):
@@ -231,11 +232,11 @@ def test_padding_to_a_multiple_of_8_and_on_the_left(tiny_model):
 
 
 def history_args(tmp_path, report_to="none"):
-    return types.SimpleNamespace(report_to=report_to, output_dir=str(tmp_path))
+    return types.SimpleNamespace(report_to=report_to, output_dir=str(tmp_path), resume=False)
 
 
 def test_history_reads_losses_and_norms_at_once_and_names_the_first_bad_step(tmp_path):
-    history = common.History(history_args(tmp_path))
+    history = common.History(history_args(tmp_path), resume.new_run())
     history.add(torch.tensor(1.5), torch.tensor(0.5))
     history.read()
     history.read()  # nothing new: nothing changes
@@ -286,7 +287,7 @@ def test_dev_measures_are_the_dev_score_and_align_uniform_of_the_same_model(tiny
 def test_tensorboard_scalars_read_back(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is a test requirement (requirements-test.txt)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    history = common.History(history_args(tmp_path, "tensorboard"))
+    history = common.History(history_args(tmp_path, "tensorboard"), resume.new_run())
     history.add(torch.tensor(2.0), torch.tensor(0.5))
     history.read()
     history.record({"step": 1, "train_time_s": 0.1, "lr": 3e-5, "stsb_dev": 70.0, "align": 0.2,

@@ -1,0 +1,142 @@
+"""--resume: a run's whole training state in <output_dir>/last/, restored so that the resumed run continues exactly
+as an uninterrupted one would have (the same losses, dev curve and best checkpoint, bit for bit).
+
+What a reader of a method file can skip: a method file names what its state holds (`run_state`: the encoder, the
+head, the optimiser, the schedule, the GradScaler and whatever else its numbers depend on) and calls `save` where
+the loop saves, `restore` before the loop and `drop` after results.json. The loop saves at every dev gate, every
+--save_steps and when Ctrl-C or SIGTERM stops it.
+
+last/ holds:
+- state.pt, written by process 0 (the state is the same on every process): each `run_state` object's state_dict,
+  and the loop's record (best dev score and step, training time, losses, gradient norms, trajectory, resumptions);
+- rng_rank<r>.pt, one per process: its RNG streams (torch CPU and CUDA, Python's `random`, NumPy) and the state
+  of each torch.Generator in `run_state` (miCSE's AMI samples, WhitenedCSE's shuffles), which differ by process;
+- run.json: the arguments, the last step done, its epoch and position in that epoch's seeded order, and the
+  number of processes.
+It is written into last.tmp/ and swapped in with two renames, as best/ is: a kill at any moment leaves last/ or,
+between the two renames, last.old/, each whole, and `restore` reads whichever is there.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import distributed
+import plumbing
+
+# Flags that do not change a run's numbers: they may differ when it is resumed.
+FREE_FLAGS = {"resume", "overwrite_output_dir", "keep_last", "save_steps", "eval_transfer", "num_workers",
+              "report_to", "logging_steps", "align_uniform_steps", "no_test_eval", "output_dir",
+              "presets", "backbone_config"}  # the last two are derived from the others
+
+
+def new_run() -> dict:
+    """The record of a run that starts at step 0."""
+    return {"next_step": 0, "best_dev": -math.inf, "best_step": None, "train_time": 0.0, "losses": [],
+            "grad_norms": [], "trajectory": [], "resumptions": []}
+
+
+def folder(output_dir) -> Path | None:
+    """last/, or last.old/ when a kill came between the two renames of a save; None when neither is there."""
+    for name in ("last", "last.old"):
+        if (Path(output_dir) / name / "run.json").is_file():
+            return Path(output_dir) / name
+    return None
+
+
+def check(args) -> None:
+    """--resume, before any work: a last/ to resume from, and the resumed run's arguments (those known so far;
+    `restore` compares the rest)."""
+    last = folder(args.output_dir)
+    if last is None:
+        raise plumbing.UsageError(f"--resume: {args.output_dir} has no last/ to resume from (a run writes it at "
+                                  "its first dev gate and deletes it when it completes, unless --keep_last)")
+    compare(vars(args), json.loads((last / "run.json").read_text())["args"], last, skip_unset=True)
+
+
+def compare(current: dict, saved: dict, last: Path, skip_unset: bool = False) -> None:
+    """The first argument that defines the run and differs from the saved run's, in one line."""
+    for name, value in current.items():
+        if name in FREE_FLAGS or name not in saved or (skip_unset and value is None):
+            continue
+        if json.loads(json.dumps(value)) != saved[name]:
+            raise plumbing.UsageError(f"--resume: --{name} is {value} here but {saved[name]} in the run in {last}; "
+                                      "resume it with its own arguments, or start a new run in another "
+                                      "--output_dir")
+
+
+def save(args, step: int, run_state: dict, loader, history, loop: dict) -> None:
+    """last/ after `step`: `run_state`, the RNG streams, the data position, and the record so far (`history` and
+    `loop`: best_dev, best_step, train_time). Every process takes part."""
+    out = Path(args.output_dir)
+    tmp = out / "last.tmp"
+    if distributed.rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    distributed.barrier()
+    generators = {name: g.get_state() for name, g in run_state.items() if isinstance(g, torch.Generator)}
+    torch.save({"rng": rng_state(), "generators": generators}, tmp / f"rng_rank{distributed.rank()}.pt")
+    distributed.barrier()
+    if distributed.rank() == 0:
+        state = {name: obj.state_dict() for name, obj in run_state.items()
+                 if obj is not None and not isinstance(obj, torch.Generator)}
+        state["record"] = {**loop, "losses": history.losses, "grad_norms": history.grad_norms,
+                           "trajectory": history.trajectory, "resumptions": history.resumptions}
+        torch.save(state, tmp / "state.pt")
+        per_epoch = len(loader)
+        plumbing.write_json(tmp / "run.json", {"args": vars(args), "step": step, "epoch": step // per_epoch,
+                                               "position": step % per_epoch,
+                                               "world_size": distributed.world_size()})
+        plumbing.swap_in(tmp, out / "last")
+    distributed.barrier()
+
+
+def restore(args, run_state: dict, loader, device) -> dict:
+    """last/ into `run_state` on every process, the batch sampler moved to where the run stopped, and the RNG
+    streams last of all; the loop's record, with "next_step"."""
+    last = folder(args.output_dir)
+    run = json.loads((last / "run.json").read_text())
+    compare(vars(args), run["args"], last)  # now with what the method filled in (miCSE's AMI layers)
+    if run["world_size"] != distributed.world_size():
+        raise plumbing.UsageError(f"--resume: the run in {last} had {run['world_size']} process(es), this one "
+                                  f"has {distributed.world_size()}; resume it with as many")
+    state = torch.load(last / "state.pt", map_location=device, weights_only=False)
+    for name, obj in run_state.items():
+        if obj is not None and not isinstance(obj, torch.Generator) and state[name]:
+            obj.load_state_dict(state[name])  # an empty state is a disabled GradScaler's
+    loader.batch_sampler.epoch, loader.batch_sampler.skip = run["epoch"], run["position"]
+    per_process = torch.load(last / f"rng_rank{distributed.rank()}.pt", weights_only=False)
+    for name, generator_state in per_process["generators"].items():
+        run_state[name].set_state(generator_state)
+    set_rng_state(per_process["rng"])
+    record = state["record"]
+    record.update(next_step=run["step"] + 1, resumptions=record["resumptions"] + [run["step"]])
+    distributed.log(f"resuming {args.output_dir} after step {run['step']} (epoch {run['epoch']}, batch "
+                    f"{run['position']} of its order) from {last}")
+    return record
+
+
+def drop(args, results: dict) -> None:
+    """A completed run needs no last/: deleted (process 0) unless --keep_last or the run was interrupted."""
+    if not results["interrupted"] and not args.keep_last:
+        for name in ("last", "last.old", "last.tmp"):
+            shutil.rmtree(Path(args.output_dir) / name, ignore_errors=True)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if state["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])

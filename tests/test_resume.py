@@ -1,0 +1,220 @@
+"""--resume: a run stopped by SIGTERM and resumed (twice) ends bit-identical to the same run done straight."""
+import csv
+import itertools
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import distributed
+import plumbing
+import resume
+from conftest import ROOT, gates, random_sentence, smoke_args
+
+# 20 examples at batch 8 are 3 steps an epoch (8, 8, 4): 6 steps are two epochs. The first run is stopped at
+# step 2 (a dev gate, within epoch 0), the resumed one at step 3 (between gates, at the epoch's end).
+STOPS = (2, 3)
+CASES = {"simcse": [], "simcse-sup": ["--supervised"], "simcsepp": [], "sscl": ["--neg_layers", "1"],
+         "whitenedcse": ["--num_groups", "16"], "micse": ["--queue_size", "12"]}
+
+
+def write_nli(path, n=20):
+    rng = random.Random(5)
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["sent0", "sent1", "hard_neg"])
+        for _ in range(n):
+            writer.writerow([random_sentence(rng), random_sentence(rng), random_sentence(rng)])
+    return path
+
+
+def case_args(case, tiny_model, corpus, senteval_dir, out, tmp_path):
+    data = write_nli(tmp_path / "nli.csv") if case == "simcse-sup" else corpus
+    fraction = [] if case == "simcse-sup" else ["--fraction", 0.1]
+    return [str(a) for a in smoke_args(tiny_model, data, senteval_dir, out, "--max_steps", 6, "--no_test_eval",
+                                       "--lr", 1e-3, *fraction, *CASES[case])]
+
+
+def sigterm_at(monkeypatch, step):
+    """The loop asks the StopSignal once a step, from step 0 (or the step it resumes at): SIGTERM this process
+    when it asks at `step`, as SLURM's pre-emption would during that step."""
+    real = distributed.StopSignal.requested
+    calls = itertools.count()
+
+    def requested(self):
+        if next(calls) == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self)
+    monkeypatch.setattr(distributed.StopSignal, "requested", requested)
+
+
+def run(script, argv, monkeypatch, stop_at=None, first_step=0):
+    import importlib
+    with monkeypatch.context() as patch:
+        if stop_at is not None:
+            sigterm_at(patch, stop_at - first_step)
+        try:
+            importlib.import_module(script).main(argv)
+        except SystemExit as stopped:
+            assert stop_at is not None and stopped.code == 143
+            return
+    assert stop_at is None
+
+
+def outcome(out):
+    results = json.loads((out / "results.json").read_text())
+    weights = {f.name: load_file(f) for f in sorted((out / "best").glob("*.safetensors"))}
+    return results, weights
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tiny_model, corpus, senteval_dir, tmp_path_factory):
+    """Each case run straight, once."""
+    import importlib
+    outs = {}
+    for case in CASES:
+        tmp = tmp_path_factory.mktemp(f"straight-{case}")
+        importlib.import_module(case.split("-")[0]).main(case_args(case, tiny_model, corpus, senteval_dir,
+                                                                   tmp / "run", tmp))
+        outs[case] = tmp / "run"
+    return outs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_resumed_run_is_bit_identical_to_a_straight_one(case, straight_runs, tiny_model, corpus, senteval_dir,
+                                                          tmp_path, monkeypatch):
+    script, out = case.split("-")[0], tmp_path / "run"
+    argv = case_args(case, tiny_model, corpus, senteval_dir, out, tmp_path)
+    run(script, argv, monkeypatch, stop_at=STOPS[0])
+    interrupted = json.loads((out / "results.json").read_text())
+    assert interrupted["interrupted"] is True and interrupted["steps"] == STOPS[0]
+    assert json.loads((out / "last" / "run.json").read_text())["step"] == STOPS[0]
+    run(script, argv + ["--resume"], monkeypatch, stop_at=STOPS[1], first_step=STOPS[0] + 1)
+    assert json.loads((out / "last" / "run.json").read_text())["step"] == STOPS[1]
+    run(script, argv + ["--resume"], monkeypatch)
+
+    (resumed, resumed_weights), (straight, straight_weights) = outcome(out), outcome(straight_runs[case])
+    assert resumed["train_loss"] == straight["train_loss"]  # bit for bit: floats compared exactly
+    assert resumed["grad_norm"] == straight["grad_norm"]
+    assert gates(resumed) == gates(straight) and resumed["best_step"] == straight["best_step"]
+    assert resumed["best_dev_stsb"] == straight["best_dev_stsb"]
+    assert resumed["align_uniform"] == straight["align_uniform"]
+    assert resumed_weights.keys() == straight_weights.keys()
+    for name in resumed_weights:
+        for key in resumed_weights[name]:
+            assert torch.equal(resumed_weights[name][key], straight_weights[name][key]), key
+    assert resumed["resumptions"] == list(STOPS) and straight["resumptions"] == []
+    assert not (out / "last").exists()  # a completed run deletes it
+
+
+def test_resume_with_a_changed_lr_is_one_line_naming_it(tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    import simcse
+    out = tmp_path / "run"
+    argv = case_args("simcse", tiny_model, corpus, senteval_dir, out, tmp_path)
+    run("simcse", argv, monkeypatch, stop_at=2)
+    with pytest.raises(plumbing.UsageError, match=r"--resume: --lr is 0.002 here but 0.001 in the run in .*last"):
+        simcse.main(argv + ["--resume", "--lr", "2e-3"])
+    # flags that do not change the numbers may differ
+    simcse.main(argv + ["--resume", "--num_workers", "1", "--logging_steps", "1", "--keep_last"])
+    assert (out / "last" / "run.json").is_file()  # --keep_last
+
+
+def test_resume_without_last_is_one_line_and_the_guards_stay(tiny_model, corpus, senteval_dir, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "simcse.py"),
+                           *case_args("simcse", tiny_model, corpus, senteval_dir, out, tmp_path), "--resume"],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --resume: {out} has no last/ to resume from")
+    import simcse
+    argv = case_args("simcse", tiny_model, corpus, senteval_dir, out, tmp_path)
+    with pytest.raises(plumbing.UsageError, match="give one of them"):
+        simcse.main(argv + ["--resume", "--overwrite_output_dir"])
+
+
+def test_a_kill_while_writing_last_leaves_a_loadable_state(tiny_model, corpus, senteval_dir, tmp_path,
+                                                           monkeypatch, straight_runs):
+    """Killed in the middle of writing the state file (the previous last/ stays) or between the two renames (the
+    previous one is in last.old/): --resume continues from it to the straight run's result."""
+    import simcse
+    out = tmp_path / "run"
+    argv = case_args("simcse", tiny_model, corpus, senteval_dir, out, tmp_path)
+    real_save, real_rename = torch.save, type(out).rename
+
+    def killed_while_saving(obj, path, *args, **kwargs):
+        if "last.tmp" in str(path) and str(path).endswith("state.pt") and "record" in obj and \
+                len(obj["record"]["losses"]) == 4:  # the save at step 4
+            real_save(obj, path, *args, **kwargs)
+            with open(path, "r+b") as f:
+                f.truncate(100)  # half a file
+            raise KeyboardInterrupt
+        return real_save(obj, path, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", killed_while_saving)
+    with pytest.raises(KeyboardInterrupt):
+        simcse.main(argv)
+    monkeypatch.setattr(torch, "save", real_save)
+    assert json.loads((out / "last" / "run.json").read_text())["step"] == 2 and (out / "last.tmp").exists()
+
+    def killed_between_renames(self, target):
+        if self.name == "last.tmp":
+            raise KeyboardInterrupt
+        return real_rename(self, target)
+    monkeypatch.setattr(type(out), "rename", killed_between_renames)
+    with pytest.raises(KeyboardInterrupt):
+        simcse.main(argv + ["--resume"])  # resumes after step 2, killed in the save at step 4
+    monkeypatch.setattr(type(out), "rename", real_rename)
+    assert not (out / "last").exists() and resume.folder(out) == out / "last.old"
+
+    simcse.main(argv + ["--resume"])
+    resumed, straight = outcome(out)[0], outcome(straight_runs["simcse"])[0]
+    # the first resumption's record went with its unfinished save: the run resumed from step 2's state once
+    assert resumed["train_loss"] == straight["train_loss"] and resumed["resumptions"] == [2]
+    assert not any((out / name).exists() for name in ("last", "last.old", "last.tmp"))
+
+
+DRIVER = '''
+import itertools, os, signal, sys
+sys.path[:0] = [{root!r}]
+import distributed, importlib, plumbing
+stop_at, argv = int(sys.argv[1]), sys.argv[2:]
+real, calls = distributed.StopSignal.requested, itertools.count()
+def requested(self):
+    if next(calls) == stop_at and distributed.rank() == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(self)
+distributed.StopSignal.requested = requested
+plumbing.cli(lambda: importlib.import_module("micse").main(argv))
+'''
+
+
+def test_resume_under_torchrun(tiny_model, corpus, senteval_dir, tmp_path):
+    """Two processes (gloo): process 0 gets the SIGTERM, both stop at the same step, both resume; the losses equal
+    a straight two-process run's. miCSE: per-process AMI generators and slices, and the shared queue."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(root=str(ROOT)))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+
+    def launch(out, stop_at, *extra):
+        argv = case_args("micse", tiny_model, corpus, senteval_dir, out, tmp_path) + ["--device", "cpu", *extra]
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                               "2", str(driver), str(stop_at), *argv], capture_output=True, text=True, cwd=ROOT,
+                              env=env, timeout=600)
+    straight = launch(tmp_path / "straight", -1)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    stopped = launch(tmp_path / "resumed", 3)
+    assert stopped.returncode != 0 and "signal SIGTERM" in stopped.stdout + stopped.stderr
+    assert sorted(p.name for p in (tmp_path / "resumed" / "last").iterdir()) == ["rng_rank0.pt", "rng_rank1.pt",
+                                                                                "run.json", "state.pt"]
+    resumed = launch(tmp_path / "resumed", -1, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("straight", "resumed"))
+    assert a["world_size"] == b["world_size"] == 2 and b["resumptions"] == [3]
+    assert a["train_loss"] == b["train_loss"] and gates(a) == gates(b)
+    shutil.rmtree(tmp_path / "straight")
