@@ -2,6 +2,7 @@
 
 Nothing here needs the network or ../shared.
 """
+import csv
 import json
 import os
 import random
@@ -109,6 +110,17 @@ def in_process_scores(evaluator, *args):
     with tempfile.TemporaryDirectory() as tmp:
         evaluator.main([*map(str, args), "--json", f"{tmp}/scores.json"])
         return json.loads(Path(f"{tmp}/scores.json").read_text())
+
+
+def write_nli(path, n=24):
+    """An NLI triplet file (sent0, sent1, hard_neg) of `n` random rows."""
+    rng = random.Random(5)
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["sent0", "sent1", "hard_neg"])
+        for _ in range(n):
+            w.writerow([random_sentence(rng), random_sentence(rng), random_sentence(rng)])
+    return path
 
 
 def gates(results: dict) -> list[list]:

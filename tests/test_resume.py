@@ -1,9 +1,7 @@
 """--resume: a run stopped by SIGTERM and resumed (twice) ends bit-identical to the same run done straight."""
-import csv
 import itertools
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -16,7 +14,7 @@ from safetensors.torch import load_file
 import distributed
 import plumbing
 import resume
-from conftest import ROOT, gates, random_sentence, smoke_args
+from conftest import ROOT, gates, smoke_args, write_nli
 
 # 20 examples at batch 8 are 3 steps an epoch (8, 8, 4): 6 steps are two epochs. The first run is stopped at
 # step 2 (a dev gate, within epoch 0), the resumed one at step 3 (between gates, at the epoch's end).
@@ -25,18 +23,8 @@ CASES = {"simcse": [], "simcse-sup": ["--supervised"], "simcsepp": [], "sscl": [
          "whitenedcse": ["--num_groups", "16"], "micse": ["--queue_size", "12"]}
 
 
-def write_nli(path, n=20):
-    rng = random.Random(5)
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["sent0", "sent1", "hard_neg"])
-        for _ in range(n):
-            writer.writerow([random_sentence(rng), random_sentence(rng), random_sentence(rng)])
-    return path
-
-
 def case_args(case, tiny_model, corpus, senteval_dir, out, tmp_path):
-    data = write_nli(tmp_path / "nli.csv") if case == "simcse-sup" else corpus
+    data = write_nli(tmp_path / "nli.csv", 20) if case == "simcse-sup" else corpus
     fraction = [] if case == "simcse-sup" else ["--fraction", 0.1]
     return [str(a) for a in smoke_args(tiny_model, data, senteval_dir, out, "--max_steps", 6, "--no_test_eval",
                                        "--lr", 1e-3, *fraction, *CASES[case])]

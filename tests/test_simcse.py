@@ -1,5 +1,4 @@
 """simcse.py end to end on the tiny model, the supervised path, and the one-line errors."""
-import csv
 import json
 import random
 
@@ -9,7 +8,8 @@ import pytest
 import common
 import eval_sts
 import plumbing
-from conftest import SHARED, gates, in_process_scores, needs_shared, random_sentence, run_script, smoke_args
+from conftest import (SHARED, gates, in_process_scores, needs_shared, random_sentence, run_script, smoke_args,
+                      write_nli)
 
 
 def test_unsupervised_smoke_run_writes_loadable_checkpoint(tiny_model, corpus, senteval_dir, tmp_path):
@@ -45,16 +45,6 @@ def test_ten_sentences_at_batch_four_are_three_steps_an_epoch(tiny_model, sentev
     assert json.loads((out / "results.json").read_text())["steps"] == 3
     simcse.main([str(a) for a in args + ["--epochs", 2, "--overwrite_output_dir"]])
     assert json.loads((out / "results.json").read_text())["steps"] == 6
-
-
-def write_nli(path, n=24):
-    rng = random.Random(5)
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["sent0", "sent1", "hard_neg"])
-        for _ in range(n):
-            w.writerow([random_sentence(rng), random_sentence(rng), random_sentence(rng)])
-    return path
 
 
 def test_supervised_smoke_run(tiny_model, senteval_dir, tmp_path):
