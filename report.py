@@ -17,11 +17,14 @@ with `eval_transfer.py --mode fasttest` on each best checkpoint (TRANSFER_MODE).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import os
 import platform
+import queue
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -29,6 +32,7 @@ import types
 from pathlib import Path
 
 import plumbing
+import protocols
 
 ROOT = Path(__file__).resolve().parent
 SHARED = ROOT.parent / "shared"
@@ -107,11 +111,12 @@ def command(script, flags, seed, out_dir):
             "--overwrite_output_dir"]
 
 
-def timed(cmd) -> dict:
-    """Run cmd in ROOT (an error stops the report); its wall time and its processes' CPU time."""
+def timed(cmd, env=None) -> dict:
+    """Run cmd in ROOT (an error raises); its wall time and its processes' CPU time (all children's, when runs
+    go on at once)."""
     print("== " + " ".join(str(c) for c in cmd[1:]), flush=True)
     cpu_before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    subprocess.run(cmd, cwd=ROOT, check=True, env=env)
     cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cost = {"wall_s": round(time.perf_counter() - start, 1),
             "cpu_s": round(cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime, 1)}
@@ -548,18 +553,140 @@ def plot_align_uniform(runs, results_dir, main_names, few_names):
     print(f"wrote {results_dir / 'align_uniform.png'}")
 
 
+def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None) -> None:
+    """Every run of `protocol` not finished yet (a stopped one resumes from its last/), one at a time or one per
+    GPU of --gpus at once; each run's results.json, with its wall and CPU time, goes to results/<name>/."""
+    every = protocols.runs(protocol, extra)
+    done = protocols.collect(protocol, RESULTS)
+    todo = [run for run in every if run["seed"] not in done.get(run["row"], {})]
+    print(f"protocol {protocol['name']}: {len(every)} runs, {len(every) - len(todo)} done, {len(todo)} to make "
+          f"({'one per GPU on ' + str(len(gpus)) + ' GPUs' if gpus else 'one at a time'}); wall time: "
+          f"{protocols.estimate(protocol, todo, done)}", flush=True)
+    free = queue.Queue()
+    for gpu in gpus or [None]:
+        free.put(gpu)
+
+    def make(run):
+        gpu = free.get()
+        try:
+            resume = ["--resume"] if (ROOT / run["out"] / "last").is_dir() else []
+            env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
+            cost = timed([sys.executable, *run["argv"], *resume], env)
+            results = json.loads((ROOT / run["out"] / "results.json").read_text())
+            folder = RESULTS / protocol["name"]
+            folder.mkdir(parents=True, exist_ok=True)
+            plumbing.write_json(folder / f"{run['row']}.seed{run['seed']}.json", {**results, "report": cost})
+        finally:
+            free.put(gpu)
+    if gpus:
+        with concurrent.futures.ThreadPoolExecutor(len(gpus)) as pool:
+            errors = list(pool.map(failed_run(make), todo))
+    else:
+        errors = [failed_run(make)(run) for run in todo]
+    failed = [(run, err) for run, err in zip(todo, errors) if err]
+    for run, err in failed:
+        print(f"== failed: {protocols.command_line(run)} ({err})", flush=True)
+    protocols.write_page(protocol, RESULTS)
+    if failed:
+        raise SystemExit(1)
+
+
+def failed_run(make):
+    """make(run) returning None, or the error of a run that failed (the others go on)."""
+    def wrapped(run):
+        try:
+            make(run)
+        except (subprocess.CalledProcessError, OSError, json.JSONDecodeError) as err:
+            return err
+        return None
+    return wrapped
+
+
+def check_gpus(text: str | None) -> list[int] | None:
+    """--gpus 0,1,2: those CUDA devices must exist here (one line otherwise)."""
+    if text is None:
+        return None
+    try:
+        gpus = [int(g) for g in text.split(",")]
+    except ValueError:
+        fail(f"--gpus {text}: give GPU indices separated by commas, e.g. 0,1,2,3")
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus or min(gpus) < 0 or max(gpus) >= count:
+        fail(f"--gpus {text}: this machine has {count} CUDA GPU(s)")
+    return gpus
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["run", "write"])
-    parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS, help="seeds of every run (default 42 43 44)")
-    parser.add_argument("--only", nargs="+", choices=[r[0] for r in RUNS + FEW_SHOT], help="run these rows only")
+    parser.add_argument("action", choices=["run", "write", "commands"])
+    parser.add_argument("--protocol", default="smoke",
+                        help="smoke (RESULTS.md), paper, fewshot, sweep, or a protocol JSON file (protocols.py)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="seeds of every run (default: the protocol's; smoke: 42 43 44)")
+    parser.add_argument("--only", nargs="+", help="these rows only")
     parser.add_argument("--no_transfer", action="store_true", help="skip the transfer evaluations")
+    parser.add_argument("--gpus", default=None, help="run concurrently, one run per GPU: 0,1,2,3")
+    parser.add_argument("--args", default="", help="flags added to every run, e.g. \"--model_name_or_path DIR "
+                                                   "--train_file FILE --senteval_dir DIR\" on a machine offline")
+    g = parser.add_argument_group("--protocol sweep")
+    g.add_argument("--script", help="the method script, e.g. simcsepp.py")
+    g.add_argument("--flag", help="the swept flag, e.g. m")
+    g.add_argument("--values", nargs="+", help="its values, e.g. 0.8 0.9 1.0")
+    g.add_argument("--flags", default="", help="other flags of every run of the sweep")
+    g.add_argument("--base", choices=["paper", "smoke"], default="paper",
+                   help="paper: the script's paper defaults; smoke: the MiniLM CPU settings on ../shared")
     args = parser.parse_args(argv)
-    if args.action == "run":
-        if not (SHARED / "models" / "all-MiniLM-L6-v2").is_dir():
-            fail("report.py run needs ../shared (all-MiniLM-L6-v2, wiki1m_head.txt, senteval)")
-        run_all(args.seeds, args.only, not args.no_transfer)
-    write()
+    try:
+        if args.protocol == "smoke":
+            if args.action == "commands":
+                for seed in args.seeds or SEEDS:
+                    for name, script, flags, *_ in RUNS + FEW_SHOT:
+                        if not args.only or name in args.only:
+                            out = Path("runs") / "report" / f"{name}.seed{seed}"
+                            print(" ".join(["python", *map(str, command(script, flags, seed, out)[1:])]))
+                return
+            if args.action == "run":
+                if not (SHARED / "models" / "all-MiniLM-L6-v2").is_dir():
+                    fail("report.py run needs ../shared (all-MiniLM-L6-v2, wiki1m_head.txt, senteval)")
+                run_all(args.seeds or SEEDS, args.only, not args.no_transfer)
+            write()
+            return
+        protocol = protocols_for(args)
+        gpus = check_gpus(args.gpus)
+        if args.action == "commands":
+            for run in protocols.runs(protocol, shlex.split(args.args)):
+                print(protocols.command_line(run))
+        elif args.action == "run":
+            run_protocol(protocol, shlex.split(args.args), gpus)
+        else:
+            protocols.write_page(protocol, RESULTS)
+    except plumbing.UsageError as err:
+        fail(str(err))
+
+
+def protocols_for(args) -> dict:
+    """The protocol the flags name, with --seeds, --only and --no_transfer applied."""
+    if args.protocol == "sweep":
+        if not (args.script and args.flag and args.values):
+            fail("--protocol sweep needs --script, --flag and --values (e.g. --script simcsepp.py --flag m "
+                 "--values 0.8 0.9 1.0)")
+        if not (ROOT / args.script).is_file():
+            fail(f"--script {args.script}: no such script here")
+        protocol = protocols.sweep_protocol(args.script, args.flag, args.values, args.seeds or [42, 43],
+                                            shlex.split(args.flags), args.base)
+    else:
+        protocol = dict(protocols.load(args.protocol))
+    if args.seeds:
+        protocol["seeds"] = args.seeds
+    if args.only:
+        unknown = set(args.only) - {row["name"] for row in protocol["rows"]}
+        if unknown:
+            fail(f"--only {' '.join(sorted(unknown))}: no such row in protocol {protocol['name']}")
+        protocol["rows"] = [row for row in protocol["rows"] if row["name"] in args.only]
+    if args.no_transfer:
+        protocol["transfer"] = None
+    return protocol
 
 
 if __name__ == "__main__":

@@ -1,0 +1,306 @@
+"""report.py's protocols: which runs reproduce which table, the papers' numbers to put beside ours, and the page.
+
+A protocol is a dict (built in below, or a JSON file of the same shape given as `--protocol FILE`):
+
+    {"name": "paper",                       # its folder: runs/<name>/ and results/<name>/
+     "description": "...",                 # the page's first line
+     "args": [...],                         # flags every run gets (before its own)
+     "rows": [{"name", "script", "flags", "paper"}, ...],   # "paper": a key of PAPER, or null
+     "seeds": [42, 43, 44, 45, 46],
+     "transfer": null | "test" | "fasttest", # --eval_transfer of every run
+     "sweep": {"flag": "m", "values": [...]}  # only for a sweep: the rows are its values
+    }
+
+Built in: `paper` (SimCSE Table 5 and its followers' BERT-base rows at each script's paper defaults), `fewshot`
+(miCSE Table 2 on the authors' subsets, seeds 48-52, and its Figure 3 curve) and `sweep` (one script, one flag,
+a list of values: `sweep_protocol`). `smoke` is report.py's own CPU protocol and page (RESULTS.md).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from pathlib import Path
+
+import plumbing
+
+ROOT = Path(__file__).resolve().parent
+RUNS_DIR = Path("runs")  # the runs' output folders, relative to the suite
+STS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness", "avg"]
+TRANSFER = ["MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC", "avg"]
+
+# The papers' numbers, transcribed once: (source, {column: value or (value, ±)}). Checked against
+# ../shared/papers/ by tests/test_protocols.py.
+PAPER = {
+    "simcse": ("SimCSE Table 5, unsup-SimCSE-BERT-base",
+               dict(zip(STS, [68.40, 82.41, 74.38, 80.91, 78.56, 76.85, 72.23, 76.25]))),
+    "simcse-sup": ("SimCSE Table 5, sup-SimCSE-BERT-base",
+                   dict(zip(STS, [75.30, 84.67, 80.19, 85.40, 80.82, 84.25, 80.39, 81.57]))),
+    "simcsepp": ("SimCSE++ Table 3, SimCSE++-BERT-base",
+                 dict(zip(STS, [73.66, 82.36, 75.86, 83.09, 79.76, 79.71, 71.91, 78.05]))),
+    "sscl": ("SSCL Table 2, SSCL-SimCSE-BERT-base",
+             dict(zip(STS, [71.68, 83.50, 76.42, 83.46, 78.39, 79.03, 71.76, 77.90]))),
+    "whitenedcse": ("WhitenedCSE abstract (Table 1's cells are not in the text)", {"avg": 78.78}),
+    "micse": ("miCSE Table 1, miCSE", dict(zip(STS, [71.71, 83.09, 75.46, 83.13, 80.22, 79.70, 73.62, 78.13]))),
+    # miCSE Table 2: the 7-task average, mean ± std over the five subsets (none for 100%)
+    **{f"{method}-{label}": (f"miCSE Table 2, {paper_name} {label}", {"avg": cell})
+       for method, paper_name, cells in (
+           ("simcse", "SimCSE", ((67.94, 1.16), (74.96, 0.65), (75.76, 0.24), 76.15)),
+           ("ami", "AMI+SimCSE", ((73.85, 0.49), (76.21, 0.28), (76.31, 0.46), 76.88)),
+           ("micse", "miCSE", ((73.68, 0.89), (76.40, 0.48), (76.38, 0.35), 78.13)))
+       for label, cell in zip(("0.1%", "1%", "10%", "100%"), cells)},
+}
+FEW_SHOT_FRACTIONS = {"0.1%": 0.001, "1%": 0.01, "10%": 0.1, "100%": 1.0}
+FEW_SHOT_METHODS = {"simcse": ("simcse.py", []), "ami": ("micse.py", ["--queue_size", "0"]),
+                    "micse": ("micse.py", [])}
+
+BUILT_IN = {
+    "paper": {
+        "name": "paper",
+        "description": "Every method at its paper's defaults on BERT-base (bert-base-uncased, the full wiki1m, "
+                       "NLI for supervised SimCSE, the official SentEval data), five seeds, SentEval's transfer "
+                       "tasks in their full protocol: SimCSE Table 5 and the BERT-base rows of its followers.",
+        "args": [], "seeds": [42, 43, 44, 45, 46], "transfer": "test",
+        "rows": [{"name": "simcse", "script": "simcse.py", "flags": [], "paper": "simcse"},
+                 {"name": "simcse-sup", "script": "simcse.py", "flags": ["--supervised"], "paper": "simcse-sup"},
+                 {"name": "simcsepp", "script": "simcsepp.py", "flags": [], "paper": "simcsepp"},
+                 {"name": "sscl", "script": "sscl.py", "flags": [], "paper": "sscl"},
+                 {"name": "whitenedcse", "script": "whitenedcse.py", "flags": [], "paper": "whitenedcse"},
+                 {"name": "micse", "script": "micse.py", "flags": [], "paper": "micse"}]},
+    "fewshot": {
+        "name": "fewshot",
+        "description": "miCSE Table 2 and Figure 3: SimCSE, AMI+SimCSE (miCSE without its queue) and miCSE on "
+                       "0.1%, 1% and 10% of wiki1m (the authors' released subsets: seeds 48-52) and on all of "
+                       "it, BERT-base, each with its per-fraction schedule.",
+        "args": [], "seeds": [48, 49, 50, 51, 52], "transfer": None,
+        "rows": [{"name": f"{method}-{label}", "script": script, "paper": f"{method}-{label}",
+                  "flags": [*flags, "--fraction", f"{fraction:g}"] if fraction < 1 else flags}
+                 for label, fraction in FEW_SHOT_FRACTIONS.items()
+                 for method, (script, flags) in FEW_SHOT_METHODS.items()]},
+}
+# The CPU protocol of report.py's smoke page, also a base for sweeps on ../shared (--base smoke)
+SMOKE_ARGS = ["--model_name_or_path", "../shared/models/all-MiniLM-L6-v2", "--train_file",
+              "../shared/data/wiki1m_head.txt", "--senteval_dir", "../shared/data/senteval", "--batch_size", "32",
+              "--lr", "3e-5", "--warmup_steps", "0", "--max_steps", "150", "--eval_steps", "50"]
+
+
+def sweep_protocol(script: str, flag: str, values: list[str], seeds: list[int], flags: list[str],
+                   base: str) -> dict:
+    """One script, one flag over `values`, the other flags fixed (e.g. SimCSE++ Table 5's m)."""
+    name = f"sweep-{Path(script).stem}-{flag.lstrip('-')}"
+    return {"name": name, "description": f"{script} with --{flag.lstrip('-')} in {{{', '.join(values)}}}"
+            + (f", {' '.join(flags)}" if flags else "") + (" on the smoke protocol's MiniLM CPU settings"
+                                                           if base == "smoke" else " at the paper's defaults"),
+            "args": SMOKE_ARGS if base == "smoke" else [], "seeds": seeds, "transfer": None,
+            "sweep": {"flag": flag.lstrip("-"), "values": values},
+            "rows": [{"name": f"{flag.lstrip('-')}={value}", "script": script, "paper": None,
+                      "flags": [*flags, f"--{flag.lstrip('-')}", value]} for value in values]}
+
+
+def load(name_or_file: str) -> dict:
+    """A built-in protocol by name, or a JSON file; one line for anything else."""
+    if name_or_file in BUILT_IN:
+        return BUILT_IN[name_or_file]
+    path = Path(name_or_file)
+    if not path.is_file():
+        raise plumbing.UsageError(f"--protocol {name_or_file}: neither a built-in protocol "
+                                  f"({', '.join(['smoke', *BUILT_IN, 'sweep'])}) nor a JSON file")
+    try:
+        protocol = json.loads(path.read_text())
+        for key in ("name", "rows", "seeds"):
+            protocol[key]
+        for row in protocol["rows"]:
+            row["name"], row["script"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise plumbing.UsageError(f"--protocol {path}: not a protocol ({err!r}); see protocols.py") from None
+    return {"description": "", "args": [], "transfer": None, **protocol}
+
+
+# ----------------------------------------------------------------------------------------------------- runs
+def runs(protocol: dict, extra: list[str] = ()) -> list[dict]:
+    """Every run of a protocol, seed by seed: {"row", "seed", "out", "argv"} (argv without the interpreter)."""
+    found = []
+    for seed in protocol["seeds"]:
+        for row in protocol["rows"]:
+            out = RUNS_DIR / protocol["name"] / f"{row['name']}.seed{seed}"
+            transfer = ["--eval_transfer", protocol["transfer"]] if protocol.get("transfer") else []
+            argv = [row["script"], *protocol["args"], *row.get("flags", []), *extra, "--seed", str(seed),
+                    *transfer, "--output_dir", str(out)]
+            found.append({"row": row["name"], "seed": seed, "out": out, "argv": argv})
+    return found
+
+
+def command_line(run: dict) -> str:
+    return "python " + " ".join(shlex.quote(str(a)) for a in run["argv"])
+
+
+def collect(protocol: dict, results_dir: Path) -> dict[str, dict[int, dict]]:
+    """{row: {seed: results.json}}: results/<name>/ first, then any finished run under runs/<name>/ (made by
+    `commands` on another machine, say), copied in."""
+    folder = results_dir / protocol["name"]
+    found = {}
+    for run in runs(protocol):
+        kept = folder / f"{run['row']}.seed{run['seed']}.json"
+        made = ROOT / run["out"] / "results.json"
+        if not kept.exists() and made.exists():
+            results = json.loads(made.read_text())
+            if not results.get("interrupted"):
+                folder.mkdir(parents=True, exist_ok=True)
+                plumbing.write_json(kept, results)
+        if kept.exists():
+            found.setdefault(run["row"], {})[run["seed"]] = json.loads(kept.read_text())
+    return found
+
+
+def estimate(protocol: dict, todo: list[dict], done: dict) -> str:
+    """Wall time of the runs still to make, from the finished runs of the same row (report.py's timings, or the
+    run's own training time): 'unknown' for rows with none."""
+    known, unknown = 0.0, 0
+    for run in todo:
+        costs = [r.get("report", {}).get("wall_s") or r.get("train_time_s") for r in done.get(run["row"], {}).values()]
+        costs = [c for c in costs if c]
+        if costs:
+            known += sum(costs) / len(costs)
+        else:
+            unknown += 1
+    text = f"about {plumbing.duration(known)} for the runs of rows already measured" if known else ""
+    if unknown:
+        text += ("; " if text else "") + f"{unknown} run(s) of rows not measured yet (no estimate)"
+    return text or "nothing to run"
+
+
+# ----------------------------------------------------------------------------------------------------- page
+def mean_std(values):
+    n = len(values)
+    mean = sum(values) / n
+    return mean, (math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan)
+
+
+def cell(mean: float, std: float) -> str:
+    return f"{mean:.2f}" if math.isnan(std) else f"{mean:.2f} ± {std:.2f}"
+
+
+def paper_cell(value) -> str:
+    return cell(*value) if isinstance(value, tuple) else f"{value:.2f}"
+
+
+def score_rows(protocol: dict, found: dict, columns: list[str], key: str) -> list[str]:
+    """For each row: the paper's cells (with their source), ours (mean ± std over the seeds), and ours − paper."""
+    lines = ["| row | n | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+    for row in protocol["rows"]:
+        by_seed = {s: r[key] for s, r in found.get(row["name"], {}).items() if key in r}
+        source, paper = PAPER.get(row.get("paper"), (None, {})) if key == "test" else (None, {})
+        ours = {c: mean_std([v[c] for v in by_seed.values()]) for c in columns
+                if by_seed and all(c in v for v in by_seed.values())}
+        if paper:
+            lines.append(f"| {row['name']}: paper ({source}) | | "
+                         + " | ".join(paper_cell(paper[c]) if c in paper else "" for c in columns) + " |")
+        lines.append(f"| {row['name']}{': ours' if paper else ''} | {len(by_seed)} | "
+                     + " | ".join(cell(*ours[c]) if c in ours else "—" for c in columns) + " |")
+        if paper and ours:
+            diffs = [f"{ours[c][0] - (paper[c][0] if isinstance(paper[c], tuple) else paper[c]):+.2f}"
+                     if c in paper and c in ours else "" for c in columns]
+            lines.append(f"| {row['name']}: ours − paper | | " + " | ".join(diffs) + " |")
+    return lines
+
+
+def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
+    """results/<name>/RESULTS.md (and its plots) from whatever runs exist; the missing ones are listed."""
+    found = collect(protocol, results_dir)
+    folder = results_dir / protocol["name"]
+    folder.mkdir(parents=True, exist_ok=True)
+    every = runs(protocol)
+    missing = [r for r in every if r["seed"] not in found.get(r["row"], {})]
+    lines = [f"# Protocol `{protocol['name']}`", "", protocol.get("description", ""), "",
+             f"{len(every) - len(missing)} of {len(every)} runs done (seeds {', '.join(map(str, protocol['seeds']))}"
+             f"). Each cell: mean ± sample standard deviation over the seeds; a paper's ± is its own.", ""]
+    if missing:
+        lines += ["Missing (run them with `report.py run`, or the lines of `report.py commands`): "
+                  + ", ".join(f"{r['row']} seed {r['seed']}" for r in missing) + ".", ""]
+    lines += ["## STS test (best STS-B dev checkpoint)", ""] + score_rows(protocol, found, STS, "test") + [""]
+    if any("transfer" in r for by_seed in found.values() for r in by_seed.values()):
+        lines += ["## Transfer (SentEval)", ""] + score_rows(protocol, found, TRANSFER, "transfer") + [""]
+    lines += ["## Best STS-B dev", "", "| row | best dev (mean ± std) | best steps |", "|---|---|---|"]
+    for row in protocol["rows"]:
+        by_seed = found.get(row["name"], {})
+        if by_seed:
+            devs = [r["best_dev_stsb"] for r in by_seed.values() if r.get("best_dev_stsb") is not None]
+            lines.append(f"| {row['name']} | {cell(*mean_std(devs)) if devs else '—'} | "
+                         + ", ".join(str(r.get("best_step")) for r in by_seed.values()) + " |")
+    lines += ["", "## Commands", "", "```bash"] + [command_line(r) for r in every] + ["```", ""]
+    page = folder / "RESULTS.md"
+    page.write_text("\n".join(lines))
+    print(f"wrote {page}")
+    if plots and protocol.get("sweep"):
+        plot_sweep(protocol, found, folder / "sweep.png")
+    if plots and protocol["name"] == "fewshot":
+        plot_few_shot(found, folder / "few_shot.png")
+    return page
+
+
+def pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_sweep(protocol: dict, found: dict, path: Path) -> None:
+    """STS-B dev and the 7-task STS average against the swept value: mean over seeds, min-max band."""
+    plt = pyplot()
+    values = protocol["sweep"]["values"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, (label, get) in zip(axes, (("best STS-B dev", lambda r: r.get("best_dev_stsb")),
+                                       ("STS test, 7-task average", lambda r: r.get("test", {}).get("avg")))):
+        xs, means, lows, highs = [], [], [], []
+        for value, row in zip(values, protocol["rows"]):
+            scores = [get(r) for r in found.get(row["name"], {}).values() if get(r) is not None]
+            if scores:
+                xs.append(value)
+                means.append(sum(scores) / len(scores))
+                lows.append(min(scores))
+                highs.append(max(scores))
+        positions = range(len(xs))
+        ax.plot(positions, means, marker="o")
+        ax.fill_between(positions, lows, highs, alpha=0.2)
+        ax.set_xticks(list(positions), xs)
+        ax.set_xlabel(f"--{protocol['sweep']['flag']}")
+        ax.set_ylabel(f"{label} (mean; band: min–max over seeds)")
+        ax.grid(alpha=0.3)
+    fig.suptitle(protocol["description"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def plot_few_shot(found: dict, path: Path) -> None:
+    """miCSE Figure 3: the 7-task average against the training-set fraction, ours (mean ± std) and the paper's."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    labels = list(FEW_SHOT_FRACTIONS)
+    for method in FEW_SHOT_METHODS:
+        paper = [PAPER[f"{method}-{label}"][1]["avg"] for label in labels]
+        line, = ax.plot(range(len(labels)), [p[0] if isinstance(p, tuple) else p for p in paper], linestyle="--",
+                        marker="x", label=f"{method} (paper)")
+        xs, means, stds = [], [], []
+        for i, label in enumerate(labels):
+            scores = [r["test"]["avg"] for r in found.get(f"{method}-{label}", {}).values() if "test" in r]
+            if scores:
+                xs.append(i)
+                mean, std = mean_std(scores)
+                means.append(mean)
+                stds.append(0.0 if math.isnan(std) else std)
+        if xs:
+            ax.errorbar(xs, means, yerr=stds, marker="o", color=line.get_color(), label=f"{method} (ours)")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlabel("training set (fraction of wiki1m)")
+    ax.set_ylabel("STS 7-task average")
+    ax.set_title("Few-shot STS (miCSE Table 2 / Figure 3)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
