@@ -152,20 +152,40 @@ def collect(protocol: dict, results_dir: Path) -> dict[str, dict[int, dict]]:
     return found
 
 
-def estimate(protocol: dict, todo: list[dict], done: dict) -> str:
-    """Wall time of the runs still to make, from the finished runs of the same row (report.py's timings, or the
-    run's own training time): 'unknown' for rows with none."""
+def planned(argv: list[str]) -> dict:
+    """The flags of a run's command that set its cost: model, batch size, --max_steps (None: by epochs)."""
+    def flag(name, default=None):
+        return argv[len(argv) - 1 - argv[::-1].index(name) + 1] if name in argv else default  # the last wins
+    steps = flag("--max_steps")
+    return {"method": Path(argv[0]).stem, "model": flag("--model_name_or_path", "bert-base-uncased"),
+            "batch_size": int(flag("--batch_size", 0)) or None, "steps": int(steps) if steps else None}
+
+
+def estimate(todo: list[dict], results_dir: Path) -> str:
+    """Wall time of the runs still to make, from earlier runs under results/ (any protocol, report.py's
+    timings): a run of the same command, or of the same method, model and batch size, scaled by the number of
+    steps when --max_steps gives it. Runs with neither are counted as not estimated."""
+    earlier = []
+    for path in results_dir.rglob("*.json"):
+        try:
+            results = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(results, dict) and results.get("report", {}).get("wall_s") and results.get("args"):
+            earlier.append(results)
     known, unknown = 0.0, 0
     for run in todo:
-        costs = [r.get("report", {}).get("wall_s") or r.get("train_time_s") for r in done.get(run["row"], {}).values()]
-        costs = [c for c in costs if c]
-        if costs:
-            known += sum(costs) / len(costs)
+        want = planned(run["argv"])
+        same = [r for r in earlier if r["method"] == want["method"] and r.get("steps")
+                and r["args"].get("model_name_or_path") == want["model"]
+                and r["args"].get("batch_size") == want["batch_size"]]
+        if same and want["steps"]:
+            known += sum(r["report"]["wall_s"] * want["steps"] / r["steps"] for r in same) / len(same)
         else:
             unknown += 1
-    text = f"about {plumbing.duration(known)} for the runs of rows already measured" if known else ""
+    text = f"about {plumbing.duration(known)}, from earlier runs of the same settings" if known else ""
     if unknown:
-        text += ("; " if text else "") + f"{unknown} run(s) of rows not measured yet (no estimate)"
+        text += ("; " if text else "") + f"{unknown} run(s) not estimated (no earlier run of their settings)"
     return text or "nothing to run"
 
 

@@ -1,4 +1,10 @@
-"""All methods under one protocol, over several seeds: train each, then write RESULTS.md and the plots.
+"""All methods under one protocol, over several seeds: train each, then write the page and the plots.
+
+    python report.py run --protocol paper [--gpus 0,1,2,3]   # a paper's protocol (protocols.py): paper, fewshot,
+    python report.py commands --protocol fewshot             # sweep or a JSON file; `commands` prints its runs
+    python report.py write --protocol paper                  # results/<protocol>/RESULTS.md from what exists
+
+The default protocol, `smoke`, is this suite's own CPU comparison (RESULTS.md):
 
     python report.py run                      # every row of RUNS and FEW_SHOT with seeds 42 43 44, then the page
     python report.py run --seeds 42 43 --only simcse micse   # a part of it
@@ -561,7 +567,7 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None) -> No
     todo = [run for run in every if run["seed"] not in done.get(run["row"], {})]
     print(f"protocol {protocol['name']}: {len(every)} runs, {len(every) - len(todo)} done, {len(todo)} to make "
           f"({'one per GPU on ' + str(len(gpus)) + ' GPUs' if gpus else 'one at a time'}); wall time: "
-          f"{protocols.estimate(protocol, todo, done)}", flush=True)
+          f"{protocols.estimate(todo, RESULTS)}", flush=True)
     free = queue.Queue()
     for gpu in gpus or [None]:
         free.put(gpu)

@@ -133,3 +133,16 @@ def test_a_tiny_sweep_writes_its_plot(tiny_protocols, tmp_path, capsys):
     folder = tmp_path / "results" / "sweep-simcsepp-dcl_weight"
     assert (folder / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     assert "| dcl_weight=0.1 | 1 |" in (folder / "RESULTS.md").read_text()
+
+
+def test_the_estimate_scales_earlier_runs_of_the_same_settings(tmp_path):
+    earlier = {"method": "simcsepp", "steps": 150, "report": {"wall_s": 600.0},
+               "args": {"model_name_or_path": "m", "batch_size": 32}}
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "simcsepp.seed1.json").write_text(json.dumps(earlier))
+    todo = [{"argv": ["simcsepp.py", "--model_name_or_path", "m", "--batch_size", "32", "--max_steps", "300"]},
+            {"argv": ["simcsepp.py", "--model_name_or_path", "m", "--batch_size", "64", "--max_steps", "300"]},
+            {"argv": ["simcse.py", "--model_name_or_path", "m", "--batch_size", "32", "--max_steps", "300"]}]
+    assert protocols.estimate(todo, tmp_path) == ("about 20m00s, from earlier runs of the same settings; 2 run(s) "
+                                                  "not estimated (no earlier run of their settings)")
+    assert protocols.estimate([], tmp_path) == "nothing to run"
