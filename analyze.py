@@ -145,15 +145,8 @@ def measure_similarity(encode, senteval_dir, split: str = "test") -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- figures
-def pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def plot_trajectory(runs: dict, path: Path) -> None:
-    plt = pyplot()
+    plt = plumbing.pyplot()
     fig, ax = plt.subplots(figsize=(7, 5.5))
     starts = set()  # runs from the same checkpoint share a start: label it once
     for label, points in runs.items():
@@ -173,7 +166,7 @@ def plot_trajectory(runs: dict, path: Path) -> None:
 
 
 def plot_spectrum(measured: dict, path: Path) -> None:
-    plt = pyplot()
+    plt = plumbing.pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
     for label, m in measured.items():
         values = m["singular_values"]
@@ -186,7 +179,7 @@ def plot_spectrum(measured: dict, path: Path) -> None:
 def plot_similarity(measured: dict, path: Path) -> None:
     """One panel per model: a density of the cosine similarities for each gold-score group, stacked along y."""
     from scipy.stats import gaussian_kde
-    plt = pyplot()
+    plt = plumbing.pyplot()
     fig, axes = plt.subplots(1, len(measured), figsize=(4.2 * len(measured), 4.5), sharey=True, squeeze=False)
     grid = np.linspace(-1, 1, 400)
     for ax, (label, m) in zip(axes[0], measured.items()):
@@ -203,11 +196,11 @@ def plot_similarity(measured: dict, path: Path) -> None:
     axes[0][0].set_yticks(range(len(SCORE_GROUPS)), [f"{lo:g}-{hi:g}" for lo, hi in SCORE_GROUPS])
     axes[0][0].set_ylabel("gold score group")
     fig.suptitle("Cosine similarity of STS-B pairs by gold score (SimCSE Figure G.1)")
-    save(fig, path)
+    plumbing.save_figure(fig, path)
 
 
 def plot_setsim(measured: dict, path: Path) -> None:
-    plt = pyplot()
+    plt = plumbing.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, setsim in measured.items():
         ax.plot(list(setsim), list(setsim.values()), marker="o", label=label)
@@ -221,15 +214,7 @@ def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    save(fig, path)
-
-
-def save(fig, path: Path) -> None:
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    tmp.replace(path)
-    print(f"wrote {path}")
+    plumbing.save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------- CLI

@@ -314,6 +314,24 @@ def swap_in(tmp: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def pyplot():
+    """matplotlib's pyplot without a display (Agg)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    """A figure to `path` (PNG, 110 dpi) through a temporary file, then closed."""
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+    pyplot().close(fig)
+    print(f"wrote {path}")
+
+
 def check_json_path(path: str | None) -> None:
     """--json must be writable and must not be a folder (checked before any work)."""
     if path is None or path == "/dev/stdout":

@@ -190,7 +190,8 @@ def estimate(todo: list[dict], results_dir: Path) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------- page
-def mean_std(values):
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1); the deviation is nan for a single value."""
     n = len(values)
     mean = sum(values) / n
     return mean, (math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan)
@@ -258,16 +259,9 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
     return page
 
 
-def pyplot():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
 def plot_sweep(protocol: dict, found: dict, path: Path) -> None:
     """STS-B dev and the 7-task STS average against the swept value: mean over seeds, min-max band."""
-    plt = pyplot()
+    plt = plumbing.pyplot()
     values = protocol["sweep"]["values"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, (label, get) in zip(axes, (("best STS-B dev", lambda r: r.get("best_dev_stsb")),
@@ -288,15 +282,12 @@ def plot_sweep(protocol: dict, found: dict, path: Path) -> None:
         ax.set_ylabel(f"{label} (mean; band: min–max over seeds)")
         ax.grid(alpha=0.3)
     fig.suptitle(protocol["description"], fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    plumbing.save_figure(fig, path)
 
 
 def plot_few_shot(found: dict, path: Path) -> None:
     """miCSE Figure 3: the 7-task average against the training-set fraction, ours (mean ± std) and the paper's."""
-    plt = pyplot()
+    plt = plumbing.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = list(FEW_SHOT_FRACTIONS)
     for method in FEW_SHOT_METHODS:
@@ -319,8 +310,5 @@ def plot_few_shot(found: dict, path: Path) -> None:
     ax.set_title("Few-shot STS (miCSE Table 2 / Figure 3)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    plumbing.save_figure(fig, path)
 

@@ -82,12 +82,7 @@ def fail(message: str):
 
 
 # ---- aggregation (pure; tested against hand-computed numbers) ----
-def mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (n - 1); the deviation is nan for a single value."""
-    n = len(values)
-    mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
-    return mean, std
+mean_std = protocols.mean_std  # one implementation, shared with the protocol pages
 
 
 def paired_difference(run: dict[int, float], base: dict[int, float]) -> tuple[float, float, bool, int]:
@@ -490,10 +485,7 @@ def commands_section(ctx) -> list[str]:
 
 def pyplot():
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
+        return plumbing.pyplot()
     except ImportError:
         print("matplotlib is not installed: skipping the plots (pip install matplotlib)")
         return None
@@ -524,10 +516,7 @@ def plot_dev_curves(runs, results_dir, main_names, few_names):
             ax.text(0.5, 0.5, "no runs yet", transform=ax.transAxes, ha="center", color="gray")
     axes[0].set_ylabel("STS-B dev Spearman × 100 (mean; band: min–max over seeds)")
     fig.suptitle("STS-B dev during training (all-MiniLM-L6-v2, same protocol)")
-    fig.tight_layout()
-    fig.savefig(results_dir / "dev_curves.png", dpi=110)
-    plt.close(fig)
-    print(f"wrote {results_dir / 'dev_curves.png'}")
+    plumbing.save_figure(fig, results_dir / "dev_curves.png")
 
 
 def plot_align_uniform(runs, results_dir, main_names, few_names):
@@ -553,10 +542,7 @@ def plot_align_uniform(runs, results_dir, main_names, few_names):
     ax.set_title("initial (x) → best checkpoint (o; few-shot □), STS-B dev, mean over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(results_dir / "align_uniform.png", dpi=110)
-    plt.close(fig)
-    print(f"wrote {results_dir / 'align_uniform.png'}")
+    plumbing.save_figure(fig, results_dir / "align_uniform.png")
 
 
 def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None) -> None:
@@ -645,6 +631,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         if args.protocol == "smoke":
+            unknown = set(args.only or []) - {name for name, *_ in RUNS + FEW_SHOT}
+            if unknown:
+                fail(f"--only {' '.join(sorted(unknown))}: invalid choice, no such row of the smoke protocol")
             if args.action == "commands":
                 for seed in args.seeds or SEEDS:
                     for name, script, flags, *_ in RUNS + FEW_SHOT:
