@@ -11,6 +11,7 @@ Headline (Table 2, BERT-base, 7-task STS average): SimCSE 76.25 -> SSCL-SimCSE 7
     python sscl.py                         # progressive SSCL, layers L-1 and L-2 (Figure 3b's best)
     python sscl.py --neg_layer_index 10    # one chosen layer (Figure 3a)
     python sscl.py --pooler cls --report_oversmoothing
+    python sscl.py --layer_negatives anchor  # the paper's N (not 2N) layer negatives (Table 7 text)
 
 Backbone presets, read from the model's config; flags the user gives win: lr 3e-5 for BERT-base
 and 1e-5 for BERT-large, batch 64 (Section 4.2); other backbones take BERT-base's settings.
@@ -57,6 +58,10 @@ def parse_args(argv=None):
     g.add_argument("--neg_layer_index", type=int, default=None,
                    help="use this one hidden-state layer (1..L-1) as the negatives instead "
                         "(Figure 3a)")
+    g.add_argument("--layer_negatives", choices=["both", "anchor"], default="both",
+                   help="both: each negative layer of both dropout views, 2N negatives a layer "
+                        "(the released code); anchor: of the anchor's view only, N a layer (the "
+                        "paper's 'from N pairs to 2N pairs', Table 7)")
     g.add_argument("--report_oversmoothing", action="store_true",
                    help="write SetSim (Eq. 2) of adjacent layers on STS-B test, before and after "
                         "training")
@@ -73,8 +78,8 @@ def sscl_loss(z1, z2, layer_negatives, temp: float = 0.05) -> torch.Tensor:
     """SSCL's contrastive loss with intermediate-layer negatives (Eq. 4).
 
     logits = [s(z1, z2) | s(z1, n1_l) | s(z1, n2_l) for each layer l], s = cos / temp, target i for
-    row i; `layer_negatives` is a list of (n1, n2): one layer's representations of the two dropout
-    views.
+    row i; `layer_negatives` is a list of tuples, one a layer: that layer's representations of the
+    two dropout views (n1, n2), or of the anchor's view only (n1,).
     """
     in_batch = common.cos_sim(z1, z2) / temp
     negatives = [common.cos_sim(z1, n) / temp for pair in layer_negatives for n in pair]
@@ -171,7 +176,10 @@ def main(argv=None):
             z1, z2 = common.embed(outputs.hidden_states, mask, args.pooler, head).chunk(2)
             # The negatives come from the same pass: intermediate layers of both views.
             reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head)
-            layer_negatives = [(distributed.gather(n1), distributed.gather(n2)) for n1, n2 in reps]
+            # Code over paper: both views' layers (2N a layer); the paper adds N (--layer_negatives)
+            views_used = 2 if args.layer_negatives == "both" else 1
+            layer_negatives = [tuple(distributed.gather(n) for n in layer[:views_used])
+                               for layer in reps]
             z1, z2 = distributed.gather(z1), distributed.gather(z2)
             loss = sscl_loss(z1, z2, layer_negatives, args.temp)
             optimizer.zero_grad(set_to_none=True)

@@ -19,7 +19,7 @@ def loop_sscl(z1, z2, negatives, temp):
     def cos(a, b):
         return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
     z1, z2 = z1.double().numpy(), z2.double().numpy()
-    negatives = [(a.double().numpy(), b.double().numpy()) for a, b in negatives]
+    negatives = [tuple(n.double().numpy() for n in layer) for layer in negatives]
     with_layers = plain = 0.0
     for i in range(len(z1)):
         batch_logits = [cos(z1[i], z2[j]) / temp for j in range(len(z2))]
@@ -36,6 +36,19 @@ def test_sscl_loss_matches_loop(k):
     z1, z2 = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
     negatives = [(torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)) for _ in range(k)]
     assert sscl.sscl_loss(z1, z2, negatives, 0.05).item() == pytest.approx(loop_sscl(z1, z2, negatives, 0.05), rel=1e-5)
+    anchor_only = [layer[:1] for layer in negatives]  # --layer_negatives anchor: N negatives a layer, not 2N
+    assert sscl.sscl_loss(z1, z2, anchor_only, 0.05).item() == pytest.approx(loop_sscl(z1, z2, anchor_only, 0.05),
+                                                                             rel=1e-5)
+
+
+def test_anchor_only_layer_negatives_run_and_differ_from_both(tiny_model, corpus, senteval_dir, tmp_path):
+    losses = {}
+    for which in ("both", "anchor"):
+        out = tmp_path / which
+        sscl.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--max_steps", 2,
+                                              "--no_test_eval", "--neg_layers", 1, "--layer_negatives", which)])
+        losses[which] = json.loads((out / "results.json").read_text())["train_loss"]
+    assert losses["both"][0] != losses["anchor"][0] and all(math.isfinite(v) for v in losses["anchor"])
 
 
 def test_no_layers_equals_info_nce_exactly():
