@@ -264,9 +264,11 @@ def micse_subset(fraction: float, seed: int) -> str | None:
     return f"wiki_subset_1M_{percent}percent_seed{seed}.txt"
 
 
-def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplets: bool = False):
+def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplets: bool = False,
+                      hard_negatives: bool = True):
     """(examples, path, miCSE subset or None): a `datasets` Dataset with a "text" column (lines
-    stripped, empty ones skipped) or NLI's sent0/sent1/hard_neg columns, --fraction applied
+    stripped, empty ones skipped) or, with `triplets`, NLI's sent0/sent1/hard_neg columns
+    (sent0/sent1 only when the file has no hard_neg or `hard_negatives` is off), --fraction applied
     deterministically."""
     subset = None if args.train_file or triplets else micse_subset(args.fraction, args.seed)
     repo, name = (MICSE_DATA_REPO, subset) if subset else (plumbing.SIMCSE_DATA_REPO, default_file)
@@ -277,19 +279,22 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
     lines = plumbing.read_lines(path, "--train_file")
     if triplets:
         rows = csv.reader(lines)
-        if {"sent0", "sent1", "hard_neg"} - set(next(rows)):
-            raise plumbing.UsageError(f"--train_file {path}: the header must name "
-                                      "sent0,sent1,hard_neg (nli_for_simcse.csv)")
+        header = next(rows)
+        if {"sent0", "sent1"} - set(header):
+            raise plumbing.UsageError(f"--train_file {path}: the header must name sent0,sent1 "
+                                      "(and hard_neg for hard negatives: nli_for_simcse.csv)")
+        columns = ["sent0", "sent1"] + (["hard_neg"] if hard_negatives and "hard_neg" in header
+                                        else [])
         for row in rows:
-            if len(row) < 3:
+            if len(row) < len(header):
                 raise plumbing.UsageError(f"--train_file {path} line {rows.line_num} has "
-                                          f"{len(row)} column(s), expected 3")
+                                          f"{len(row)} column(s), expected {len(header)}")
     import datasets
     datasets.disable_progress_bars()  # one line instead, for a corpus big enough to take a while
     if triplets:  # keep_default_na: a sentence "NA" or "null" stays a sentence
         data = datasets.load_dataset("csv", data_files=str(path), split="train",
                                      keep_default_na=False)
-        data = data.select_columns(["sent0", "sent1", "hard_neg"])
+        data = data.select_columns(columns)
         data = data.filter(lambda b: [bool(a and p) for a, p in zip(b["sent0"], b["sent1"])],
                            batched=True)
     else:

@@ -9,6 +9,7 @@ Headline (Table 5, BERT-base, 7-task STS average): unsupervised 76.25, supervise
 
     python simcse.py               # unsupervised, BERT-base, wiki1m, Table A.1 settings
     python simcse.py --supervised  # NLI, batch 512, lr 5e-5, 3 epochs, MLP kept at eval
+    python simcse.py --supervised --no_hard_negatives  # Table 4: entailment pairs alone
     torchrun --nproc_per_node 4 simcse.py --supervised  # the authors' 4 x 128: batch stays 512
     python simcse.py --dropout 0.05    # Table 3's dropout rates; --fixed_dropout_mask: "Fixed 0.1"
 
@@ -83,6 +84,10 @@ def parse_args(argv=None):
     g.add_argument("--fixed_dropout_mask", action="store_true",
                    help="Table 3's 'Fixed 0.1' row: both views share one dropout mask (one view "
                         "used twice)")
+    g.add_argument("--no_hard_negatives", action="store_true",
+                   help="with --supervised: train on the (sent0, sent1) positive pairs alone, "
+                        "in-batch negatives only (Table 4's entailment-pairs row); a CSV without a "
+                        "hard_neg column trains this way too")
     g.add_argument("--hard_negative_weight", type=float, default=0.0,
                    help="Eq. 8: added to the logit of each anchor's own hard negative "
                         "(alpha = e^weight)")
@@ -90,6 +95,8 @@ def parse_args(argv=None):
     plumbing.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
     if known.supervised and known.fixed_dropout_mask:
         parser.error("--fixed_dropout_mask is unsupervised SimCSE's (Table 3)")
+    if known.no_hard_negatives and not known.supervised:
+        parser.error("--no_hard_negatives goes with --supervised (Table 4)")
     if known.supervised:
         return common.parse_with_presets(parser, argv, SUPERVISED_DEFAULTS,
                                          "supervised SimCSE (Table A.1, Appendix A)",
@@ -113,8 +120,8 @@ def main(argv=None):
     default_file = "nli_for_simcse.csv" if args.supervised else "wiki1m_for_simcse.txt"
     # downloads, senteval.tar and datasets' cache: process 0 first
     with distributed.main_process_first():
-        examples, train_file, subset = common.training_examples(args, default_file,
-                                                                triplets=args.supervised)
+        examples, train_file, subset = common.training_examples(
+            args, default_file, triplets=args.supervised, hard_negatives=not args.no_hard_negatives)
         # every SentEval file read once now: a bad one stops the run before training
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
@@ -162,8 +169,10 @@ def main(argv=None):
                 with common.autocast(device, args.precision):
                     outputs = forward(**batch, output_hidden_states=True)
                 z = common.embed(outputs.hidden_states, batch["attention_mask"], args.pooler, head)
-                anchor, positive, hard_negative = (distributed.gather(part) for part in z.chunk(3))
-                loss = common.info_nce(anchor, positive, args.temp, hard_negative,
+                # (anchors, positives, hard negatives), or (anchors, positives): Table 4's pairs
+                parts = [distributed.gather(part) for part in z.chunk(corpus.num_columns)]
+                hard_negative = parts[2] if len(parts) == 3 else None
+                loss = common.info_nce(parts[0], parts[1], args.temp, hard_negative,
                                        args.hard_negative_weight)
             else:  # one pass over the batch repeated: two dropout masks, two views
                 views = common.repeat_views(batch, 1 if args.fixed_dropout_mask else 2)

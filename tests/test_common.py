@@ -116,8 +116,14 @@ def test_training_triplets_keep_na_strings_and_name_bad_rows(tmp_path):
     with pytest.raises(plumbing.UsageError, match="line 3 has 2 column"):
         common.training_examples(args_for(path), triplets=True)
     path.write_text("premise,hypothesis\na,b\n")
-    with pytest.raises(plumbing.UsageError, match="sent0,sent1,hard_neg"):
+    with pytest.raises(plumbing.UsageError, match="the header must name sent0,sent1 \\(and hard_neg"):
         common.training_examples(args_for(path), triplets=True)
+    # pairs: a file without hard_neg, or --no_hard_negatives on one with it (SimCSE Table 4)
+    path.write_text("sent0,sent1\na man,a person\n")
+    assert common.training_examples(args_for(path), triplets=True)[0].column_names == ["sent0", "sent1"]
+    path.write_text("sent0,sent1,hard_neg\na man,a person,a dog\n")
+    examples = common.training_examples(args_for(path), triplets=True, hard_negatives=False)[0]
+    assert examples.column_names == ["sent0", "sent1"]
 
 
 @pytest.mark.parametrize("fraction, name", [

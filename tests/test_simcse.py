@@ -1,4 +1,5 @@
 """simcse.py end to end on the tiny model, the supervised path, and the one-line errors."""
+import csv
 import json
 import random
 
@@ -57,6 +58,27 @@ def test_supervised_smoke_run(tiny_model, senteval_dir, tmp_path):
     # eval pooler "cls" is the trained MLP, saved as BERT's pooler: eval_sts --pooler cls reproduces the test row.
     assert in_process_scores(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
                              "--pooler", "cls") == results["test"]
+
+
+def test_supervised_pairs_only_ignore_the_hard_negatives(tiny_model, senteval_dir, tmp_path):
+    """Table 4's positive pairs: --no_hard_negatives on triplets trains exactly as the same pairs without the
+    hard_neg column, and unlike the triplets."""
+    import simcse
+    nli = write_nli(tmp_path / "nli.csv", 16)
+    rows = list(csv.reader(open(nli)))
+    pairs = tmp_path / "pairs.csv"
+    with open(pairs, "w", newline="") as f:
+        csv.writer(f).writerows([row[:2] for row in rows])
+    losses = {}
+    for name, data, extra in (("triplets", nli, []), ("no_hard", nli, ["--no_hard_negatives"]),
+                              ("pairs", pairs, [])):
+        out = tmp_path / name
+        simcse.main([str(a) for a in smoke_args(tiny_model, data, senteval_dir, out, "--supervised", "--max_steps",
+                                                2, "--no_test_eval", *extra)])
+        losses[name] = json.loads((out / "results.json").read_text())["train_loss"]
+    assert losses["no_hard"] == losses["pairs"] != losses["triplets"]
+    with pytest.raises(SystemExit):
+        simcse.parse_args(["--no_hard_negatives"])
 
 
 @pytest.mark.parametrize("supervised", [False, True])
