@@ -154,7 +154,8 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
             cost = timed(command(script, flags, seed, out))
             done += 1
             plumbing.write_json(path, {**json.loads((out / "results.json").read_text()), "report": cost})
-    (RESULTS / "machine.json").write_text(json.dumps(machine(), indent=2))
+    if done or not (RESULTS / "machine.json").exists():  # the machine of the latest runs
+        (RESULTS / "machine.json").write_text(json.dumps(machine(), indent=2))
     if not transfer:
         return
     for stem, pooler, _ in INITIAL:
