@@ -261,3 +261,17 @@ def test_runs_with_a_trajectory_give_the_page_that_the_older_dev_curve_gave(tmp_
     report.write(old, tmp_path / "NEW.md", plots=False)
     assert (tmp_path / "NEW.md").read_text() == (tmp_path / "OLD.md").read_text()
     assert "79.00" in (tmp_path / "NEW.md").read_text()  # the step-0 dev figure, read from the trajectory
+
+
+def test_run_with_every_result_present_makes_nothing_and_keeps_the_machine(tmp_path, monkeypatch):
+    """`report.py run --protocol smoke` on the committed results: no run, and machine.json (the page's machine
+    line) untouched, so the page comes out as committed."""
+    import shutil
+    copy = tmp_path / "results"
+    shutil.copytree(ROOT / "results", copy)
+    monkeypatch.setattr(report, "RESULTS", copy)
+    monkeypatch.setattr(report, "timed", lambda *a, **k: pytest.fail(f"ran {a}"))
+    report.run_all(report.SEEDS, None, transfer=True)
+    assert (copy / "machine.json").read_text() == (ROOT / "results" / "machine.json").read_text()
+    report.write(copy, tmp_path / "RESULTS.md", plots=False)
+    assert (tmp_path / "RESULTS.md").read_text() == (ROOT / "RESULTS.md").read_text()
