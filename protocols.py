@@ -252,11 +252,36 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
     page = folder / "RESULTS.md"
     page.write_text("\n".join(lines))
     print(f"wrote {page}")
+    if plots:
+        plot_dev_curves(protocol, found, folder / "dev_curves.png")
     if plots and protocol.get("sweep"):
         plot_sweep(protocol, found, folder / "sweep.png")
     if plots and protocol["name"] == "fewshot":
         plot_few_shot(found, folder / "few_shot.png")
     return page
+
+
+def plot_dev_curves(protocol: dict, found: dict, path: Path) -> None:
+    """STS-B dev at the dev gates of each row's runs: the mean over seeds, with their min-max band."""
+    plt = plumbing.pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in protocol["rows"]:
+        curves = [{r["step"]: r["stsb_dev"] for r in plumbing.trajectory(results) if r.get("gate")}
+                  for results in found.get(row["name"], {}).values()]
+        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        if steps:
+            per_step = [[c[s] for c in curves] for s in steps]
+            line, = ax.plot(steps, [sum(v) / len(v) for v in per_step], marker="o", markersize=3,
+                            label=f"{row['name']} (n={len(curves)})")
+            ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], alpha=0.15,
+                            color=line.get_color())
+    ax.set_xlabel("training step")
+    ax.set_ylabel("STS-B dev (mean; band: min–max over seeds)")
+    ax.set_title(f"Protocol {protocol['name']}: STS-B dev during training", fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    plumbing.save_figure(fig, path)
 
 
 def plot_sweep(protocol: dict, found: dict, path: Path) -> None:

@@ -110,6 +110,7 @@ def test_a_tiny_protocol_end_to_end(tiny_protocols, tmp_path, capsys):
     assert "| simcse: paper (SimCSE Table 5, unsup-SimCSE-BERT-base) | | 68.40 |" in page
     ours = next(line for line in page.splitlines() if line.startswith("| simcse: ours | 2 |"))
     assert "±" in ours and "| simcse: ours − paper |" in page and "| simcsepp | 2 |" in page
+    assert (tmp_path / "results" / "tiny" / "dev_curves.png").read_bytes()[:4] == b"\x89PNG"
 
     # a second run makes nothing; a removed run is listed as missing, then made again
     made.clear()

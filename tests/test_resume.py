@@ -206,3 +206,14 @@ def test_resume_under_torchrun(tiny_model, corpus, senteval_dir, tmp_path):
     assert a["world_size"] == b["world_size"] == 2 and b["resumptions"] == [3]
     assert a["train_loss"] == b["train_loss"] and gates(a) == gates(b)
     shutil.rmtree(tmp_path / "straight")
+
+
+def test_last_is_saved_at_dev_gates_every_save_steps_and_at_a_signal(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                     monkeypatch):
+    saved_at = []
+    real_save = resume.save
+    monkeypatch.setattr(resume, "save", lambda args, step, *rest: saved_at.append(step) or real_save(args, step,
+                                                                                                      *rest))
+    argv = case_args("simcse", tiny_model, corpus, senteval_dir, tmp_path / "run", tmp_path)
+    run("simcse", argv + ["--eval_steps", "4", "--save_steps", "3"], monkeypatch, stop_at=5)
+    assert saved_at == [0, 3, 4, 5]  # gates 0 and 4, --save_steps 3, the signal at 5
