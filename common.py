@@ -485,6 +485,11 @@ def info_nce(z1, z2, temp: float = 0.05, z3=None,
         logits = torch.cat([logits, hard], dim=1)
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
 
+def positive_only_loss(z1, z2, temp: float = 0.05) -> torch.Tensor:
+    """InfoNCE's positive term alone: mean of -cos(z1_i, z2_i) / temp, no negatives (miCSE Table 4's
+    "w/o negatives" rows; the paper gives no formula, so this is Eq. 1 without its denominator)."""
+    return -(F.cosine_similarity(z1, z2, dim=-1) / temp).mean()
+
 # -------------------------------------------------------------------------------------- training
 def autocast(device: torch.device, precision: str):
     """Mixed precision for the encoder's forward pass only (--precision); fp32 is no autocast at

@@ -80,6 +80,9 @@ def parse_args(argv=None):
                    help="attention entries sampled per tile (Section 3.1)")
     g.add_argument("--queue_size", type=int, default=384,
                    help="momentum-encoder queue of negatives; 0 disables it")
+    g.add_argument("--no_negatives", action="store_true",
+                   help="Table 4 / Figure 9: the positive pairs alone with AMI, no negatives "
+                        "(common.positive_only_loss); needs --queue_size 0")
     g.add_argument("--momentum", type=float, default=0.995,
                    help="EMA momentum of the momentum encoder")
     g.add_argument("--momentum_dropout", type=float, default=0.3,
@@ -98,6 +101,8 @@ def parse_args(argv=None):
     plumbing.check_range(args, "ami_samples", lambda v: v >= 2, "at least 2 entries per tile")
     plumbing.check_range(args, "momentum", lambda v: 0 <= v <= 1, "0 <= momentum <= 1")
     plumbing.check_range(args, "momentum_dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
+    if args.no_negatives and args.queue_size:
+        parser.error("--no_negatives keeps no negatives to queue: add --queue_size 0")
     return args
 
 
@@ -264,7 +269,9 @@ def main(argv=None):
             z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
             z1, z2 = z.chunk(2)
             z1, z2 = distributed.gather(z1), distributed.gather(z2)
-            loss = moco_info_nce(z1, z2, queue.tensor, args.temp)
+            # --no_negatives (Table 4): the positive pairs alone, no in-batch or queued negatives
+            loss = common.positive_only_loss(z1, z2, args.temp) if args.no_negatives else \
+                moco_info_nce(z1, z2, queue.tensor, args.temp)
             # AMI's layers only, stacked (N, K, H, n, n), in fp32; per sample, so it stays local.
             attentions = torch.stack(outputs.attentions[ami_min:ami_max], 1).float()
             attn1, attn2 = attentions.chunk(2)

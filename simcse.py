@@ -88,6 +88,9 @@ def parse_args(argv=None):
                    help="with --supervised: train on the (sent0, sent1) positive pairs alone, "
                         "in-batch negatives only (Table 4's entailment-pairs row); a CSV without a "
                         "hard_neg column trains this way too")
+    g.add_argument("--no_negatives", action="store_true",
+                   help="unsupervised: the positive pairs alone, no in-batch negatives (miCSE "
+                        "Table 4's 'SimCSE w/o negatives'; common.positive_only_loss)")
     g.add_argument("--hard_negative_weight", type=float, default=0.0,
                    help="Eq. 8: added to the logit of each anchor's own hard negative "
                         "(alpha = e^weight)")
@@ -95,6 +98,8 @@ def parse_args(argv=None):
     plumbing.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
     if known.supervised and known.fixed_dropout_mask:
         parser.error("--fixed_dropout_mask is unsupervised SimCSE's (Table 3)")
+    if known.no_negatives and known.supervised:
+        parser.error("--no_negatives is unsupervised SimCSE's (miCSE Table 4)")
     if known.no_hard_negatives and not known.supervised:
         parser.error("--no_hard_negatives goes with --supervised (Table 4)")
     if known.supervised:
@@ -181,7 +186,9 @@ def main(argv=None):
                     outputs = forward(**views, output_hidden_states=True)
                 z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
                 z1, z2 = (z, z) if args.fixed_dropout_mask else z.chunk(2)  # Table 3, "Fixed 0.1"
-                loss = common.info_nce(distributed.gather(z1), distributed.gather(z2), args.temp)
+                z1, z2 = distributed.gather(z1), distributed.gather(z2)
+                loss = common.positive_only_loss(z1, z2, args.temp) if args.no_negatives else \
+                    common.info_nce(z1, z2, args.temp)  # --no_negatives: miCSE Table 4
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             distributed.average_gradients(params)  # what DDP does; nothing on one process

@@ -409,3 +409,18 @@ def test_a_run_with_dropout_zero_records_it_in_the_checkpoint(tiny_model, corpus
     assert json.loads((out / "results.json").read_text())["args"]["dropout"] == 0.0
     config = json.loads((out / "best" / "config.json").read_text())
     assert config["hidden_dropout_prob"] == config["attention_probs_dropout_prob"] == 0.0
+
+
+def test_positive_only_loss_matches_a_loop_and_ignores_the_other_rows():
+    g = torch.Generator().manual_seed(3)
+    z1, z2 = torch.randn(4, 5, generator=g, requires_grad=True), torch.randn(4, 5, generator=g)
+    expected = -sum(float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b))) / 0.05
+                    for a, b in zip(z1.detach().numpy(), z2.numpy())) / 4
+    loss = common.positive_only_loss(z1, z2, 0.05)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    loss.backward()  # row i's gradient depends on its own pair only
+    z1b = z1.detach().clone().requires_grad_(True)
+    other = z2.clone()
+    other[1:] = torch.randn(3, 5, generator=g)
+    common.positive_only_loss(z1b, other, 0.05).backward()
+    torch.testing.assert_close(z1b.grad[0], z1.grad[0])

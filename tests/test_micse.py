@@ -233,3 +233,18 @@ def test_headline_command_offline_names_the_local_path_flags(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()
     assert len(line) == 1 and all(f in line[0] for f in ("--model_name_or_path", "--train_file", "--senteval_dir"))
+
+
+def test_no_negatives_runs_positive_pairs_alone(tiny_model, corpus, senteval_dir, tmp_path):
+    """miCSE Table 4's "w/o negatives" rows: both scripts train on the positive term alone; miCSE refuses a
+    queue it would not use."""
+    import simcse
+    for script, extra in ((simcse, []), (micse, ["--queue_size", "0"])):
+        out = tmp_path / script.__name__
+        script.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--max_steps", 2,
+                                                "--no_test_eval", "--no_negatives", *extra)])
+        losses = json.loads((out / "results.json").read_text())["train_loss"]
+        # -cos/temp >= -1/0.05 = -20 (miCSE adds its small AMI term): no negatives, where InfoNCE is >= 0
+        assert all(-20.5 <= v < 0 for v in losses), losses
+    with pytest.raises(SystemExit):
+        micse.parse_args(["--no_negatives"])
