@@ -304,9 +304,9 @@ def plot_sweep(protocol: dict, found: dict, path: Path) -> None:
         ax.fill_between(positions, lows, highs, alpha=0.2)
         ax.set_xticks(list(positions), xs)
         ax.set_xlabel(f"--{protocol['sweep']['flag']}")
-        ax.set_ylabel(f"{label} (mean; band: min–max over seeds)")
+        ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    fig.suptitle(protocol["description"], fontsize=9)
+    fig.suptitle(f"{protocol['description']}\nmean over seeds; band: min–max", fontsize=9)
     plumbing.save_figure(fig, path)
 
 
