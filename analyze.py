@@ -227,6 +227,11 @@ def read_results(path: str) -> dict:
         raise plumbing.UsageError(f"{path} is not a results.json: {err}") from None
 
 
+def run_label(path: str, results: dict) -> str:
+    """A run's default label: its method and folder."""
+    return f"{results.get('method', '?')} ({Path(path).parent.name})"
+
+
 def models(args) -> list[tuple[str, str, str]]:
     """(label, model path, pooler) of every model: --model_name_or_path with --pooler, then each results.json's
     best/ with its evaluation pooler."""
@@ -240,8 +245,7 @@ def models(args) -> list[tuple[str, str, str]]:
         best = Path(path).parent / "best"
         if not best.is_dir():
             raise plumbing.UsageError(f"{path}: its checkpoint {best} is not there")
-        found.append((f"{results.get('method', '?')} ({Path(path).parent.name})", str(best),
-                      results.get("eval_pooler", "cls_before_pooler")))
+        found.append((run_label(path, results), str(best), results.get("eval_pooler", "cls_before_pooler")))
     return found
 
 
@@ -273,11 +277,11 @@ def main(argv=None) -> None:
         if args.model_name_or_path or not args.runs:
             raise plumbing.UsageError("trajectory reads runs' results.json files: analyze.py trajectory "
                                       "runs/a/results.json runs/b/results.json")
-        labels = check_labels(args.labels, [f"{r.get('method', '?')} ({Path(p).parent.name})"
-                                            for p, r in ((p, read_results(p)) for p in args.runs)])
+        runs = [(path, read_results(path)) for path in args.runs]  # each file read once
+        labels = check_labels(args.labels, [run_label(path, results) for path, results in runs])
         measured = {}
-        for label, path in zip(labels, args.runs):
-            points = trajectory_points(read_results(path))
+        for label, (path, results) in zip(labels, runs):
+            points = trajectory_points(results)
             if not points:
                 raise plumbing.UsageError(f"{path} has no alignment/uniformity: an interrupted run, or not a "
                                           "training run's results.json")

@@ -107,6 +107,11 @@ def fmt_diff(mean: float, se: float, marked: bool) -> str:
 
 
 # ---- running ----
+def run_dir(name: str, seed: int) -> Path:
+    """A smoke run's output folder, relative to the suite (checkpoints are not committed)."""
+    return Path("runs") / "report" / f"{name}.seed{seed}"
+
+
 def command(script, flags, seed, out_dir):
     return [sys.executable, script, *PROTOCOL, "--seed", str(seed), *flags, "--output_dir", str(out_dir),
             "--overwrite_output_dir"]
@@ -148,7 +153,7 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
             path = RESULTS / f"{name}.seed{seed}.json"
             if path.exists():
                 continue
-            out = ROOT / "runs" / "report" / f"{name}.seed{seed}"
+            out = ROOT / run_dir(name, seed)
             eta = plumbing.duration((time.perf_counter() - start) / done * (todo - done)) if done else "?"
             print(f"== training run {done + 1}/{todo} ({done} done, ETA {eta})", flush=True)
             cost = timed(command(script, flags, seed, out))
@@ -170,7 +175,7 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
             data = json.loads(path.read_text())
             if "transfer" in data:
                 continue
-            best = ROOT / "runs" / "report" / f"{name}.seed{seed}" / "best"
+            best = ROOT / run_dir(name, seed) / "best"
             if not best.is_dir():
                 print(f"== {name} seed {seed}: no checkpoint at {best}; delete {path} to train it again", flush=True)
                 continue
@@ -639,8 +644,8 @@ def main(argv=None):
                 for seed in args.seeds or SEEDS:
                     for name, script, flags, *_ in RUNS + FEW_SHOT:
                         if not args.only or name in args.only:
-                            out = Path("runs") / "report" / f"{name}.seed{seed}"
-                            print(" ".join(["python", *map(str, command(script, flags, seed, out)[1:])]))
+                            print(" ".join(["python", *map(str, command(script, flags, seed,
+                                                                        run_dir(name, seed))[1:])]))
                 return
             if args.action == "run":
                 if not (SHARED / "models" / "all-MiniLM-L6-v2").is_dir():
