@@ -105,6 +105,22 @@ def run_script(script, *args, env_extra=None, timeout=600):
                           env=env, cwd=ROOT, timeout=timeout)
 
 
+def cli_in_process(module, *args):
+    """`module.main` run as `plumbing.cli` runs it, in this process (cheaper than a subprocess; each script keeps a
+    subprocess test of its real CLI): (exit status, stderr). A traceback propagates and fails the test."""
+    import contextlib
+    import io
+    import plumbing
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            plumbing.cli(lambda: module.main([*map(str, args)]))
+            code = 0
+        except SystemExit as exit:
+            code = exit.code
+    return code, err.getvalue()
+
+
 def in_process_scores(evaluator, *args):
     """An evaluator's main() run in this process (each CLI has its own subprocess tests): the scores it writes."""
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,7 +10,7 @@ import pytest
 from scipy.stats import spearmanr
 
 import eval_sts
-from conftest import ROOT, SHARED, STS_SUBSETS, needs_shared, run_script
+from conftest import ROOT, SHARED, STS_SUBSETS, cli_in_process, needs_shared, run_script
 
 
 def hashed_encode(sentences):
@@ -203,9 +203,8 @@ def test_malformed_senteval_data_is_one_line_naming_file_and_line(tiny_model, se
     root = tmp_path / "se"
     shutil.copytree(senteval_dir, root)
     mutate(root)
-    proc = run_script("eval_sts.py", "--model_name_or_path", tiny_model, "--senteval_dir", root)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
+    code, stderr = cli_in_process(eval_sts, "--model_name_or_path", tiny_model, "--senteval_dir", root)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and needle in stderr, stderr
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -213,6 +212,5 @@ def test_malformed_senteval_data_is_one_line_naming_file_and_line(tiny_model, se
     (["--json", "/no/such/folder/s.json"], "--json"), (["--pooler", "max"], "--pooler"),
 ])
 def test_bad_evaluator_arguments_are_one_line(tiny_model, senteval_dir, tmp_path, extra, needle):
-    proc = run_script("eval_sts.py", "--model_name_or_path", tiny_model, "--senteval_dir", senteval_dir, *extra)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
+    code, stderr = cli_in_process(eval_sts, "--model_name_or_path", tiny_model, "--senteval_dir", senteval_dir, *extra)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and needle in stderr, stderr

@@ -9,7 +9,7 @@ import torch
 import common
 import eval_sts
 import whitenedcse
-from conftest import in_process_scores, run_script, smoke_args
+from conftest import cli_in_process, in_process_scores, run_script, smoke_args
 
 sgw = whitenedcse.shuffled_group_whitening
 
@@ -123,8 +123,10 @@ def test_two_views_equal_info_nce():
 
 
 def test_group_count_must_divide_hidden_size(tiny_model, corpus, senteval_dir, tmp_path):
-    proc = run_script("whitenedcse.py", *smoke_args(tiny_model, corpus, senteval_dir, tmp_path), "--num_groups", 5)
-    assert proc.returncode != 0 and "--num_groups 16" in proc.stderr and "Traceback" not in proc.stderr
+    import whitenedcse
+    code, stderr = cli_in_process(whitenedcse, *smoke_args(tiny_model, corpus, senteval_dir, tmp_path),
+                                  "--num_groups", 5)
+    assert code == 2 and "--num_groups 16" in stderr and len(stderr.strip().splitlines()) == 1, stderr
 
 
 def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
