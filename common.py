@@ -265,11 +265,11 @@ def micse_subset(fraction: float, seed: int) -> str | None:
 
 
 def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplets: bool = False,
-                      hard_negatives: bool = True):
+                      hard_negatives: bool = True, neutral: bool = False):
     """(examples, path, miCSE subset or None): a `datasets` Dataset with a "text" column (lines
     stripped, empty ones skipped) or, with `triplets`, NLI's sent0/sent1/hard_neg columns
-    (sent0/sent1 only when the file has no hard_neg or `hard_negatives` is off), --fraction applied
-    deterministically."""
+    (sent0/sent1 only when the file has no hard_neg or `hard_negatives` is off; + neutral with
+    `neutral`), --fraction applied deterministically."""
     subset = None if args.train_file or triplets else micse_subset(args.fraction, args.seed)
     repo, name = (MICSE_DATA_REPO, subset) if subset else (plumbing.SIMCSE_DATA_REPO, default_file)
     path = args.train_file or plumbing.hub_file(repo, name, "--train_file")
@@ -285,6 +285,10 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
                                       "(and hard_neg for hard negatives: nli_for_simcse.csv)")
         columns = ["sent0", "sent1"] + (["hard_neg"] if hard_negatives and "hard_neg" in header
                                         else [])
+        if neutral and not {"hard_neg", "neutral"} <= set(header):
+            raise plumbing.UsageError(f"--train_file {path}: --neutral_hard_negatives needs "
+                                      "sent0,sent1,hard_neg,neutral columns (README: Ablations)")
+        columns += ["neutral"] if neutral else []
         for row in rows:
             if len(row) < len(header):
                 raise plumbing.UsageError(f"--train_file {path} line {rows.line_num} has "
@@ -476,19 +480,23 @@ def info_nce(z1, z2, temp: float = 0.05, z3=None,
              hard_negative_weight: float = 0.0) -> torch.Tensor:
     """SimCSE InfoNCE with in-batch negatives (Eq. 1, unsupervised Eq. 4); with `z3` (hard
     negatives) the supervised Eq. 5, `hard_negative_weight` being Eq. 8's alpha in the authors'
-    form: added to the logit of each anchor's own hard negative (alpha = exp(weight))."""
+    form: added to the logit of each anchor's own hard negative (alpha = exp(weight)). `z3` may
+    stack several blocks of N (Table 7's contradictions, then neutrals): each block's row i is
+    anchor i's own."""
     logits = cos_sim(z1, z2) / temp
     if z3 is not None:
         hard = cos_sim(z1, z3) / temp
         own = torch.eye(len(z1), device=hard.device, dtype=hard.dtype)
-        hard = hard + hard_negative_weight * own
+        hard = hard + hard_negative_weight * own.repeat(1, len(z3) // len(z1))
         logits = torch.cat([logits, hard], dim=1)
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
+
 
 def positive_only_loss(z1, z2, temp: float = 0.05) -> torch.Tensor:
     """InfoNCE's positive term alone: mean of -cos(z1_i, z2_i) / temp, no negatives (miCSE Table 4's
     "w/o negatives" rows; the paper gives no formula, so this is Eq. 1 without its denominator)."""
     return -(F.cosine_similarity(z1, z2, dim=-1) / temp).mean()
+
 
 # -------------------------------------------------------------------------------------- training
 def autocast(device: torch.device, precision: str):

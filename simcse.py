@@ -12,6 +12,9 @@ Headline (Table 5, BERT-base, 7-task STS average): unsupervised 76.25, supervise
     python simcse.py --supervised --no_hard_negatives  # Table 4: entailment pairs alone
     torchrun --nproc_per_node 4 simcse.py --supervised  # the authors' 4 x 128: batch stays 512
     python simcse.py --dropout 0.05    # Table 3's dropout rates; --fixed_dropout_mask: "Fixed 0.1"
+    python simcse.py --supervised --train_file nli_neutral.csv --neutral_hard_negatives  # Table 7
+    python simcse.py --supervised --do_mlm   # Table D.2: + 0.1 x MLM (--mlm_weight)
+    python simcse.py --num_layers 10   # SSCL Table 1's "SimCSE (10)": the first 10 layers
 
 Backbone presets (Table A.1), read from the model's config; flags the user gives win:
 
@@ -35,6 +38,15 @@ missing values); under --precision bf16/fp16 only the encoder runs in half preci
 head, the embeddings and the loss are fp32 (the authors' fp16 Trainer ran the head under autocast
 too; the cosine was fp32 there as here); an fp16 step skipped by the GradScaler still advances the
 schedule (checking would cost a host sync).
+Ablations: --do_mlm follows the released BertForCL/RobertaForCL: a second pass over a masked copy of
+the same inputs (every view or column, the same attention mask), masked by transformers'
+DataCollatorForLanguageModeling (15%, then 80% [MASK] / 10% random / 10% kept) from its own
+generator (seeded by --seed, saved by --resume; the dropout stream is untouched); BERT gets a fresh
+BertLMPredictionHead (the checkpoint's cls.predictions weights have other names there), RoBERTa its
+pretrained lm_head; the head is trained but not saved in best/. --neutral_hard_negatives (Table 7's
+"Contra. + Neutral") takes each anchor's neutral hypothesis as a second hard negative beside its
+contradiction; --hard_negative_weight then applies to both. --num_layers k keeps the encoder's
+first k layers (SSCL Table 1; the checkpoint in best/ has k layers).
 """
 from __future__ import annotations
 
@@ -44,6 +56,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 import common
@@ -94,6 +107,18 @@ def parse_args(argv=None):
     g.add_argument("--hard_negative_weight", type=float, default=0.0,
                    help="Eq. 8: added to the logit of each anchor's own hard negative "
                         "(alpha = e^weight)")
+    g.add_argument("--neutral_hard_negatives", action="store_true",
+                   help="with --supervised: a CSV's neutral column as a second hard negative "
+                        "(Table 7's 'Contra. + Neutral'; nli_for_simcse.csv has none: README)")
+    g.add_argument("--do_mlm", action="store_true",
+                   help="add the masked-LM objective on masked copies of the inputs (Appendix "
+                        "D.2, the released code's --do_mlm)")
+    g.add_argument("--mlm_weight", type=float, default=0.1,
+                   help="lambda of the MLM term (Table D.2: 0.01, 0.1, 1; released default 0.1)")
+    g.add_argument("--mlm_probability", type=float, default=0.15,
+                   help="share of tokens masked for the MLM term (BERT's 15%%)")
+    g.add_argument("--num_layers", type=int, default=None,
+                   help="keep only the encoder's first k layers (SSCL Table 1: SimCSE (10))")
     known, _ = parser.parse_known_args(argv)
     plumbing.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
     if known.supervised and known.fixed_dropout_mask:
@@ -102,6 +127,10 @@ def parse_args(argv=None):
         parser.error("--no_negatives is unsupervised SimCSE's (miCSE Table 4)")
     if known.no_hard_negatives and not known.supervised:
         parser.error("--no_hard_negatives goes with --supervised (Table 4)")
+    if known.neutral_hard_negatives and (known.no_hard_negatives or not known.supervised):
+        parser.error("--neutral_hard_negatives goes with --supervised and hard negatives (Table 7)")
+    plumbing.check_range(known, "mlm_probability", lambda v: 0 < v < 1, "0 < p < 1")
+    plumbing.check_range(known, "num_layers", lambda v: v >= 1, "at least 1 layer")
     if known.supervised:
         return common.parse_with_presets(parser, argv, SUPERVISED_DEFAULTS,
                                          "supervised SimCSE (Table A.1, Appendix A)",
@@ -112,6 +141,40 @@ def parse_args(argv=None):
         presets = FEW_SHOT_SCHEDULE[nearest]
         source = f"miCSE's few-shot schedule for fraction {nearest:g} (SimCSE's batch and lr)"
     return common.parse_with_presets(parser, argv, presets, source, BACKBONE_SETTINGS)
+
+
+def masked_lm_loss(prediction_scores, labels) -> torch.Tensor:
+    """The auxiliary MLM term of Appendix D.2 (l + lambda * l_mlm): cross-entropy of the vocabulary
+    scores (..., V) at the masked positions; label -100 marks a position that is not scored."""
+    return F.cross_entropy(prediction_scores.reshape(-1, prediction_scores.shape[-1]).float(),
+                           labels.reshape(-1), ignore_index=-100)
+
+
+def keep_first_layers(backbone, k: int) -> None:
+    """The encoder's first k transformer layers only (SSCL Table 1's shallower SimCSE)."""
+    if k > len(backbone.encoder.layer):
+        raise plumbing.UsageError(f"--num_layers {k}: the encoder has only "
+                                  f"{len(backbone.encoder.layer)} layers")
+    backbone.encoder.layer = backbone.encoder.layer[:k]
+    backbone.config.num_hidden_layers = k
+
+
+def mlm_head(backbone, name_or_path: str) -> torch.nn.Module:
+    """The released code's MLM head: RoBERTa's pretrained lm_head; for BERT a fresh
+    BertLMPredictionHead (the checkpoint's cls.predictions does not load into BertForCL's
+    lm_head)."""
+    if backbone.config.model_type == "roberta":
+        return transformers.AutoModelForMaskedLM.from_pretrained(
+            name_or_path, dtype=torch.float32).lm_head
+    from transformers.models.bert.modeling_bert import BertLMPredictionHead
+    return BertLMPredictionHead(backbone.config)
+
+
+def mask_tokens(masker, input_ids, special_ids):
+    """A masked copy of `input_ids` (on the CPU) and its MLM labels, by the collator's own masking
+    and generator; special tokens and padding are never masked."""
+    special = torch.isin(input_ids, special_ids)
+    return masker.torch_mask_tokens(input_ids.clone(), special_tokens_mask=special)
 
 
 def main(argv=None):
@@ -126,7 +189,8 @@ def main(argv=None):
     # downloads, senteval.tar and datasets' cache: process 0 first
     with distributed.main_process_first():
         examples, train_file, subset = common.training_examples(
-            args, default_file, triplets=args.supervised, hard_negatives=not args.no_hard_negatives)
+            args, default_file, triplets=args.supervised, hard_negatives=not args.no_hard_negatives,
+            neutral=args.neutral_hard_negatives)
         # every SentEval file read once now: a bad one stops the run before training
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
         tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
@@ -137,12 +201,22 @@ def main(argv=None):
 
     # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
     # --no-mlp_only_train.
+    if args.num_layers:  # SSCL Table 1: SimCSE on a shallower encoder
+        keep_first_layers(backbone, args.num_layers)
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
     # --compile: the training passes only
     forward = torch.compile(backbone) if args.compile else backbone
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
+    lm_head, masker = None, None
+    if args.do_mlm:  # Appendix D.2: the MLM head, and masking from a generator of its own
+        lm_head = mlm_head(backbone, args.model_name_or_path).to(device).train()
+        params += list(lm_head.parameters())
+        masker = transformers.DataCollatorForLanguageModeling(
+            tokenizer, mlm_probability=args.mlm_probability, seed=args.seed + distributed.rank())
+        masker.generator = torch.Generator().manual_seed(masker.seed)
+        special_ids = torch.tensor(tokenizer.all_special_ids)
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
@@ -155,7 +229,8 @@ def main(argv=None):
     stop = distributed.StopSignal()
     # what last/ saves for --resume, with the RNG streams, the data position and the record so far
     run_state = {"backbone": backbone, "head": head, "optimizer": optimizer,
-                 "scheduler": scheduler, "scaler": scaler}
+                 "scheduler": scheduler, "scaler": scaler, "lm_head": lm_head,
+                 "mlm_generator": masker.generator if masker else None}
     # --resume: restored from last/ (the RNG streams last of all); otherwise a run from step 0
     saved = resume.restore(args, run_state, loader, device) if args.resume else resume.new_run()
     best_dev, best_step, train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
@@ -167,7 +242,8 @@ def main(argv=None):
     # step 0 only evaluates the initial model
     for step in range(saved["next_step"], total_steps + 1):
         if step > 0:
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            cpu_batch = next(batches)
+            batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
             # one pass: anchors, entailments, contradictions (dropout on, as in training)
             if args.supervised:
                 # the encoder only: embeddings and loss are fp32
@@ -176,7 +252,8 @@ def main(argv=None):
                 z = common.embed(outputs.hidden_states, batch["attention_mask"], args.pooler, head)
                 # (anchors, positives, hard negatives), or (anchors, positives): Table 4's pairs
                 parts = [distributed.gather(part) for part in z.chunk(corpus.num_columns)]
-                hard_negative = parts[2] if len(parts) == 3 else None
+                # contradictions (then neutrals with --neutral_hard_negatives: Table 7)
+                hard_negative = torch.cat(parts[2:]) if len(parts) > 2 else None
                 loss = common.info_nce(parts[0], parts[1], args.temp, hard_negative,
                                        args.hard_negative_weight)
             else:  # one pass over the batch repeated: two dropout masks, two views
@@ -189,6 +266,17 @@ def main(argv=None):
                 z1, z2 = distributed.gather(z1), distributed.gather(z2)
                 loss = common.positive_only_loss(z1, z2, args.temp) if args.no_negatives else \
                     common.info_nce(z1, z2, args.temp)  # --no_negatives: miCSE Table 4
+            if args.do_mlm:  # Appendix D.2: + lambda * MLM on masked copies of the same inputs
+                inputs = cpu_batch if args.supervised else \
+                    common.repeat_views(cpu_batch, 1 if args.fixed_dropout_mask else 2)
+                masked_ids, mlm_labels = mask_tokens(masker, inputs["input_ids"], special_ids)
+                masked = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+                masked["input_ids"] = masked_ids.to(device, non_blocking=True)
+                with common.autocast(device, args.precision):
+                    mlm_outputs = forward(**masked)
+                prediction_scores = lm_head(mlm_outputs.last_hidden_state.float())
+                mlm_labels = mlm_labels.to(device, non_blocking=True)
+                loss = loss + args.mlm_weight * masked_lm_loss(prediction_scores, mlm_labels)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             distributed.average_gradients(params)  # what DDP does; nothing on one process

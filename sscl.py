@@ -12,6 +12,7 @@ Headline (Table 2, BERT-base, 7-task STS average): SimCSE 76.25 -> SSCL-SimCSE 7
     python sscl.py --neg_layer_index 10    # one chosen layer (Figure 3a)
     python sscl.py --pooler cls --report_oversmoothing
     python sscl.py --layer_negatives anchor  # the paper's N (not 2N) layer negatives (Table 7 text)
+    python sscl.py --no_dropout_positive   # Table 2's SSCL-BERT: layer negatives, no augmentation
 
 Backbone presets, read from the model's config; flags the user gives win: lr 3e-5 for BERT-base
 and 1e-5 for BERT-large, batch 64 (Section 4.2); other backbones take BERT-base's settings.
@@ -24,7 +25,10 @@ Choices: intermediate-layer negatives keep their gradients (they are part of the
 not a detached memory); SetSim is reported for every pair of adjacent transformer layers (1-2, ...,
 (L-1)-L), on the layer's sentence representation before the MLP ([CLS] or masked mean), averaged
 over the distinct STS-B test sentences (analyze.py's SetSim; `analyze.py setsim` measures any
-checkpoint the same way).
+checkpoint the same way). SSCL-BERT (--no_dropout_positive; Section 4.3: "we don't add any
+augmentation methods to construct positives") is read as one pass of the batch serving as both
+views, so each positive is the sentence itself (cosine 1) and only the in-batch and layer negatives
+move the encoder; dropout stays at the checkpoint's rate (--dropout 0 removes it too).
 """
 from __future__ import annotations
 
@@ -62,6 +66,9 @@ def parse_args(argv=None):
                    help="both: each negative layer of both dropout views, 2N negatives a layer "
                         "(the released code); anchor: of the anchor's view only, N a layer (the "
                         "paper's 'from N pairs to 2N pairs', Table 7)")
+    g.add_argument("--no_dropout_positive", action="store_true",
+                   help="SSCL-BERT (Table 2): one pass, no dropout positive pair; each sentence is "
+                        "its own positive and the layer negatives do the work")
     g.add_argument("--report_oversmoothing", action="store_true",
                    help="write SetSim (Eq. 2) of adjacent layers on STS-B test, before and after "
                         "training")
@@ -167,15 +174,18 @@ def main(argv=None):
     for step in range(saved["next_step"], total_steps + 1):
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            # one pass over the batch repeated: two dropout views
-            views = common.repeat_views(batch, 2)
+            # one pass over the batch repeated: two dropout views (SSCL-BERT: one view, used twice)
+            num_views = 1 if args.no_dropout_positive else 2
+            views = common.repeat_views(batch, num_views)
             # the encoder only: embeddings and loss are fp32
             with common.autocast(device, args.precision):
                 outputs = forward(**views, output_hidden_states=True)
             mask = views["attention_mask"]
-            z1, z2 = common.embed(outputs.hidden_states, mask, args.pooler, head).chunk(2)
+            z = common.embed(outputs.hidden_states, mask, args.pooler, head)
+            z1, z2 = (z, z) if args.no_dropout_positive else z.chunk(2)
             # The negatives come from the same pass: intermediate layers of both views.
-            reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head)
+            reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head,
+                                         num_views)
             # Code over paper: both views' layers (2N a layer); the paper adds N (--layer_negatives)
             views_used = 2 if args.layer_negatives == "both" else 1
             layer_negatives = [tuple(distributed.gather(n) for n in layer[:views_used])

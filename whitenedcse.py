@@ -9,6 +9,8 @@ Headline (Table 1, BERT-base, 7-task STS average): 78.78, +2.53 over SimCSE's 76
 
     python whitenedcse.py                  # 384 groups (of 2 channels for BERT-base), 3 positives
     python whitenedcse.py --no_shuffle     # Table 4: a fixed identity permutation
+    python whitenedcse.py --no_whitening   # Table 6: m positives from dropout alone, no SGW
+    python whitenedcse.py --num_pos 2      # Table 6: SGW with a single positive
     python whitenedcse.py --num_pos 2 --num_groups 128  # the authors' released code: 128 groups
 
 Backbone presets (--num_groups), read from the model's config; flags the user gives win: 384 for
@@ -27,7 +29,9 @@ Choices: each view is one dropout pass of the batch (all m in one forward pass) 
 permutation drawn on the device from a generator seeded by --seed; the whole whitening runs in fp32
 whatever --precision the encoder uses; eigenvalues are floored at 1e-12 before the inverse square
 root so rounding cannot produce a NaN; evaluation takes [CLS] before the head (SGW is
-training-only).
+training-only). Table 6's "multi-positive from dropout only" (--no_whitening) keeps the head's
+Linear and Tanh and the m dropout views, without SGW (Section 5: "we replace the whitening method
+with ordinary dropout technique").
 """
 from __future__ import annotations
 
@@ -67,6 +71,8 @@ def parse_args(argv=None):
                    help="m, the number of whitened views (Table 5: 3)")
     g.add_argument("--no_shuffle", action="store_true",
                    help="identity permutation for every view (Table 4 ablation)")
+    g.add_argument("--no_whitening", action="store_true",
+                   help="no SGW: the m positives differ by dropout alone (Table 6 ablation)")
     args = common.parse_with_presets(parser, argv, {}, "", BACKBONE_SETTINGS)
     plumbing.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
     plumbing.check_range(args, "num_groups", lambda v: v >= 1, "a positive number of groups")
@@ -124,8 +130,11 @@ class WhitenedHead(nn.Module):
         nn.init.normal_(self.linear.weight, std=init_std)
         nn.init.zeros_(self.linear.bias)
 
-    def forward(self, cls: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.linear(shuffled_group_whitening(cls, self.num_groups, perm)))
+    def forward(self, cls: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+        """perm None: no whitening (Table 6's dropout-only positives)."""
+        if perm is not None:
+            cls = shuffled_group_whitening(cls, self.num_groups, perm)
+        return torch.tanh(self.linear(cls))
 
 
 def main(argv=None):
@@ -198,6 +207,8 @@ def main(argv=None):
             # Eq. 11: a fresh shuffle per view and step (the identity with --no_shuffle)
             perms = [torch.arange(hidden, device=device) if args.no_shuffle else
                      torch.randperm(hidden, generator=generator, device=device) for _ in cls_views]
+            if args.no_whitening:  # Table 6: the positives differ by dropout alone
+                perms = [None] * len(cls_views)
             views = [head(cls, perm) for cls, perm in zip(cls_views, perms)]
             loss = multi_positive_info_nce(views, args.temp)
             optimizer.zero_grad(set_to_none=True)
