@@ -599,11 +599,13 @@ def dev_measures(modules, encode, senteval_dir) -> dict:
     return measures
 
 
-def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> None:
+def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir,
+                    projection=None) -> None:
     """`out_dir/best` (process 0): save_pretrained + tokenizer + sentence-transformers metadata,
     written beside it and swapped in only when complete. The MLP head goes into BERT's pooler
     weights (as SimCSE's simcse_to_huggingface.py does), so `eval_sts.py --pooler cls` on the
-    checkpoint is the head."""
+    checkpoint is the head. A `projection` (nn.Linear after the pooler) is saved beside it, and
+    eval_sts.load_encode applies it."""
     if distributed.rank() == 0:
         target, tmp = Path(out_dir) / "best", Path(out_dir) / "best.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -612,8 +614,14 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir) -> Non
             state.update({"pooler.dense.weight": head[0].weight, "pooler.dense.bias": head[0].bias})
         backbone.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
-        plumbing.write_sentence_transformers_config(tmp, eval_pooler, backbone.config.hidden_size,
-                                                    head if eval_pooler == "cls" else None)
+        if projection is not None:
+            from safetensors.torch import save_file
+            save_file({k: v.detach().cpu().contiguous() for k, v in
+                       projection.state_dict().items()}, str(tmp / eval_sts.PROJECTION_FILE))
+        else:  # sentence-transformers' modules do not hold the projection
+            plumbing.write_sentence_transformers_config(
+                tmp, eval_pooler, backbone.config.hidden_size,
+                head if eval_pooler == "cls" else None)
         umask = os.umask(0)
         os.umask(umask)
         # save_pretrained writes the weights through a 0600 temporary file

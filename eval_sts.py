@@ -77,9 +77,29 @@ def make_encode(embed_batch, tokenizer, device):
 
 
 def load_encode(name_or_path: str, pooler: str, device):
-    """encode(list[str]) of a saved model (local directory or hub id) with one of SimCSE's poolers, eval mode."""
+    """encode(list[str]) of a saved model (local directory or hub id) with one of SimCSE's poolers, eval mode; a
+    linear projection saved beside the model (PROJECTION_FILE, SSCL Table 5's output dimension) follows the pooler."""
     tokenizer, backbone = plumbing.load_pretrained(name_or_path)
-    return pooled_encode(backbone.to(device).eval(), tokenizer, pooler, device)
+    encode = pooled_encode(backbone.to(device).eval(), tokenizer, pooler, device)
+    saved = Path(name_or_path) / PROJECTION_FILE
+    if not saved.is_file():
+        return encode
+    from safetensors.torch import load_file
+    weights = load_file(str(saved))
+    projection = torch.nn.Linear(weights["weight"].shape[1], weights["weight"].shape[0]).to(device)
+    projection.load_state_dict(weights)
+    return project(encode, projection)
+
+
+PROJECTION_FILE = "projection.safetensors"
+
+
+def project(encode, projection: torch.nn.Module):
+    """encode(list[str]) followed by a linear `projection` (its current weights), in fp32."""
+    @torch.no_grad()
+    def projected(sentences):
+        return projection(torch.from_numpy(encode(sentences)).to(projection.weight.device)).cpu().numpy()
+    return projected
 
 
 def pooled_encode(backbone, tokenizer, pooler: str, device):

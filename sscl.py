@@ -13,6 +13,7 @@ Headline (Table 2, BERT-base, 7-task STS average): SimCSE 76.25 -> SSCL-SimCSE 7
     python sscl.py --pooler cls --report_oversmoothing
     python sscl.py --layer_negatives anchor  # the paper's N (not 2N) layer negatives (Table 7 text)
     python sscl.py --no_dropout_positive   # Table 2's SSCL-BERT: layer negatives, no augmentation
+    python sscl.py --output_dim 256        # Table 5: a linear projection to 256 dimensions
 
 Backbone presets, read from the model's config; flags the user gives win: lr 3e-5 for BERT-base
 and 1e-5 for BERT-large, batch 64 (Section 4.2); other backbones take BERT-base's settings.
@@ -29,6 +30,10 @@ checkpoint the same way). SSCL-BERT (--no_dropout_positive; Section 4.3: "we don
 augmentation methods to construct positives") is read as one pass of the batch serving as both
 views, so each positive is the sentence itself (cosine 1) and only the in-batch and layer negatives
 move the encoder; dropout stays at the checkpoint's rate (--dropout 0 removes it too).
+--output_dim d (Table 5: "the same simple linear projection head") puts one Linear(D, d) after the
+pooler (and after the MLP with --pooler cls), on the last layer and the negative layers alike, kept
+at evaluation: best/ holds it as projection.safetensors, which eval_sts.py applies (the
+sentence-transformers files are then left out, as they cannot hold it).
 """
 from __future__ import annotations
 
@@ -69,6 +74,9 @@ def parse_args(argv=None):
     g.add_argument("--no_dropout_positive", action="store_true",
                    help="SSCL-BERT (Table 2): one pass, no dropout positive pair; each sentence is "
                         "its own positive and the layer negatives do the work")
+    g.add_argument("--output_dim", type=int, default=None,
+                   help="Table 5: project every representation to this many dimensions with a "
+                        "linear layer, kept at evaluation (128, 256)")
     g.add_argument("--report_oversmoothing", action="store_true",
                    help="write SetSim (Eq. 2) of adjacent layers on STS-B test, before and after "
                         "training")
@@ -78,6 +86,7 @@ def parse_args(argv=None):
     if args.pooler not in ("cls", "avg"):
         parser.error("SSCL trains with --pooler cls or avg (Section 4.2)")
     plumbing.check_range(args, "neg_layers", lambda v: v >= 0, "a non-negative number of layers")
+    plumbing.check_range(args, "output_dim", lambda v: v >= 1, "a positive dimension")
     return args
 
 
@@ -145,6 +154,11 @@ def main(argv=None):
     params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
+    projection = None
+    if args.output_dim:  # Table 5: a linear projection after the pooler, at evaluation too
+        projection = torch.nn.Linear(backbone.config.hidden_size, args.output_dim).to(device)
+        params += list(projection.parameters())
+        encode = eval_sts.project(encode, projection)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     # loss scaling for fp16; a pass-through otherwise
     scaler = common.grad_scaler(device, args.precision)
@@ -161,7 +175,7 @@ def main(argv=None):
     stop = distributed.StopSignal()
     # what last/ saves for --resume, with the RNG streams, the data position and the record so far
     run_state = {"backbone": backbone, "head": head, "optimizer": optimizer,
-                 "scheduler": scheduler, "scaler": scaler}
+                 "scheduler": scheduler, "scaler": scaler, "projection": projection}
     # --resume: restored from last/ (the RNG streams last of all); otherwise a run from step 0
     saved = resume.restore(args, run_state, loader, device) if args.resume else resume.new_run()
     best_dev, best_step, train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
@@ -186,6 +200,9 @@ def main(argv=None):
             # The negatives come from the same pass: intermediate layers of both views.
             reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head,
                                          num_views)
+            if projection is not None:  # Table 5: every representation projected to d dimensions
+                z1, z2 = projection(z1), projection(z2)
+                reps = [tuple(projection(n) for n in layer) for layer in reps]
             # Code over paper: both views' layers (2N a layer); the paper adds N (--layer_negatives)
             views_used = 2 if args.layer_negatives == "both" else 1
             layer_negatives = [tuple(distributed.gather(n) for n in layer[:views_used])
@@ -226,7 +243,8 @@ def main(argv=None):
                 dev = point["stsb_dev"]
                 if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
                     best_dev, best_step = dev, step
-                    common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
+                    common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir,
+                                           projection)
                 message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
             history.record(point)  # results.json's trajectory; --report_to's scalars
             if save_step:  # written whole or not at all
