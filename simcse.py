@@ -144,10 +144,12 @@ def parse_args(argv=None):
 
 
 def masked_lm_loss(prediction_scores, labels) -> torch.Tensor:
-    """The auxiliary MLM term of Appendix D.2 (l + lambda * l_mlm): cross-entropy of the vocabulary
-    scores (..., V) at the masked positions; label -100 marks a position that is not scored."""
-    return F.cross_entropy(prediction_scores.reshape(-1, prediction_scores.shape[-1]).float(),
-                           labels.reshape(-1), ignore_index=-100)
+    """The auxiliary MLM term of Appendix D.2 (l + lambda * l_mlm): mean cross-entropy of the
+    vocabulary scores (..., V) at the masked positions; label -100 marks a position that is not
+    scored. A batch with nothing masked gives 0 (the released code's mean over none is NaN)."""
+    total = F.cross_entropy(prediction_scores.reshape(-1, prediction_scores.shape[-1]).float(),
+                            labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return total / (labels != -100).sum().clamp_min(1)  # no host sync
 
 
 def keep_first_layers(backbone, k: int) -> None:

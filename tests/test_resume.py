@@ -20,7 +20,9 @@ from conftest import ROOT, gates, smoke_args, write_nli
 # step 2 (a dev gate, within epoch 0), the resumed one at step 3 (between gates, at the epoch's end).
 STOPS = (2, 3)
 CASES = {"simcse": [], "simcse-sup": ["--supervised"], "simcsepp": [], "sscl": ["--neg_layers", "1"],
-         "whitenedcse": ["--num_groups", "16"], "micse": ["--queue_size", "12"]}
+         "whitenedcse": ["--num_groups", "16"], "micse": ["--queue_size", "12"],
+         # the MLM head and the masking generator (#30), SSCL's projection (Table 5)
+         "simcse-mlm": ["--do_mlm"], "sscl-projection": ["--neg_layers", "1", "--output_dim", "8"]}
 
 
 def case_args(case, tiny_model, corpus, senteval_dir, out, tmp_path):
