@@ -615,9 +615,7 @@ def save_checkpoint(backbone, head, tokenizer, eval_pooler: str, out_dir,
         backbone.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
         if projection is not None:
-            from safetensors.torch import save_file
-            save_file({k: v.detach().cpu().contiguous() for k, v in
-                       projection.state_dict().items()}, str(tmp / eval_sts.PROJECTION_FILE))
+            plumbing.save_projection(tmp, projection)
         else:  # sentence-transformers' modules do not hold the projection
             plumbing.write_sentence_transformers_config(
                 tmp, eval_pooler, backbone.config.hidden_size,

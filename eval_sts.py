@@ -78,20 +78,11 @@ def make_encode(embed_batch, tokenizer, device):
 
 def load_encode(name_or_path: str, pooler: str, device):
     """encode(list[str]) of a saved model (local directory or hub id) with one of SimCSE's poolers, eval mode; a
-    linear projection saved beside the model (PROJECTION_FILE, SSCL Table 5's output dimension) follows the pooler."""
+    linear projection saved beside the model (SSCL Table 5's output dimension) follows the pooler."""
     tokenizer, backbone = plumbing.load_pretrained(name_or_path)
     encode = pooled_encode(backbone.to(device).eval(), tokenizer, pooler, device)
-    saved = Path(name_or_path) / PROJECTION_FILE
-    if not saved.is_file():
-        return encode
-    from safetensors.torch import load_file
-    weights = load_file(str(saved))
-    projection = torch.nn.Linear(weights["weight"].shape[1], weights["weight"].shape[0]).to(device)
-    projection.load_state_dict(weights)
-    return project(encode, projection)
-
-
-PROJECTION_FILE = "projection.safetensors"
+    projection = plumbing.load_projection(name_or_path)
+    return encode if projection is None else project(encode, projection.to(device))
 
 
 def project(encode, projection: torch.nn.Module):

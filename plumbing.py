@@ -343,6 +343,27 @@ def check_json_path(path: str | None) -> None:
         raise UsageError(f"--json {path}: the folder {p.parent} does not exist")
 
 
+PROJECTION_FILE = "projection.safetensors"  # a linear layer after the pooler (sscl.py --output_dim)
+
+
+def save_projection(out_dir: Path, projection: torch.nn.Linear) -> None:
+    from safetensors.torch import save_file
+    save_file({k: v.detach().cpu().contiguous() for k, v in projection.state_dict().items()},
+              str(Path(out_dir) / PROJECTION_FILE))
+
+
+def load_projection(name_or_path: str) -> torch.nn.Linear | None:
+    """The projection saved beside a local model, or None."""
+    path = Path(name_or_path) / PROJECTION_FILE
+    if not path.is_file():
+        return None
+    from safetensors.torch import load_file
+    weights = load_file(str(path))
+    projection = torch.nn.Linear(weights["weight"].shape[1], weights["weight"].shape[0])
+    projection.load_state_dict(weights)
+    return projection
+
+
 def write_sentence_transformers_config(out_dir: Path, pooler: str, hidden_size: int, head=None) -> None:
     """modules.json + 1_Pooling (+ 2_Dense for the "cls" pooler) so SentenceTransformer(dir) matches eval_sts."""
     mode = {"cls": "cls", "cls_before_pooler": "cls", "avg": "mean"}.get(pooler)

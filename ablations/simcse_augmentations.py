@@ -26,10 +26,11 @@ words are whitespace tokens; crop keeps a random contiguous span of round((1 - k
 deletion removes round(k n) distinct words; at least one word always stays; synonym replacement
 changes one random word that has synonyms (the paper used nlpaug's WordNet augmenter: with nltk and
 its wordnet data installed the synonyms are WordNet lemmas, otherwise they come from --synonyms, a
-file of lines "word<TAB>synonym<TAB>synonym..."); MLM k% masks k% of the word pieces and replaces each
-with --mlm_model's highest-scoring other word piece. Next sentence pairs each line of --train_file
-with the next one (next 3: one of the next three, uniformly), so the corpus must be in document
-order: wiki1m_for_simcse.txt is a random sample, whose neighbours are not next sentences. Two
+file of lines "word<TAB>synonym<TAB>synonym..."); MLM k% masks k% of the word pieces and replaces
+each with --mlm_model's highest-scoring other word piece. Next sentence pairs each line of
+--train_file with the next one (next 3: one of the next three, uniformly): wiki1m_for_simcse.txt
+keeps Wikipedia's sentence order within an article, so a line's neighbour is its next sentence
+except at an article's end; under --fraction the neighbours are those of the kept lines. Two
 encoders (Table 2's (f_theta1, f_theta2)) are two copies of the pretrained model, each with its own
 MLP head; the anchor's encoder is the one evaluated and saved. This script runs on one process, and
 without --resume.
