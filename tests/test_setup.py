@@ -29,7 +29,9 @@ METHOD_FILES = ["simcse.py", "simcsepp.py", "sscl.py", "whitenedcse.py", "micse.
 
 
 def test_the_core_a_student_reads_fits_in_100_columns_and_reexports_nothing():
-    for name in ["common.py", *METHOD_FILES]:
+    ablations = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "ablations").glob("*.py"))]
+    assert len(ablations) == 3
+    for name in ["common.py", *METHOD_FILES, *ablations]:
         long = [n for n, line in enumerate((ROOT / name).read_text().splitlines(), 1) if len(line) > 100]
         assert not long, f"{name}: lines over 100 characters: {long}"
     for path in ROOT.glob("*.py"):
