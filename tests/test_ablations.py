@@ -351,3 +351,36 @@ def test_an_ablation_command_runs_on_shared_data(command, extra, tiny_model, tin
     if "--output_dim" in command:  # kept at evaluation: eval_sts reads the projection from best/
         import eval_sts
         assert eval_sts.load_encode(str(out / "best"), "avg", torch.device("cpu"))(["a man"]).shape == (1, 8)
+
+
+def test_an_ablation_script_runs_as_a_script_and_bad_input_is_one_line(tiny_model, senteval_dir):
+    """The real CLI once (the scripts find the suite's modules from ablations/), the other two in-process."""
+    from conftest import cli_in_process, run_script
+    proc = run_script("ablations/simcse_augmentations.py", "--positive", "crop", "--model_name_or_path", tiny_model)
+    assert proc.returncode == 2 and "--rate" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+        proc.stderr
+    code, stderr = cli_in_process(noise, "--barlow", "--positive_noise", "add")
+    assert code == 2 and "one study" in stderr and len(stderr.strip().splitlines()) == 1
+    code, stderr = cli_in_process(whitening, "--momentum", "1.5")
+    assert code == 2 and "--momentum" in stderr and len(stderr.strip().splitlines()) == 1
+    code, stderr = cli_in_process(aug, "--positive", "synonym", "--resume")
+    assert code == 2 and "--resume" in stderr
+
+
+def test_misused_ablation_flags_are_one_line(tiny_model, senteval_dir, tmp_path):
+    import simcse
+    from conftest import cli_in_process, write_nli
+    base = ["--model_name_or_path", tiny_model, "--senteval_dir", senteval_dir, "--output_dir", tmp_path / "o",
+            "--device", "cpu"]
+    nli = write_nli(tmp_path / "nli.csv")  # no neutral column
+    for flags, needle in (
+            (["--supervised", "--neutral_hard_negatives", "--train_file", nli], "sent0,sent1,hard_neg,neutral"),
+            (["--neutral_hard_negatives"], "--neutral_hard_negatives goes with --supervised"),
+            (["--supervised", "--no_hard_negatives", "--neutral_hard_negatives"], "hard negatives"),
+            (["--num_layers", "0"], "--num_layers 0"),
+            (["--num_layers", "5", "--batch_size", "8", "--train_file", nli.with_name("x.txt")], None)):
+        if needle is None:  # more layers than the encoder has
+            nli.with_name("x.txt").write_text("the man runs\n" * 20)
+            needle = "the encoder has only 2 layers"
+        code, stderr = cli_in_process(simcse, *flags, *base)
+        assert code == 2 and needle in stderr and len(stderr.strip().splitlines()) == 1, stderr
