@@ -204,6 +204,8 @@ def test_do_mlm_masking_is_the_collators_15_80_10_10_from_its_own_generator(tiny
     """simcse.mask_tokens: DataCollatorForLanguageModeling's masking; the global RNG (dropout's) is not drawn."""
     import simcse
     import transformers
+    args = simcse.parse_args(["--do_mlm", "--model_name_or_path", str(tiny_model)])
+    assert (args.mlm_weight, args.mlm_probability) == (0.1, 0.15)  # the released code's defaults
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
     masker = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, seed=0)
     masker.generator = torch.Generator().manual_seed(0)

@@ -2,14 +2,17 @@
 it and equals the same loss recomputed in fp32; WhitenedCSE's whitening is fp32 even inside an autocast block."""
 import importlib
 import json
+import sys
 
 import pytest
 import torch
 
 import common
 import plumbing
-from conftest import smoke_args
+from conftest import ROOT, smoke_args
 from test_simcse import write_nli
+
+sys.path.insert(0, str(ROOT / "ablations"))
 
 # Every loss a loop calls, by the module attribute the loop looks it up through.
 LOSSES = {
@@ -19,9 +22,22 @@ LOSSES = {
     "sscl": [("sscl", "sscl_loss")],
     "whitenedcse": [("whitenedcse", "shuffled_group_whitening"), ("whitenedcse", "multi_positive_info_nce")],
     "micse": [("micse", "moco_info_nce"), ("micse", "ami_loss")],
+    # the ablations (#30)
+    "simcse_mlm": [("simcse", "masked_lm_loss"), (common, "info_nce")],
+    "sscl_projection": [("sscl", "sscl_loss")],
+    "augmentations": [(common, "info_nce")],
+    "noise": [("simcsepp_noise_barlow", "noisy_info_nce")],
+    "barlow": [("simcsepp_noise_barlow", "barlow_twins_loss"), (common, "info_nce")],
+    "whitening": [("whitenedcse_whitening", "full_whitening"), ("whitenedcse", "multi_positive_info_nce")],
 }
 FLAGS = {"simcse_sup": ["--supervised"], "sscl": ["--neg_layers", "1"], "whitenedcse": ["--num_groups", "16"],
-         "micse": ["--queue_size", "16"]}
+         "micse": ["--queue_size", "16"], "simcse_mlm": ["--do_mlm"],
+         "sscl_projection": ["--neg_layers", "1", "--output_dim", "8"],
+         "augmentations": ["--positive", "word_deletion", "--rate", "0.2", "--two_encoders"],
+         "noise": ["--positive_noise", "add", "--negative_noise", "reduce", "--mean_passes", "2"],
+         "barlow": ["--barlow", "--barlow_padding", "10"], "whitening": ["--whitening", "zca"]}
+SCRIPTS = {"augmentations": "simcse_augmentations", "noise": "simcsepp_noise_barlow",
+           "barlow": "simcsepp_noise_barlow", "whitening": "whitenedcse_whitening"}  # in ablations/
 
 
 def tensors_in(values):
@@ -61,7 +77,7 @@ def recording(loss_fn, calls, device_type="cpu"):
 
 @pytest.mark.parametrize("run", list(LOSSES))
 def test_bf16_encoder_fp32_losses(run, tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
-    script = run.split("_")[0]
+    script = SCRIPTS.get(run, run.split("_")[0])
     module = importlib.import_module(script)
     calls = {name: [] for _, name in LOSSES[run]}
     for owner, name in LOSSES[run]:
