@@ -264,6 +264,13 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def refuse_flags(args, names, why: str) -> None:
+    """Shared flags a script does not implement: one line naming those given, instead of ignoring them."""
+    given = [f"--{name}" for name in names if getattr(args, name) not in (None, False)]
+    if given:
+        raise UsageError(f"{' '.join(given)}: {why}")
+
+
 def check_installed(needed: bool, package: str, flag: str) -> None:
     """An optional dependency a flag needs: one line naming the package, before any work."""
     if needed and importlib.util.find_spec(package) is None:

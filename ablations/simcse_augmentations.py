@@ -80,8 +80,9 @@ def parse_args(argv=None):
         parser.error(f"--positive {args.positive} needs --rate k (Table 1: 0.1, 0.2, 0.3; "
                      "MLM: 0.15)")
     plumbing.check_range(args, "rate", lambda v: 0 < v < 1, "0 < k < 1")
-    if args.resume or args.save_steps:
-        parser.error("the ablation scripts run without --resume / --save_steps")
+    lacking = ("resume", "save_steps", "keep_last", "compile", "eval_transfer",
+               "align_uniform_steps")
+    plumbing.refuse_flags(args, lacking, "not in the ablation scripts (method files have them)")
     return args
 
 

@@ -74,8 +74,9 @@ def parse_args(argv=None):
     plumbing.check_range(args, "barlow_padding", lambda v: v >= 0, "a non-negative row count")
     if args.barlow and (args.positive_noise != "none" or args.negative_noise != "none"):
         parser.error("--barlow is Table 2, the noise flags are Table 1: give one study")
-    if args.resume or args.save_steps:
-        parser.error("the ablation scripts run without --resume / --save_steps")
+    lacking = ("resume", "save_steps", "keep_last", "compile", "eval_transfer",
+               "align_uniform_steps")
+    plumbing.refuse_flags(args, lacking, "not in the ablation scripts (method files have them)")
     return args
 
 

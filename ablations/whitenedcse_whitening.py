@@ -61,8 +61,9 @@ def parse_args(argv=None):
     plumbing.check_range(args, "momentum", lambda v: 0 <= v < 1, "0 <= beta < 1")
     plumbing.check_range(args, "whitening_eps", lambda v: v >= 0, ">= 0")
     plumbing.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
-    if args.resume or args.save_steps:
-        parser.error("the ablation scripts run without --resume / --save_steps")
+    lacking = ("resume", "save_steps", "keep_last", "compile", "eval_transfer",
+               "align_uniform_steps")
+    plumbing.refuse_flags(args, lacking, "not in the ablation scripts (method files have them)")
     return args
 
 
