@@ -225,9 +225,9 @@ def test_eval_transfer_flag_in_a_training_run(tiny_model, corpus, senteval_dir, 
     shutil.copytree(senteval_dir, root)
     write_transfer_tree(root, n=20)
     out = tmp_path / "run"
-    proc = run_script("sscl.py", *smoke_args(tiny_model, corpus, root, out), "--neg_layers", 1, "--no_test_eval",
-                      "--eval_transfer", "fasttest")
-    assert proc.returncode == 0, proc.stderr
+    import sscl  # in-process: the CLI has its own subprocess tests
+    sscl.main([str(a) for a in smoke_args(tiny_model, corpus, root, out, "--neg_layers", 1, "--no_test_eval",
+                                          "--eval_transfer", "fasttest")])
     results = json.loads((out / "results.json").read_text())
     assert list(results["transfer"]) == et.TASKS + ["avg"] and "test" not in results
     # The same numbers as eval_transfer.py on the saved checkpoint.

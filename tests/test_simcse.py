@@ -9,8 +9,8 @@ import pytest
 import common
 import eval_sts
 import plumbing
-from conftest import (SHARED, gates, in_process_scores, needs_shared, random_sentence, run_script, smoke_args,
-                      write_nli)
+from conftest import (SHARED, cli_in_process, gates, in_process_scores, needs_shared, random_sentence, run_script,
+                      smoke_args, write_nli)
 
 
 def test_unsupervised_smoke_run_writes_loadable_checkpoint(tiny_model, corpus, senteval_dir, tmp_path):
@@ -87,8 +87,8 @@ def test_sentence_transformers_matches_eval_sts(tiny_model, corpus, senteval_dir
     out = tmp_path / "run"
     data, extra, pooler = (write_nli(tmp_path / "nli.csv"), ["--supervised"], "cls") if supervised else \
         (corpus, [], "cls_before_pooler")
-    proc = run_script("simcse.py", *extra, *smoke_args(tiny_model, data, senteval_dir, out))
-    assert proc.returncode == 0, proc.stderr
+    import simcse  # in-process: the CLI has its own subprocess tests
+    simcse.main([str(a) for a in [*extra, *smoke_args(tiny_model, data, senteval_dir, out)]])
     from transformers import AutoModel, AutoTokenizer
     sentences = ["a man runs in the park", "the dog eats"]
     best = out / "best"
@@ -117,11 +117,13 @@ def test_offline_without_local_paths_names_the_flags(tmp_path):
 def test_diverging_loss_stops_with_the_first_bad_step(tiny_model, corpus, senteval_dir, tmp_path, capsys):
     """Losses are read from the device at log and dev steps only (here step 4), yet the error names step 2, the
     first NaN: step 1's update (lr 1e30, no clipping) is what breaks the model."""
-    proc = run_script("simcse.py", *smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "o"), "--lr", "1e30",
-                      "--max_grad_norm", "0", "--eval_steps", 4)
-    one_line_error(proc, "the loss became nan at step 2:")
-    assert "step 1/4  loss" not in proc.stdout and "--temp" not in proc.stderr
-    import simcse  # in-process (the CLI is tested above): a log step reads and checks the losses too
+    import simcse  # in-process, as plumbing.cli runs main(): each script's CLI has its own subprocess tests
+    code, stderr = cli_in_process(simcse, *smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "o"), "--lr",
+                                  "1e30", "--max_grad_norm", "0", "--eval_steps", 4)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert "the loss became nan at step 2:" in stderr and "--temp" not in stderr
+    assert "step 1/4  loss" not in capsys.readouterr().out
+    # a log step reads and checks the losses too
     args = smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "p", "--lr", "1e30", "--max_grad_norm", "0",
                       "--eval_steps", 4, "--logging_steps", 1)
     with pytest.raises(plumbing.UsageError, match="the loss became nan at step 2:"):
