@@ -199,8 +199,8 @@ def main(argv=None):
                 loss = dcl_loss(z1, z2, args.dcl_temp)
             else:
                 loss = off_dropout_info_nce(z1, z2, z_dropout_off, args.temp, args.m)
-            if args.dcl_weight > 0 and not args.dcl_only:
-                loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
+                if args.dcl_weight > 0:
+                    loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             distributed.average_gradients(params)  # what DDP does; nothing on one process
