@@ -47,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modules
 
+import datasets  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
@@ -80,6 +81,8 @@ def parse_args(argv=None):
         parser.error(f"--positive {args.positive} needs --rate k (Table 1: 0.1, 0.2, 0.3; "
                      "MLM: 0.15)")
     plumbing.check_range(args, "rate", lambda v: 0 < v < 1, "0 < k < 1")
+    if args.pooler != "cls":
+        parser.error("this study trains [CLS] with the MLP (--pooler cls), unsupervised SimCSE's")
     lacking = ("resume", "save_steps", "keep_last", "compile", "eval_transfer",
                "align_uniform_steps")
     plumbing.refuse_flags(args, lacking, "not in the ablation scripts (method files have them)")
@@ -210,8 +213,7 @@ def main(argv=None):
     examples, train_file, _ = common.training_examples(args)
     senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
     tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
-    anchors, positives = make_pairs(args, examples["text"], device)
-    import datasets
+    anchors, positives = make_pairs(args, list(examples["text"]), device)
     pairs = datasets.Dataset.from_dict({"sent0": anchors, "sent1": positives})
     corpus = common.TokenizedCorpus(pairs, tokenizer, args.max_seq_length)
     loader = common.make_loader(corpus, args, device)

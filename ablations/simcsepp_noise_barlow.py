@@ -74,6 +74,8 @@ def parse_args(argv=None):
     plumbing.check_range(args, "barlow_padding", lambda v: v >= 0, "a non-negative row count")
     if args.barlow and (args.positive_noise != "none" or args.negative_noise != "none"):
         parser.error("--barlow is Table 2, the noise flags are Table 1: give one study")
+    if args.pooler != "cls":
+        parser.error("this study trains [CLS] with the MLP (--pooler cls), unsupervised SimCSE's")
     lacking = ("resume", "save_steps", "keep_last", "compile", "eval_transfer",
                "align_uniform_steps")
     plumbing.refuse_flags(args, lacking, "not in the ablation scripts (method files have them)")
