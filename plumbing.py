@@ -149,10 +149,12 @@ def looks_local(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or (parent != Path(".") and parent.is_dir())
 
 
-def load_pretrained(name_or_path: str, attn_implementation: str | None = None):
-    """(tokenizer, backbone) with AutoModel: a local directory, a cached hub copy, else a download.
+def load_pretrained(name_or_path: str, attn_implementation: str | None = None, auto_class=None,
+                    flag: str = "--model_name_or_path"):
+    """(tokenizer, model) with AutoModel (or `auto_class`, e.g. AutoModelForMaskedLM): a local directory, a cached
+    hub copy, else a download.
 
-    Offline and not cached is one clear error naming --model_name_or_path.
+    Offline and not cached is one clear error naming `flag`, the option that gave the model.
     """
     from transformers import AutoModel, AutoTokenizer
     from transformers.utils import logging as tf_logging
@@ -164,16 +166,16 @@ def load_pretrained(name_or_path: str, attn_implementation: str | None = None):
     def load(local_files_only):
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)
         # transformers 5 keeps a checkpoint's own dtype; fp32 here: evaluation in fp32, fp32 master weights
-        return tokenizer, AutoModel.from_pretrained(name_or_path, local_files_only=local_files_only,
-                                                    dtype=torch.float32, **kwargs)
+        return tokenizer, (auto_class or AutoModel).from_pretrained(
+            name_or_path, local_files_only=local_files_only, dtype=torch.float32, **kwargs)
 
     path = Path(name_or_path).expanduser()
     if not path.exists() and looks_local(name_or_path):  # e.g. runs/simcse/best before the run wrote it
-        raise UsageError(f"--model_name_or_path {name_or_path}: no such folder")
+        raise UsageError(f"{flag} {name_or_path}: no such folder")
     try:
         if path.exists():
             if not path.is_dir():
-                raise UsageError(f"--model_name_or_path {name_or_path} is a file; give the model's directory")
+                raise UsageError(f"{flag} {name_or_path} is a file; give the model's directory")
             return load(local_files_only=True)
         verbosity = tf_logging.get_verbosity()
         tf_logging.set_verbosity_error()
@@ -185,14 +187,14 @@ def load_pretrained(name_or_path: str, attn_implementation: str | None = None):
             tf_logging.set_verbosity(verbosity)
         if not hub_reachable():
             raise UsageError(f"cannot reach the Hugging Face Hub to download '{name_or_path}' and no cached copy "
-                             f"exists; pass a local model directory with --model_name_or_path "
+                             f"exists; pass a local model directory with {flag} "
                              f"(offline runs need {LOCAL_FLAGS})")
         return load(local_files_only=False)
     except (OSError, ValueError) as err:
         if isinstance(err, UsageError):
             raise
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise UsageError(f"cannot load model '{name_or_path}' ({reason}); check --model_name_or_path") from None
+        raise UsageError(f"cannot load model '{name_or_path}' ({reason}); check {flag}") from None
 
 
 def local_config(name_or_path: str):

@@ -166,8 +166,8 @@ def mlm_head(backbone, name_or_path: str) -> torch.nn.Module:
     BertLMPredictionHead (the checkpoint's cls.predictions does not load into BertForCL's
     lm_head)."""
     if backbone.config.model_type == "roberta":
-        return transformers.AutoModelForMaskedLM.from_pretrained(
-            name_or_path, dtype=torch.float32).lm_head
+        return plumbing.load_pretrained(name_or_path,
+                                        auto_class=transformers.AutoModelForMaskedLM)[1].lm_head
     from transformers.models.bert.modeling_bert import BertLMPredictionHead
     return BertLMPredictionHead(backbone.config)
 
@@ -269,11 +269,12 @@ def main(argv=None):
                 loss = common.positive_only_loss(z1, z2, args.temp) if args.no_negatives else \
                     common.info_nce(z1, z2, args.temp)  # --no_negatives: miCSE Table 4
             if args.do_mlm:  # Appendix D.2: + lambda * MLM on masked copies of the same inputs
-                inputs = cpu_batch if args.supervised else \
-                    common.repeat_views(cpu_batch, 1 if args.fixed_dropout_mask else 2)
-                masked_ids, mlm_labels = mask_tokens(masker, inputs["input_ids"], special_ids)
-                masked = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
-                masked["input_ids"] = masked_ids.to(device, non_blocking=True)
+                encoded = batch if args.supervised else views  # on the device already
+                copies = len(encoded["input_ids"]) // len(cpu_batch["input_ids"])  # the views
+                cpu_ids = cpu_batch["input_ids"].repeat(copies, 1)
+                # masked on the CPU, from the collator's own generator
+                masked_ids, mlm_labels = mask_tokens(masker, cpu_ids, special_ids)
+                masked = dict(encoded, input_ids=masked_ids.to(device, non_blocking=True))
                 with common.autocast(device, args.precision):
                     mlm_outputs = forward(**masked)
                 prediction_scores = lm_head(mlm_outputs.last_hidden_state.float())

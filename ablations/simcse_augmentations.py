@@ -182,11 +182,9 @@ def make_pairs(args, sentences: list[str], device) -> tuple[list[str], list[str]
         pairs = next_sentence_pairs(sentences, 1 if args.positive == "next_sentence" else 3, rng)
         return [a for a, _ in pairs], [p for _, p in pairs]
     if args.positive == "mlm":
-        try:
-            tokenizer, _ = plumbing.load_pretrained(args.mlm_model)
-        except plumbing.UsageError as err:  # the message names the flag of this model
-            raise plumbing.UsageError(str(err).replace("--model_name_or_path", "--mlm_model"))
-        model = transformers.AutoModelForMaskedLM.from_pretrained(args.mlm_model).to(device).eval()
+        tokenizer, model = plumbing.load_pretrained(
+            args.mlm_model, auto_class=transformers.AutoModelForMaskedLM, flag="--mlm_model")
+        model.to(device).eval()
         generator = torch.Generator().manual_seed(args.seed)
         return sentences, mlm_replace(sentences, tokenizer, model, args.rate, generator, device,
                                       args.max_seq_length)
@@ -262,7 +260,8 @@ def main(argv=None):
             scaler.update()
             scheduler.step()
             history.add(loss, grad_norm)
-        if step % args.eval_steps == 0 or step == total_steps or stop.requested():
+        stopping = stop.requested()  # Ctrl-C / SIGTERM: a last gate, then the end
+        if step % args.eval_steps == 0 or step == total_steps or stopping:
             history.read()
             train_time += time.perf_counter() - clock
             point = {"step": step, "train_time_s": round(train_time, 3),
@@ -277,7 +276,7 @@ def main(argv=None):
                             + f"  STS-B dev {point['stsb_dev']:.2f}  best {best_dev:.2f} "
                               f"(step {best_step})")
             clock = time.perf_counter()
-            if stop.requested():
+            if stopping:
                 break
 
     out = Path(args.output_dir)

@@ -386,3 +386,7 @@ def test_misused_ablation_flags_are_one_line(tiny_model, senteval_dir, tmp_path)
             needle = "the encoder has only 2 layers"
         code, stderr = cli_in_process(simcse, *flags, *base)
         assert code == 2 and needle in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    # a missing replacer model is named by its own flag (plumbing.load_pretrained's `flag`)
+    code, stderr = cli_in_process(aug, "--positive", "mlm", "--rate", "0.15", "--mlm_model", tmp_path / "no_mlm",
+                                  "--batch_size", "8", "--train_file", nli.with_name("x.txt"), *base)
+    assert code == 2 and f"--mlm_model {tmp_path / 'no_mlm'}: no such folder" in stderr, stderr
