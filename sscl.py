@@ -196,13 +196,13 @@ def main(argv=None):
                 outputs = forward(**views, output_hidden_states=True)
             mask = views["attention_mask"]
             z = common.embed(outputs.hidden_states, mask, args.pooler, head)
-            z1, z2 = (z, z) if args.no_dropout_positive else z.chunk(2)
             # The negatives come from the same pass: intermediate layers of both views.
             reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head,
                                          num_views)
             if projection is not None:  # Table 5: every representation projected to d dimensions
-                z1, z2 = projection(z1), projection(z2)
+                z = projection(z)
                 reps = [tuple(projection(n) for n in layer) for layer in reps]
+            z1, z2 = (z, z) if args.no_dropout_positive else z.chunk(2)
             # Code over paper: both views' layers (2N a layer); the paper adds N (--layer_negatives)
             views_used = 2 if args.layer_negatives == "both" else 1
             layer_negatives = [tuple(distributed.gather(n) for n in layer[:views_used])

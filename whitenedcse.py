@@ -120,6 +120,16 @@ def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
     return sum(F.cross_entropy(common.cos_sim(anchor, z) / temp, labels) for z in views[1:])
 
 
+def group_width(args, hidden: int) -> int:
+    """Channels per SGW group: --num_groups (no backbone setting: groups of 2 channels), checked to
+    divide the hidden size."""
+    args.num_groups = args.num_groups or hidden // 2
+    if hidden % args.num_groups:
+        raise plumbing.UsageError(f"--num_groups {args.num_groups} does not divide the hidden size "
+                                  f"{hidden}; use groups of 2 channels: --num_groups {hidden // 2}")
+    return hidden // args.num_groups
+
+
 class WhitenedHead(nn.Module):
     """The training head: SGW -> Linear(D, D) -> Tanh (Section 4.1)."""
 
@@ -152,11 +162,7 @@ def main(argv=None):
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
         corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     hidden = backbone.config.hidden_size
-    args.num_groups = args.num_groups or hidden // 2  # no backbone setting: groups of 2 channels
-    if hidden % args.num_groups:
-        raise plumbing.UsageError(f"--num_groups {args.num_groups} does not divide the hidden size "
-                                  f"{hidden}; use groups of 2 channels: --num_groups {hidden // 2}")
-    width = hidden // args.num_groups
+    width = group_width(args, hidden)
     if width >= args.batch_size:
         raise plumbing.UsageError(f"groups of {width} channels need --batch_size above {width}")
     # fewer rows: a singular covariance

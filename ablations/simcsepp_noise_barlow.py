@@ -161,13 +161,14 @@ def main(argv=None):
                 loss = common.info_nce(z1, z2, args.temp) + args.barlow_weight * \
                     barlow_twins_loss(z1, z2, args.barlow_lambda, padding)
             else:  # Table 1: noise added to, or averaged out of, the positive or negative pairs
+                # Eq.: z^- = mean of K dropout passes, each side
+                means = z[2:].unflatten(0, (2, args.mean_passes)).mean(1) if reduce else None
                 pairs = {}
                 for side, noise in (("pos", args.positive_noise), ("neg", args.negative_noise)):
                     if noise == "add":
                         pairs[side] = [add_gaussian_noise(v, args.noise_variance, generator)
                                        for v in (z1, z2)]
-                    elif noise == "reduce":  # Eq.: z^- = mean of K dropout passes, each side
-                        means = z[2:].unflatten(0, (2, args.mean_passes)).mean(1)
+                    elif noise == "reduce":
                         pairs[side] = [means[0], means[1]]
                     else:
                         pairs[side] = [z1, z2]
@@ -180,7 +181,8 @@ def main(argv=None):
             scaler.update()
             scheduler.step()
             history.add(loss, grad_norm)
-        if step % args.eval_steps == 0 or step == total_steps or stop.requested():
+        stopping = stop.requested()  # Ctrl-C / SIGTERM: a last gate, then the end
+        if step % args.eval_steps == 0 or step == total_steps or stopping:
             history.read()
             train_time += time.perf_counter() - clock
             point = {"step": step, "train_time_s": round(train_time, 3),
@@ -194,7 +196,7 @@ def main(argv=None):
                             + f"  STS-B dev {point['stsb_dev']:.2f}  best {best_dev:.2f} "
                               f"(step {best_step})")
             clock = time.perf_counter()
-            if stop.requested():
+            if stopping:
                 break
 
     out = Path(args.output_dir)

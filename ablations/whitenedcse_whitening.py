@@ -124,11 +124,8 @@ def main(argv=None):
     tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
     corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
     hidden = backbone.config.hidden_size
-    args.num_groups = args.num_groups or hidden // 2
-    if hidden % args.num_groups:
-        raise plumbing.UsageError(f"--num_groups {args.num_groups} does not divide the hidden size "
-                                  f"{hidden}; use groups of 2 channels: --num_groups {hidden // 2}")
-    width = hidden // args.num_groups if "group" in args.whitening else 1
+    group_width = whitenedcse.group_width(args, hidden)  # --num_groups checked for every kind
+    width = group_width if "group" in args.whitening else 1
     if width >= args.batch_size:
         raise plumbing.UsageError(f"groups of {width} channels need --batch_size above {width}")
     loader = common.make_loader(corpus, args, device, min_rows=width + 1)
@@ -179,7 +176,8 @@ def main(argv=None):
             scaler.update()
             scheduler.step()
             history.add(loss, grad_norm)
-        if step % args.eval_steps == 0 or step == total_steps or stop.requested():
+        stopping = stop.requested()  # Ctrl-C / SIGTERM: a last gate, then the end
+        if step % args.eval_steps == 0 or step == total_steps or stopping:
             history.read()
             train_time += time.perf_counter() - clock
             point = {"step": step, "train_time_s": round(train_time, 3),
@@ -193,7 +191,7 @@ def main(argv=None):
                             + f"  STS-B dev {point['stsb_dev']:.2f}  best {best_dev:.2f} "
                               f"(step {best_step})")
             clock = time.perf_counter()
-            if stop.requested():
+            if stopping:
                 break
 
     out = Path(args.output_dir)
