@@ -6,8 +6,10 @@
         --steps 20 --batch_size 32 [--supervised_file ../shared/data/nli_snli_devtest.csv] [--compare_with DIR]
 
 Each method runs as a user runs it (`python <method>.py ... --max_steps W+N --no_test_eval`), one after another,
-and its own results.json gives steps/s and peak memory (CUDA: peak allocated and reserved; CPU: the process's
-peak RSS, model and evaluation included). Steps/s counts the N steps after W warm-up steps (--warmup; the first
+and its own results.json gives steps/s, peak memory (CUDA: peak allocated and reserved; CPU: the process's
+peak RSS, model and evaluation included) and the host-device syncs of a step: --count_host_syncs W-1 counts
+warm-up steps 2..W (syncs.py; the counting slows those steps, which are not timed), the table shows the most a
+step made. Steps/s counts the N steps after W warm-up steps (--warmup; the first
 steps of a GPU run pay for allocation, autotuning and compilation): the run logs at step W, where the losses are
 read from the device, so its training-time curve has the time of the first W steps. Dev gates are not training
 time. --supervised_file adds supervised SimCSE (`simcse.py --supervised`) on that NLI file. --compare_with DIR
@@ -38,11 +40,13 @@ def bench_method(row, args, extra, workdir, root=ROOT, log_warmup=True) -> dict:
     script, train_file = ("simcse", args.supervised_file) if row == "simcse-sup" else (row, args.train_file)
     out = Path(workdir) / f"{row}-{'this' if root == ROOT else 'other'}"
     total = args.warmup + args.steps
+    count = args.warmup >= 2 and root == ROOT and "--compile" not in extra  # the counter does not trace compiled
     cmd = [sys.executable, str(root / f"{script}.py"), "--model_name_or_path", args.model_name_or_path,
            "--train_file", train_file, "--batch_size", str(args.batch_size), "--max_steps", str(total),
            "--eval_steps", str(total), "--max_seq_length", str(args.max_seq_length), "--seed", str(args.seed),
            "--output_dir", str(out), "--no_test_eval", *(["--supervised"] if row == "simcse-sup" else []),
            *(["--logging_steps", str(args.warmup)] if log_warmup and args.warmup else []), *extra,
+           *(["--count_host_syncs", str(args.warmup - 1)] if count else []),
            *(["--senteval_dir", args.senteval_dir] if args.senteval_dir else []),
            *(["--device", args.device] if args.device else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
@@ -107,7 +111,8 @@ def main(argv=None):
     parser.add_argument("--senteval_dir", default=None, help="SentEval data (dev gate and evaluation timing)")
     parser.add_argument("--methods", nargs="+", default=["simcse"], help="method scripts; simcse is always included")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method")
-    parser.add_argument("--warmup", type=int, default=3, help="steps run before the timed ones (not timed)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="steps run before the timed ones (not timed; steps 2..W count the host syncs)")
     parser.add_argument("--supervised_file", default=None, help="NLI csv: also time simcse.py --supervised on it")
     parser.add_argument("--compare_with", default=None, help="another checkout of this suite to time the same rows")
     parser.add_argument("--batch_size", type=int, default=32)
@@ -148,11 +153,14 @@ def main(argv=None):
         f"{args.warmup + args.steps} steps"
     print(f"\n{timed}, batch {args.batch_size}, {args.model_name_or_path}, {device}, "
           f"precision {base.get('precision', '?')}")
-    print(f"{'method':<14}{'steps/s':>9}{'x simcse':>10}{base['peak_memory_kind'] + ' MiB':>24}{'x simcse':>10}"
+    print(f"{'method':<14}{'steps/s':>9}{'x simcse':>10}{'syncs/step':>12}"
+          f"{base['peak_memory_kind'] + ' MiB':>24}{'x simcse':>10}"
           + (f"{'reserved MiB':>14}" if cuda else "") + (f"{'old steps/s':>13}{'new/old':>9}" if compare else ""))
     for r, res in new.items():
+        counted = res.get("host_syncs")
         line = (f"{r:<14}{res['timed_steps_per_second']:>9.2f}"
                 f"{res['timed_steps_per_second'] / base['timed_steps_per_second']:>10.2f}"
+                f"{max(counted['per_step']) if counted else '-':>12}"
                 f"{res['peak_memory_mb']:>24.1f}{res['peak_memory_mb'] / base['peak_memory_mb']:>10.2f}")
         line += f"{res['peak_memory_reserved_mb']:>14.1f}" if cuda else ""
         if compare:

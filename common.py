@@ -9,7 +9,9 @@ Defaults: unsupervised SimCSE with BERT-base (Table A.1) and the authors' HF Tra
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
+import itertools
 import math
 import os
 import random
@@ -28,6 +30,7 @@ import eval_sts
 import eval_transfer
 import plumbing
 import resume
+import syncs
 
 MICSE_DATA_REPO = "sap-ai-research/datasets-for-micse"
 PRECISIONS = ("auto", "bf16", "fp16", "fp32")
@@ -113,6 +116,12 @@ def base_parser(doc: str, method: str) -> plumbing.Parser:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the encoder for the training passes (batches padded to a "
                         "multiple of 8, so that few shapes compile)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="deterministic algorithms on CUDA (torch.use_deterministic_algorithms, "
+                        "CUBLAS_WORKSPACE_CONFIG): a resumed GPU run is then bit-identical; slower")
+    g.add_argument("--count_host_syncs", type=int, default=None, metavar="N",
+                   help="count the host-device syncs of training steps 2..N+1 into results.json "
+                        "(syncs.py; slow while it counts: for tests and bench.py)")
     p.set_defaults(method=method, presets=None, backbone=None, backbone_config=None)
     return p
 
@@ -174,7 +183,15 @@ def check_args(args) -> None:
     args.logging_steps = args.logging_steps or args.eval_steps
     plumbing.check_installed(args.report_to == "tensorboard", "tensorboard",
                              "--report_to tensorboard")
-    args.precision = resolve_precision(args.precision, plumbing.resolve_device(args.device))
+    device = plumbing.resolve_device(args.device)
+    args.precision = resolve_precision(args.precision, device)
+    check(args, "count_host_syncs", lambda v: v >= 1, "a positive number of steps")
+    if args.count_host_syncs and args.compile:
+        raise plumbing.UsageError("--count_host_syncs counts under a TorchDispatchMode, which "
+                                  "--compile does not trace: give one of them")
+    syncs.WINDOW = syncs.StepWindow(args.count_host_syncs, device)
+    if args.deterministic:
+        deterministic_algorithms()
     args.output_dir = str(args.output_dir or Path("runs") / args.method)
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
@@ -188,6 +205,15 @@ def check_args(args) -> None:
     elif holds_a_run and not args.overwrite_output_dir:
         raise plumbing.UsageError(f"--output_dir {out} already holds a run; pass "
                                   "--overwrite_output_dir or another folder")
+
+
+def deterministic_algorithms() -> None:
+    """--deterministic: every op's deterministic algorithm (PyTorch raises where there is none; SDPA
+    then picks a deterministic kernel), cuBLAS's fixed workspace (read when cuBLAS starts: before
+    any CUDA work) and no cuDNN autotuning."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
@@ -337,6 +363,7 @@ class BatchSampler:
         self.rank, self.world = rank, world_size
         self.min_rows, self.epoch, last = max(min_rows, world_size), 0, num_examples % batch_size
         self.skip = 0  # --resume: batches of the next epoch's order already trained on
+        self.rows = collections.deque()  # the global row count of each batch handed out (batches())
         if 0 < last < self.min_rows:
             distributed.log(f"note: the last batch of each epoch has {last} example(s), fewer "
                             f"than the {self.min_rows} this method needs; it is skipped")
@@ -353,6 +380,7 @@ class BatchSampler:
         skip, self.skip = self.skip, 0
         for rows in batches[skip:]:
             n = len(rows)
+            self.rows.append(n)
             yield rows[n * self.rank // self.world:n * (self.rank + 1) // self.world]
 
 
@@ -423,6 +451,18 @@ def make_loader(corpus: TokenizedCorpus, args, device,
                                        generator=torch.Generator().manual_seed(args.seed))
 
 
+def batches(loader):
+    """The loader's batches, epoch after epoch. Each tells distributed.gather the global batch's row
+    count, known from the sampler (no collective), and opens a step's window for
+    --count_host_syncs."""
+    sampler = loader.batch_sampler
+    for _ in itertools.count():
+        for batch in loader:
+            distributed.set_rows(sampler.rows.popleft())
+            syncs.begin_step()
+            yield batch
+
+
 def repeat_views(batch: dict, num_views: int) -> dict:
     """The batch stacked `num_views` times, view-major: one forward pass gives each copy its own
     dropout mask."""
@@ -436,6 +476,38 @@ class MLPHead(nn.Sequential):
         super().__init__(nn.Linear(config.hidden_size, config.hidden_size), nn.Tanh())
         nn.init.normal_(self[0].weight, std=getattr(config, "initializer_range", 0.02))
         nn.init.zeros_(self[0].bias)
+
+
+class Encoder(nn.Module):
+    """What a step trains, as one module: the backbone, whose forward this is, and the heads the
+    loop applies to its outputs. Under torchrun DistributedDataParallel wraps it
+    (distributed.data_parallel), so that its all-reduce averages the heads' gradients too. BERT's
+    pooler takes part in no loss (SimCSE trains its own head): frozen, DDP expects no gradient for
+    it (it never had one, and never changed)."""
+
+    def __init__(self, backbone, *heads):
+        super().__init__()
+        self.backbone, self.heads = backbone, nn.ModuleList(h for h in heads if h is not None)
+        if getattr(backbone, "pooler", None) is not None:
+            backbone.pooler.requires_grad_(False)
+
+    def forward(self, attention_mask, **inputs):
+        mask = attention_mask_4d(attention_mask, self.backbone.config._attn_implementation)
+        return self.backbone(attention_mask=mask, **inputs)
+
+
+def attention_mask_4d(attention_mask, attn_implementation: str):
+    """The padding mask as transformers builds it for the attention, prebuilt: given a 2-D mask,
+    transformers 5 checks its values on the host (masking_utils, padding_mask.all()), a sync every
+    pass; a 4-D mask it uses as it is. SDPA: True where a key is attended; eager: 0 there and the
+    fp32 minimum elsewhere, added to the scores. The same outputs, bit for bit (tests)."""
+    mask = attention_mask[:, None, None, :].bool()
+    if attn_implementation == "sdpa":
+        return mask
+    if attn_implementation == "eager":
+        minimum = torch.finfo(torch.float32).min
+        return torch.where(mask, torch.zeros((), device=mask.device), minimum)
+    return attention_mask  # flash attention unpads with the 2-D mask
 
 
 def set_dropout(module: nn.Module, p: float | None) -> None:
@@ -514,10 +586,11 @@ def grad_scaler(device: torch.device, precision: str) -> torch.amp.GradScaler:
 
 def make_optimizer(params, args, total_steps: int):
     """AdamW without weight decay and transformers' get_linear_schedule_with_warmup (the authors'
-    Trainer). Fused on CUDA: one kernel, and with a GradScaler no host sync to check for inf
+    Trainer). Fused, on CUDA and CPU alike: one kernel, its step counts stay on the device (the
+    foreach path reads them with .item()), and with a GradScaler no host sync to check for inf
     gradients."""
     params = [p for p in params if p.requires_grad]
-    fused = params[0].is_cuda or None
+    fused = params[0].device.type in ("cuda", "cpu") or None
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=fused)
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, args.warmup_steps,
                                                              total_steps)
@@ -541,6 +614,7 @@ class History:
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.pending.append(torch.stack([loss.detach().float(), grad_norm.float()]))
+        syncs.end_step()  # the step is queued: --count_host_syncs' window closes
 
     def read(self) -> None:
         """The pending steps' values as floats: one host sync. The first NaN or inf loss stops the
@@ -651,6 +725,8 @@ def run_record(args, eval_pooler: str, device, stop, history: History, train_tim
                "peak_memory_mb": round(peak / 2**20, 1),
                "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
                "interrupted": stop.signum is not None}
+    if args.count_host_syncs:
+        results["host_syncs"] = syncs.WINDOW.record()
     if stop.signum is not None:
         results["interrupted_during"] = "training"
     if cuda:

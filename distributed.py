@@ -1,11 +1,12 @@
-"""Several processes (torchrun): the process group, rank helpers, a gather with gradients, gradient averaging.
+"""Several processes (torchrun): the process group, rank helpers, DistributedDataParallel, a gather with gradients.
 
 Plain `python script.py` never initialises a process group, and then every helper here is the identity.
 Under `torchrun --nproc_per_node N` each process holds batch / N rows; the method files gather what their loss
-needs over the global batch (visible lines in each loop) and average the gradients after backward, which is
-what DistributedDataParallel does, written out. Every process computes the same global-batch loss on the
-gathered tensors: all_gather's backward sums the N identical gradients into each process's own rows and the
-average divides by N, so the update is exactly the one-process update on the global batch.
+needs over the global batch (visible lines in each loop), and PyTorch's DistributedDataParallel averages the
+gradients with its bucketed all-reduce, overlapped with the backward pass. Every process computes the same
+global-batch loss on the gathered tensors: all_gather's backward sums the N identical gradients into each
+process's own rows and DDP's average divides by N, so the update is exactly the one-process update on the
+global batch.
 """
 from __future__ import annotations
 
@@ -18,18 +19,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 import plumbing
 
 
 _RANK, _WORLD, _HOST_GROUP = 0, 1, None  # kept after shutdown(): a process still knows who it was
+_ROWS = None  # the rows of each process in the current batch (set_rows)
 
 
 def init(device: torch.device) -> torch.device:
     """Under torchrun (RANK set): join the process group (NCCL on CUDA, gloo on CPU); this process's device.
 
-    A second gloo group carries the host-side values (row counts, the stop flag, the dev score) and the barriers,
-    so that they never wait for the GPU.
+    A second gloo group carries the host-side values (the stop flag, the dev score) and the barriers, so that
+    they never wait for the GPU.
     """
     global _RANK, _WORLD, _HOST_GROUP
     if "RANK" not in os.environ or dist.is_initialized():
@@ -51,29 +54,40 @@ def rank() -> int:
     return _RANK
 
 
+def set_rows(batch_rows: int) -> None:
+    """The current global batch has `batch_rows` rows: process r holds rows n r / N to n (r + 1) / N
+    (common.BatchSampler), so every process knows every process's count without asking."""
+    global _ROWS
+    _ROWS = [batch_rows * (r + 1) // _WORLD - batch_rows * r // _WORLD for r in range(_WORLD)]
+
+
 def gather(t: torch.Tensor) -> torch.Tensor:
     """The rows of every process in rank order (sizes may differ by one), gradients flowing back to each own rows."""
     if world_size() == 1:
         return t
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world_size())]
-    dist.all_gather(sizes, torch.tensor([len(t)]), group=_HOST_GROUP)  # row counts are host values: no GPU sync
-    padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, int(max(sizes)) - len(t)))
+    if _ROWS is None or len(t) != _ROWS[rank()]:
+        raise RuntimeError(f"gather: {len(t)} rows here, the batch gives this process {_ROWS and _ROWS[rank()]}")
+    padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, max(_ROWS) - len(t)))
     with warnings.catch_warnings():  # torch 2.13 points to a private module instead; this public one still works
         warnings.simplefilter("ignore", FutureWarning)
         parts = dist_nn.all_gather(padded)
-    return torch.cat([part[:int(n)] for part, n in zip(parts, sizes)])
+    return torch.cat([part[:n] for part, n in zip(parts, _ROWS)])
 
 
-def average_gradients(params) -> None:
-    """Every gradient averaged over the processes, in one flat all-reduce (DDP's step, written out)."""
-    if world_size() == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world_size()
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
+def data_parallel(model: torch.nn.Module, compile: bool = False):
+    """What a loop calls to run the encoder. Under torchrun: DistributedDataParallel(model), whose bucketed
+    all-reduce of every gradient overlaps the backward pass (one process: the model itself); with --compile,
+    torch.compile of that (DDP first, as PyTorch advises: its DDPOptimizer splits the graph at the buckets).
+
+    Several passes a step (SimCSE++'s dropout-off pass, --do_mlm's masked pass) all go through it before the one
+    backward; every parameter that requires a gradient gets one in every step (common.Encoder freezes the unused
+    pooler), so DDP needs no search for unused parameters, and its default (dynamic) graph mode holds whatever the
+    passes are. The buffers (position ids) never change: not broadcast. No gradient accumulation: no no_sync."""
+    if world_size() > 1:
+        device = next(model.parameters()).device
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                        broadcast_buffers=False)
+    return torch.compile(model) if compile else model
 
 
 def any_process(flag: bool) -> bool:
@@ -132,8 +146,12 @@ class StopSignal:
         finally:
             self.phase = "writing results.json"
 
-    def requested(self) -> bool:
-        return any_process(self.signum is not None)
+    def requested(self, share: bool = True) -> bool:
+        """Whether the run stops after this step. One process: at once. Several: they agree when `share`
+        (a log, dev or save step, where the loop reads values anyway), so that they stop at the same step."""
+        if world_size() == 1:
+            return self.signum is not None
+        return share and any_process(self.signum is not None)
 
     def exit_if_stopped(self) -> None:
         if self.signum is not None:

@@ -30,13 +30,14 @@ Choices: AMI's layer range defaults to the paper's 7:11 (0-based, end excluded) 
 encoders and to the same offsets from the top, (L-5):(L-1), for an L-layer one (all layers, an even
 count, below 6 layers); after each optimiser step the momentum encoder takes its EMA update, then
 encodes the batch into the queue, so those keys are negatives from the next step on; AMI's samples
-come from a generator seeded by --seed; the momentum encoder runs SDPA attention (it needs no
-attention weights) and AMI gets its layers' attention maps in fp32.
+come from a generator seeded by --seed, drawn for every tile: AMI computes all tiles with fixed
+shapes and weights the ones the authors' code keeps, so that it never waits for the device; the
+momentum encoder runs SDPA attention (it needs no attention weights) and AMI gets its layers'
+attention maps in fp32.
 """
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 import time
 from pathlib import Path
@@ -114,8 +115,10 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     `attn1`, `attn2`: attention probabilities of the two dropout views, (N, L, H, n, n). Layers
     min_layer:max_layer are kept; for each sample, head and layer parity a tile holds those layers'
     n x n entries. Entries valid in both views (> 0: padding and dropped entries are 0) are sampled,
-    the same indices for both views; the logs are centred and their cosine rho gives MI = -1/2 log(1
-    - rho^2). Returns -mean(MI) * (valid fraction^2 + 1e-6).
+    the same indices for both views, `num_samples` a tile; tiles with fewer valid entries are
+    dropped, unless no tile has that many: then every tile gives as many as the poorest has. The
+    logs are centred and their cosine rho gives MI = -1/2 log(1 - rho^2). Returns -mean(MI) *
+    (valid fraction^2 + 1e-6).
     """
     kept = max_layer - min_layer
     if kept < 2 or kept % 2:
@@ -131,25 +134,31 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     valid = (tiles1 > 0) & (tiles2 > 0)
     counts = valid.sum(dim=1)
     valid_fraction = counts.sum().to(tiles1.dtype) / valid.numel()
-    # Data-dependent shapes, as the authors' code has them: these lines wait for the GPU.
-    if counts.max() < num_samples:  # no tile has enough: use the smallest tile's count for all
-        k = int(counts.min())
-    else:  # drop the tiles with fewer than num_samples valid entries
-        k, keep = num_samples, counts >= num_samples
-        tiles1, tiles2, valid = tiles1[keep], tiles2[keep], valid[keep]
-    if k < 2:
-        return attn1.sum() * 0.0
-    # Uniform sampling without replacement: the k valid entries with the largest random keys.
+    # The authors' tile selection, with every shape fixed so that nothing waits for the device:
+    # each tile is computed and `used` says which count; k samples a tile.
+    enough = counts >= num_samples
+    some_enough = enough.any()
+    used = enough | ~some_enough
+    k = torch.where(some_enough, num_samples, counts.min())
+    width = min(num_samples, tiles1.shape[1])
+    # Uniform sampling without replacement: the k valid entries with the largest random keys (topk
+    # sorts them, so a tile's first k columns are its sample).
     device = generator.device if generator is not None else tiles1.device
     keys = torch.rand(valid.shape, generator=generator, device=device).to(tiles1.device)
-    index = keys.masked_fill(~valid, -1.0).topk(k, dim=1).indices
-    # log-normal -> normal
-    log1, log2 = tiles1.gather(1, index).log(), tiles2.gather(1, index).log()
-    log1, log2 = log1 - log1.mean(dim=1, keepdim=True), log2 - log2.mean(dim=1, keepdim=True)
+    index = keys.masked_fill(~valid, -1.0).topk(width, dim=1).indices
+    sampled = (torch.arange(width, device=k.device) < k) & valid.gather(1, index)
+
+    def centred_logs(t):  # log-normal -> normal; log 1 = 0 off the sample
+        logs = torch.where(sampled, t.gather(1, index), 1.0).log()
+        mean = logs.sum(dim=1, keepdim=True) / k.clamp_min(1)
+        return torch.where(sampled, logs - mean, 0.0)
+    log1, log2 = centred_logs(tiles1), centred_logs(tiles2)
     rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)
     # Code over paper: Algorithm 1 drops Eq. 4's log; the released code keeps it (and scales).
     mutual_information = -0.5 * torch.log(1 - (rho ** 2).clamp(max=1 - 1e-6))
-    return -mutual_information.mean() * (valid_fraction ** 2 + 1e-6)
+    mean_mi = torch.where(used, mutual_information, 0.0).sum() / used.sum()
+    loss = -mean_mi * (valid_fraction ** 2 + 1e-6)
+    return torch.where(k >= 2, loss, 0.0)  # fewer than 2 samples carry no correlation
 
 
 def moco_info_nce(z1, z2, queue, temp: float = 0.05) -> torch.Tensor:
@@ -220,10 +229,11 @@ def main(argv=None):
     # --no-mlp_only_train.
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
-    # --compile: the training passes only
-    forward = torch.compile(backbone) if args.compile else backbone
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
+    model = common.Encoder(backbone, head)  # what trains, one module (for DDP)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # DistributedDataParallel under torchrun; --compile: the training passes only
+    forward = distributed.data_parallel(model, args.compile)
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
@@ -236,6 +246,7 @@ def main(argv=None):
     if momentum_backbone is not None:
         momentum_backbone.set_attn_implementation("sdpa")
         common.set_dropout(momentum_backbone, args.momentum_dropout)
+        momentum_forward = common.Encoder(momentum_backbone)  # the same 4-D mask, outside DDP
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
     summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
                                  device)
@@ -250,7 +261,7 @@ def main(argv=None):
     saved = resume.restore(args, run_state, loader, device) if args.resume else resume.new_run()
     best_dev, best_step, train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
     history = common.History(args, saved)  # losses, gradient norms, the trajectory; --report_to
-    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+    batches = common.batches(loader)  # epoch after epoch
     clock = time.perf_counter()
     bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
                             initial=len(history.losses))
@@ -279,7 +290,6 @@ def main(argv=None):
                                                      args.ami_samples, generator)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
-            distributed.average_gradients(params)  # what DDP does; nothing on one process
             scaler.unscale_(optimizer)  # fp16: clip the true gradients
             # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
@@ -291,20 +301,22 @@ def main(argv=None):
                 ema_update(momentum_backbone, backbone, args.momentum)
                 with torch.no_grad():
                     with common.autocast(device, args.precision):
-                        outputs_momentum = momentum_backbone(**batch, output_hidden_states=True)
+                        outputs_momentum = momentum_forward(**batch, output_hidden_states=True)
                     hidden_states = outputs_momentum.hidden_states
                     keys = common.embed(hidden_states, batch["attention_mask"], args.pooler, head)
                 queue.push(distributed.gather(keys))  # the same queue on every process
             # stays on the device until the next log or dev step: no host sync
             history.add(loss, grad_norm)
             bar.update()  # a clock read, no host sync
-        stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
         # --align_uniform_steps: STS-B dev encoded between the gates too, for the trajectory
         align_uniform_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
+        every_save = bool(args.save_steps) and step % args.save_steps == 0
+        log_step = dev_step or align_uniform_step or every_save or step % args.logging_steps == 0
+        stopping = stop.requested(share=log_step)  # several processes agree at log steps only
         # last/ for --resume: at each dev gate, every --save_steps, and when a signal stops the run
-        save_step = dev_step or stopping or bool(args.save_steps) and step % args.save_steps == 0
-        if save_step or align_uniform_step or step % args.logging_steps == 0:
+        save_step = dev_step or stopping or every_save
+        if save_step or log_step:
             # one host sync; the first NaN or inf loss stops the run with its step
             history.read()
             # the device has finished every step up to here

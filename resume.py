@@ -32,7 +32,7 @@ import plumbing
 
 # Flags that do not change a run's numbers: they may differ when it is resumed.
 FREE_FLAGS = {"resume", "overwrite_output_dir", "keep_last", "save_steps", "eval_transfer", "num_workers",
-              "report_to", "logging_steps", "align_uniform_steps", "no_test_eval", "output_dir",
+              "report_to", "logging_steps", "align_uniform_steps", "no_test_eval", "output_dir", "count_host_syncs",
               "presets", "backbone_config"}  # the last two are derived from the others
 
 

@@ -39,18 +39,19 @@ head, the embeddings and the loss are fp32 (the authors' fp16 Trainer ran the he
 too; the cosine was fp32 there as here); an fp16 step skipped by the GradScaler still advances the
 schedule (checking would cost a host sync).
 Ablations: --do_mlm follows the released BertForCL/RobertaForCL: a second pass over a masked copy of
-the same inputs (every view or column, the same attention mask), masked by transformers'
-DataCollatorForLanguageModeling (15%, then 80% [MASK] / 10% random / 10% kept) from its own
-generator (seeded by --seed, saved by --resume; the dropout stream is untouched); BERT gets a fresh
-BertLMPredictionHead (the checkpoint's cls.predictions weights have other names there), RoBERTa its
-pretrained lm_head; the head is trained but not saved in best/. --neutral_hard_negatives (Table 7's
+the same inputs (every view or column, the same attention mask), masked on the device by
+mask_tokens, which draws what transformers' DataCollatorForLanguageModeling draws (15%, then 80%
+[MASK] / 10% random / 10% kept), from a generator of its own (seeded by --seed + the process's rank,
+saved by --resume; the dropout stream is untouched); the head runs under autocast, as in the
+released fp16 runs, and its scores are cast to fp32 for the loss; BERT gets a fresh
+BertLMPredictionHead initialised as the released code's (mlm_head), RoBERTa its pretrained lm_head;
+the head is trained but not saved in best/. --neutral_hard_negatives (Table 7's
 "Contra. + Neutral") takes each anchor's neutral hypothesis as a second hard negative beside its
 contradiction; --hard_negative_weight then applies to both. --num_layers k keeps the encoder's
 first k layers (SSCL Table 1; the checkpoint in best/ has k layers).
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from pathlib import Path
@@ -162,21 +163,44 @@ def keep_first_layers(backbone, k: int) -> None:
 
 
 def mlm_head(backbone, name_or_path: str) -> torch.nn.Module:
-    """The released code's MLM head: RoBERTa's pretrained lm_head; for BERT a fresh
-    BertLMPredictionHead (the checkpoint's cls.predictions does not load into BertForCL's
-    lm_head)."""
+    """The released code's MLM head: RoBERTa's pretrained lm_head (its decoder's bias tied to its
+    `bias`, as transformers ties them on loading); for BERT a fresh BertLMPredictionHead (the
+    checkpoint's cls.predictions does not load into BertForCL's lm_head), initialised as BertForCL's
+    init_weights did under transformers 4.2: weights normal(0, initializer_range), biases zero, the
+    decoder's bias tied to the head's zero `bias` (transformers 5 builds it with PyTorch's uniform
+    init and an untied decoder bias, which left `bias` unused)."""
     if backbone.config.model_type == "roberta":
         return plumbing.load_pretrained(name_or_path,
                                         auto_class=transformers.AutoModelForMaskedLM)[1].lm_head
     from transformers.models.bert.modeling_bert import BertLMPredictionHead
-    return BertLMPredictionHead(backbone.config)
+    head = BertLMPredictionHead(backbone.config)
+    for linear in (head.transform.dense, head.decoder):
+        torch.nn.init.normal_(linear.weight, std=backbone.config.initializer_range)
+    torch.nn.init.zeros_(head.transform.dense.bias)
+    head.decoder.bias = head.bias  # zeros; one parameter, as in transformers 4.2
+    return head
 
 
-def mask_tokens(masker, input_ids, special_ids):
-    """A masked copy of `input_ids` (on the CPU) and its MLM labels, by the collator's own masking
-    and generator; special tokens and padding are never masked."""
-    special = torch.isin(input_ids, special_ids)
-    return masker.torch_mask_tokens(input_ids.clone(), special_tokens_mask=special)
+def mask_tokens(input_ids, special_ids, probability: float, mask_token_id: int, vocab_size: int,
+                generator: torch.Generator, replace_prob: float = 0.8, random_prob: float = 0.1):
+    """BERT's masking, as transformers' DataCollatorForLanguageModeling.torch_mask_tokens draws it
+    (the same draws from `generator`, so the same masks for a seed: tested), without its boolean
+    indexing, on the input's device: (masked ids, labels with -100 where nothing is scored). Each
+    token but the special ones (and padding) is chosen with `probability`; a chosen one becomes
+    [MASK] with `replace_prob`, a random token with `random_prob`, else stays."""
+    shape, device = input_ids.shape, input_ids.device
+    chance = torch.full(shape, probability, device=device)
+    chance.masked_fill_(torch.isin(input_ids, special_ids), 0.0)
+    chosen = torch.bernoulli(chance, generator=generator).bool()
+    labels = input_ids.masked_fill(~chosen, -100)
+    as_mask = torch.bernoulli(torch.full(shape, replace_prob, device=device),
+                              generator=generator).bool() & chosen
+    masked = input_ids.masked_fill(as_mask, mask_token_id)
+    scaled = random_prob / (1 - replace_prob)  # of the chosen tokens not turned into [MASK]
+    as_random = torch.bernoulli(torch.full(shape, scaled, device=device),
+                                generator=generator).bool() & chosen & ~as_mask
+    words = torch.randint(vocab_size, shape, dtype=torch.long, generator=generator, device=device)
+    return torch.where(as_random, words, masked), labels
 
 
 def main(argv=None):
@@ -207,18 +231,16 @@ def main(argv=None):
         keep_first_layers(backbone, args.num_layers)
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
-    # --compile: the training passes only
-    forward = torch.compile(backbone) if args.compile else backbone
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    params = list(backbone.parameters()) + (list(head.parameters()) if head is not None else [])
-    lm_head, masker = None, None
-    if args.do_mlm:  # Appendix D.2: the MLM head, and masking from a generator of its own
+    lm_head, mlm_generator = None, None
+    if args.do_mlm:  # Appendix D.2: the MLM head, and masking on the device from its own generator
         lm_head = mlm_head(backbone, args.model_name_or_path).to(device).train()
-        params += list(lm_head.parameters())
-        masker = transformers.DataCollatorForLanguageModeling(
-            tokenizer, mlm_probability=args.mlm_probability, seed=args.seed + distributed.rank())
-        masker.generator = torch.Generator().manual_seed(masker.seed)
-        special_ids = torch.tensor(tokenizer.all_special_ids)
+        mlm_generator = torch.Generator(device).manual_seed(args.seed + distributed.rank())
+        special_ids = torch.tensor(tokenizer.all_special_ids, device=device)
+    model = common.Encoder(backbone, head, lm_head)  # what trains, one module (for DDP)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # DistributedDataParallel under torchrun; --compile: the training passes only
+    forward = distributed.data_parallel(model, args.compile)
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
@@ -232,20 +254,19 @@ def main(argv=None):
     # what last/ saves for --resume, with the RNG streams, the data position and the record so far
     run_state = {"backbone": backbone, "head": head, "optimizer": optimizer,
                  "scheduler": scheduler, "scaler": scaler, "lm_head": lm_head,
-                 "mlm_generator": masker.generator if masker else None}
+                 "mlm_generator": mlm_generator}
     # --resume: restored from last/ (the RNG streams last of all); otherwise a run from step 0
     saved = resume.restore(args, run_state, loader, device) if args.resume else resume.new_run()
     best_dev, best_step, train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
     history = common.History(args, saved)  # losses, gradient norms, the trajectory; --report_to
-    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+    batches = common.batches(loader)  # epoch after epoch
     clock = time.perf_counter()
     bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
                             initial=len(history.losses))
     # step 0 only evaluates the initial model
     for step in range(saved["next_step"], total_steps + 1):
         if step > 0:
-            cpu_batch = next(batches)
-            batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             # one pass: anchors, entailments, contradictions (dropout on, as in training)
             if args.supervised:
                 # the encoder only: embeddings and loss are fp32
@@ -269,20 +290,17 @@ def main(argv=None):
                 loss = common.positive_only_loss(z1, z2, args.temp) if args.no_negatives else \
                     common.info_nce(z1, z2, args.temp)  # --no_negatives: miCSE Table 4
             if args.do_mlm:  # Appendix D.2: + lambda * MLM on masked copies of the same inputs
-                encoded = batch if args.supervised else views  # on the device already
-                copies = len(encoded["input_ids"]) // len(cpu_batch["input_ids"])  # the views
-                cpu_ids = cpu_batch["input_ids"].repeat(copies, 1)
-                # masked on the CPU, from the collator's own generator
-                masked_ids, mlm_labels = mask_tokens(masker, cpu_ids, special_ids)
-                masked = dict(encoded, input_ids=masked_ids.to(device, non_blocking=True))
+                encoded = batch if args.supervised else views
+                masked_ids, mlm_labels = mask_tokens(encoded["input_ids"], special_ids,
+                                                     args.mlm_probability, tokenizer.mask_token_id,
+                                                     len(tokenizer), mlm_generator)
+                # the head under autocast too, as the released fp16 runs; its loss in fp32
                 with common.autocast(device, args.precision):
-                    mlm_outputs = forward(**masked)
-                prediction_scores = lm_head(mlm_outputs.last_hidden_state.float())
-                mlm_labels = mlm_labels.to(device, non_blocking=True)
+                    mlm_outputs = forward(**dict(encoded, input_ids=masked_ids))
+                    prediction_scores = lm_head(mlm_outputs.last_hidden_state)
                 loss = loss + args.mlm_weight * masked_lm_loss(prediction_scores, mlm_labels)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
-            distributed.average_gradients(params)  # what DDP does; nothing on one process
             scaler.unscale_(optimizer)  # fp16: clip the true gradients
             # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
@@ -292,13 +310,15 @@ def main(argv=None):
             # stays on the device until the next log or dev step: no host sync
             history.add(loss, grad_norm)
             bar.update()  # a clock read, no host sync
-        stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
         # --align_uniform_steps: STS-B dev encoded between the gates too, for the trajectory
         align_uniform_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
+        every_save = bool(args.save_steps) and step % args.save_steps == 0
+        log_step = dev_step or align_uniform_step or every_save or step % args.logging_steps == 0
+        stopping = stop.requested(share=log_step)  # several processes agree at log steps only
         # last/ for --resume: at each dev gate, every --save_steps, and when a signal stops the run
-        save_step = dev_step or stopping or bool(args.save_steps) and step % args.save_steps == 0
-        if save_step or align_uniform_step or step % args.logging_steps == 0:
+        save_step = dev_step or stopping or every_save
+        if save_step or log_step:
             # one host sync; the first NaN or inf loss stops the run with its step
             history.read()
             # the device has finished every step up to here

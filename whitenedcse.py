@@ -35,7 +35,6 @@ with ordinary dropout technique").
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from pathlib import Path
@@ -172,10 +171,11 @@ def main(argv=None):
     # Encoder and head: SGW -> Linear -> Tanh on [CLS], training only; evaluation reads [CLS].
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
-    # --compile: the training passes only
-    forward = torch.compile(backbone) if args.compile else backbone
     head = WhitenedHead(hidden, args.num_groups, backbone.config.initializer_range).to(device)
-    params = list(backbone.parameters()) + list(head.parameters())
+    model = common.Encoder(backbone, head)  # what trains, one module (for DDP)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # DistributedDataParallel under torchrun; --compile: the training passes only
+    forward = distributed.data_parallel(model, args.compile)
     eval_pooler = "cls_before_pooler"
     # the channel shuffles, the same on every process
     generator = torch.Generator(device).manual_seed(args.seed)
@@ -195,7 +195,7 @@ def main(argv=None):
     saved = resume.restore(args, run_state, loader, device) if args.resume else resume.new_run()
     best_dev, best_step, train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
     history = common.History(args, saved)  # losses, gradient norms, the trajectory; --report_to
-    batches = (batch for _ in itertools.count() for batch in loader)  # epoch after epoch
+    batches = common.batches(loader)  # epoch after epoch
     clock = time.perf_counter()
     bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
                             initial=len(history.losses))
@@ -219,7 +219,6 @@ def main(argv=None):
             loss = multi_positive_info_nce(views, args.temp)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
-            distributed.average_gradients(params)  # what DDP does; nothing on one process
             scaler.unscale_(optimizer)  # fp16: clip the true gradients
             # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
@@ -229,13 +228,15 @@ def main(argv=None):
             # stays on the device until the next log or dev step: no host sync
             history.add(loss, grad_norm)
             bar.update()  # a clock read, no host sync
-        stopping = stop.requested()
         dev_step = step % args.eval_steps == 0 or step == total_steps
         # --align_uniform_steps: STS-B dev encoded between the gates too, for the trajectory
         align_uniform_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
+        every_save = bool(args.save_steps) and step % args.save_steps == 0
+        log_step = dev_step or align_uniform_step or every_save or step % args.logging_steps == 0
+        stopping = stop.requested(share=log_step)  # several processes agree at log steps only
         # last/ for --resume: at each dev gate, every --save_steps, and when a signal stops the run
-        save_step = dev_step or stopping or bool(args.save_steps) and step % args.save_steps == 0
-        if save_step or align_uniform_step or step % args.logging_steps == 0:
+        save_step = dev_step or stopping or every_save
+        if save_step or log_step:
             # one host sync; the first NaN or inf loss stops the run with its step
             history.read()
             # the device has finished every step up to here

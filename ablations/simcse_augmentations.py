@@ -38,7 +38,6 @@ without --resume.
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 import random
 import sys
@@ -226,6 +225,8 @@ def main(argv=None):
         positive_encoder, positive_head = copy.deepcopy(backbone), copy.deepcopy(head)
     params = list({id(p): p for m in (backbone, head, positive_encoder, positive_head)
                    for p in m.parameters()}.values())
+    # the encoders' forward with a prebuilt 4-D attention mask (common.Encoder: no host sync)
+    forward, positive_forward = common.Encoder(backbone), common.Encoder(positive_encoder)
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
@@ -237,7 +238,7 @@ def main(argv=None):
     stop = distributed.StopSignal()
     history = common.History(args, resume.new_run())
     best_dev, best_step, train_time = -math.inf, None, 0.0
-    batches = (batch for _ in itertools.count() for batch in loader)
+    batches = common.batches(loader)
     clock = time.perf_counter()
     for step in range(total_steps + 1):
         if step > 0:
@@ -245,11 +246,11 @@ def main(argv=None):
             with common.autocast(device, args.precision):
                 if args.two_encoders:  # x_i through f_theta1, x_i+ through f_theta2
                     half = len(batch["input_ids"]) // 2
-                    outputs1 = backbone(**{k: v[:half] for k, v in batch.items()})
-                    outputs2 = positive_encoder(**{k: v[half:] for k, v in batch.items()})
+                    outputs1 = forward(**{k: v[:half] for k, v in batch.items()})
+                    outputs2 = positive_forward(**{k: v[half:] for k, v in batch.items()})
                     hidden1, hidden2 = outputs1.last_hidden_state, outputs2.last_hidden_state
                 else:  # one pass: anchors and positives, each with its own dropout mask
-                    hidden1, hidden2 = backbone(**batch).last_hidden_state.chunk(2)
+                    hidden1, hidden2 = forward(**batch).last_hidden_state.chunk(2)
             z1, z2 = head(hidden1[:, 0].float()), positive_head(hidden2[:, 0].float())
             loss = common.info_nce(z1, z2, args.temp)  # Eq. 1 with in-batch negatives
             optimizer.zero_grad(set_to_none=True)

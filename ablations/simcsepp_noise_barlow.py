@@ -27,7 +27,6 @@ process, and without --resume.
 """
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 import time
@@ -130,6 +129,7 @@ def main(argv=None):
     common.set_dropout(backbone, args.dropout)
     head = common.MLPHead(backbone.config).to(device)
     params = list(backbone.parameters()) + list(head.parameters())
+    forward = common.Encoder(backbone)  # a prebuilt 4-D attention mask: no host sync
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
@@ -145,14 +145,14 @@ def main(argv=None):
     stop = distributed.StopSignal()
     history = common.History(args, resume.new_run())
     best_dev, best_step, train_time = -math.inf, None, 0.0
-    batches = (batch for _ in itertools.count() for batch in loader)
+    batches = common.batches(loader)
     clock = time.perf_counter()
     for step in range(total_steps + 1):
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             views = common.repeat_views(batch, num_views)  # every dropout view in one pass
             with common.autocast(device, args.precision):
-                outputs = backbone(**views)
+                outputs = forward(**views)
             z = head(outputs.last_hidden_state[:, 0].float()).unflatten(0, (num_views, -1))
             z1, z2 = z[0], z[1]
             if args.barlow:  # Table 2: SimCSE + BarlowTwins on the padded batch

@@ -24,7 +24,6 @@ differ by dropout only under pca and zca. This script runs on one process, and w
 """
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 import time
@@ -140,6 +139,7 @@ def main(argv=None):
     else:  # group whitening, shuffled (WhitenedCSE) or not
         head = whitenedcse.WhitenedHead(hidden, args.num_groups, init_std).to(device)
     params = list(backbone.parameters()) + list(head.parameters())
+    forward = common.Encoder(backbone)  # a prebuilt 4-D attention mask: no host sync
     eval_pooler = "cls_before_pooler"
     generator = torch.Generator(device).manual_seed(args.seed)  # the channel shuffles
     encode = eval_sts.pooled_encode(backbone, tokenizer, eval_pooler, device)
@@ -152,13 +152,13 @@ def main(argv=None):
     stop = distributed.StopSignal()
     history = common.History(args, resume.new_run())
     best_dev, best_step, train_time = -math.inf, None, 0.0
-    batches = (batch for _ in itertools.count() for batch in loader)
+    batches = common.batches(loader)
     clock = time.perf_counter()
     for step in range(total_steps + 1):
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             with common.autocast(device, args.precision):  # m dropout views in one pass
-                outputs = backbone(**common.repeat_views(batch, args.num_pos))
+                outputs = forward(**common.repeat_views(batch, args.num_pos))
             cls_views = outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)
             if args.whitening in ("pca", "zca"):
                 views = head(list(cls_views))

@@ -201,20 +201,30 @@ def test_mlm_replacement_changes_only_the_chosen_pieces(tiny_mlm):
 
 
 def test_do_mlm_masking_is_the_collators_15_80_10_10_from_its_own_generator(tiny_model):
-    """simcse.mask_tokens: DataCollatorForLanguageModeling's masking; the global RNG (dropout's) is not drawn."""
+    """simcse.mask_tokens draws exactly what DataCollatorForLanguageModeling.torch_mask_tokens draws from the same
+    generator (the masks of the earlier CPU-side masking, bit for bit), with no host sync and without the global
+    RNG (dropout's); 15% of the ordinary tokens chosen, of them 80% [MASK], 10% random, 10% kept."""
     import simcse
+    import syncs
     import transformers
     args = simcse.parse_args(["--do_mlm", "--model_name_or_path", str(tiny_model)])
     assert (args.mlm_weight, args.mlm_probability) == (0.1, 0.15)  # the released code's defaults
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_model)
-    masker = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, seed=0)
-    masker.generator = torch.Generator().manual_seed(0)
     ids = torch.randint(5, len(tokenizer), (400, 50))
     ids[:, 0], ids[:, -1], ids[::2, -10:] = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id
     special_ids = torch.tensor(tokenizer.all_special_ids)
-    state = torch.get_rng_state()
-    masked, labels = simcse.mask_tokens(masker, ids, special_ids)
-    assert torch.equal(state, torch.get_rng_state())
+    masker = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15, seed=3)
+    masker.generator = torch.Generator().manual_seed(3)
+    expected = [masker.torch_mask_tokens(ids.clone(), special_tokens_mask=torch.isin(ids, special_ids))
+                for _ in range(2)]  # two batches in a row: the generator's stream continues alike
+    generator, state = torch.Generator().manual_seed(3), torch.get_rng_state()
+    with syncs.HostSyncCounter("cpu") as counter:
+        got = [simcse.mask_tokens(ids, special_ids, 0.15, tokenizer.mask_token_id, len(tokenizer), generator)
+               for _ in range(2)]
+    assert not counter.ops and torch.equal(state, torch.get_rng_state())
+    for (masked, labels), (want_masked, want_labels) in zip(got, expected):
+        assert torch.equal(masked, want_masked) and torch.equal(labels, want_labels)
+    masked, labels = got[0]
     chosen = labels != -100
     special = torch.isin(ids, special_ids)
     assert not chosen[special].any() and torch.equal(labels[chosen], ids[chosen])
@@ -328,7 +338,8 @@ def test_an_ablation_command_runs_on_shared_data(command, extra, tiny_model, tin
     out = tmp_path / "run"
     argv = [str(a) for a in [*flags, *train, "--model_name_or_path", tiny_model, "--senteval_dir", senteval_dir,
                              "--fraction", 0.02, "--max_steps", 2, "--eval_steps", 2, "--batch_size", 8,
-                             "--max_seq_length", 16, "--no_test_eval", "--device", "cpu", "--output_dir", out]]
+                             "--max_seq_length", 16, "--no_test_eval", "--device", "cpu", "--output_dir", out,
+                             "--count_host_syncs", 1]]
     if "--positive mlm" in command:
         argv += ["--mlm_model", str(tiny_mlm)]
     calls = []
@@ -345,6 +356,10 @@ def test_an_ablation_command_runs_on_shared_data(command, extra, tiny_model, tin
     module.main(argv)
     results = json.loads((out / "results.json").read_text())
     assert results["steps"] == 2 and all(math.isfinite(x) for x in results["train_loss"])
+    # step 2's host syncs (tests/test_syncs.py): none, but torch.linalg.eigh's, once a whitened view
+    eigh = {"whitenedcse.py --num_pos 2": 2, "ablations/whitenedcse_whitening.py --whitening pca": 3,
+            "ablations/whitenedcse_whitening.py --whitening group": 3}
+    assert results["host_syncs"]["per_step"] == [eigh.get(command, 0)], results["host_syncs"]
     assert (out / "best" / "config.json").is_file()
     if command in SPIES:
         assert check(calls), command

@@ -16,6 +16,7 @@ def test_timed_steps_exclude_the_warm_up(tiny_model, corpus, senteval_dir, tmp_p
     assert sorted(curve) == [0, 2, 4, 5]  # logs every --warmup steps, dev gates at 0 and 5
     assert results["timed_steps_per_second"] == pytest.approx(3 / (curve[5] - curve[2]))
     assert results["steps"] == 5 and results["args"]["logging_steps"] == 2
+    assert results["host_syncs"]["steps"] == [2] and results["host_syncs"]["per_step"] == [0]  # warm-up step 2
 
 
 def test_compare_with_a_folder_that_is_no_checkout_is_one_line(tmp_path, corpus):

@@ -1,28 +1,36 @@
-"""What can only fail on a GPU: bf16/fp16 autocast and the GradScaler on CUDA, no host sync inside a training step,
-fused AdamW, --compile. Skipped without CUDA (the CPU suite covers the same loops with --precision bf16)."""
-import importlib
+"""What only a GPU can show, skipped without CUDA: every script and ablation flag in bf16 and fp16 with fp32 losses,
+no host sync in a step (the dispatch-mode counter, and torch's own check set to "error"), fused AdamW, --compile
+with inductor and no recompiles after warm-up, DDP under NCCL (2 GPUs), resume with and without --deterministic,
+and a checkpoint trained on CUDA evaluated on CPU.
+
+Its logic runs on CPU too, where that is honest: the tables' scripts import (tests/test_syncs.py), the counter and
+its CUDA window with torch.cuda's debug mode faked (test_syncs.py), the same runs with --precision bf16
+(test_precision.py), DDP on gloo (test_distributed.py), --compile with dynamo's eager backend (test_precision.py).
+"""
 import json
-import warnings
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import common
-from conftest import smoke_args
-from test_precision import FLAGS, LOSSES, recording
-from test_simcse import write_nli
+import syncs
+from conftest import ROOT, smoke_args, write_nli
+from test_precision import FLAGS, INPUTS, LOSSES, recording
+from test_syncs import RUNS, module_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-RUNS = list(LOSSES)
 
 
-def run_on_cuda(run, tiny_model, corpus, senteval_dir, tmp_path, *extra):
-    module = importlib.import_module(run.split("_")[0])
-    data = write_nli(tmp_path / "nli.csv") if run == "simcse_sup" else corpus
-    out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
-    args = smoke_args(tiny_model, data, senteval_dir, out, "--device", "cuda", "--no_test_eval",
-                      *FLAGS.get(run, []), *extra)
-    module.main([str(a) for a in args])
+def run_on_cuda(run, tiny_model, corpus, senteval_dir, out, *extra, flags=None):
+    """`run` (a key of test_precision.LOSSES or test_syncs.RUNS) trained on cuda for 4 steps; its results.json."""
+    flags = FLAGS.get(run, []) if flags is None else flags
+    data = write_nli(out.parent / f"{out.name}-nli.csv") if "--supervised" in flags or run == "simcse_sup" \
+        else corpus
+    args = smoke_args(tiny_model, data, senteval_dir, out, "--device", "cuda", "--no_test_eval", *flags, *extra)
+    module_of(run).main([str(a) for a in args])
     return json.loads((out / "results.json").read_text())
 
 
@@ -32,45 +40,42 @@ def test_auto_precision_is_bf16_on_a_bf16_gpu_and_fp16_otherwise():
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", list(LOSSES))
 def test_losses_are_fp32_outside_autocast_on_cuda(run, precision, tiny_model, corpus, senteval_dir, tmp_path,
                                                   monkeypatch):
+    """Expected: every loss gets fp32 tensors with autocast off (--do_mlm's scores in the autocast dtype, cast to
+    fp32 inside) and equals its fp32 recomputation; fp16's GradScaler keeps the losses finite."""
+    import importlib
     if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         pytest.skip("this GPU has no bf16")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     calls = {name: [] for _, name in LOSSES[run]}
     for owner, name in LOSSES[run]:
         owner = importlib.import_module(owner) if isinstance(owner, str) else owner
         monkeypatch.setattr(owner, name, recording(getattr(owner, name), calls[name], "cuda"))
-    results = run_on_cuda(run, tiny_model, corpus, senteval_dir, tmp_path, "--precision", precision)
+    results = run_on_cuda(run, tiny_model, corpus, senteval_dir, tmp_path / "run", "--precision", precision)
     assert results["precision"] == precision and results["steps"] == 4
-    assert all(v == v for v in results["train_loss"])  # fp16's scaler kept the losses finite
+    assert all(v == v for v in results["train_loss"])
     assert results["peak_memory_kind"] == "cuda_max_allocated" and results["peak_memory_reserved_mb"] > 0
     for name, seen in calls.items():
-        assert seen and all(c["dtypes"] == {torch.float32} and not c["autocast"] and c["equal"] for c in seen), name
+        expected = {dtype} if name in INPUTS else {torch.float32}
+        assert seen and all(c["dtypes"] == expected and not c["autocast"] and c["equal"] and
+                            c["out_dtype"] == torch.float32 for c in seen), name
 
 
-def sync_warnings(run, steps, tiny_model, corpus, senteval_dir, tmp_path):
-    """Host-device syncs of a whole run (dev gates at step 0 and the last step only), counted by torch."""
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            run_on_cuda(run, tiny_model, corpus, senteval_dir, tmp_path, "--max_steps", steps, "--eval_steps", 1000)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
-
-
-# Syncs a training step may have: none, except AMI's data-dependent tile dropping (as the authors' code does it)
-# and torch.linalg.eigh's convergence check, once per whitened view.
-ALLOWED_PER_STEP = {"micse": 8, "whitenedcse": 2 * 3}
-
-
-@pytest.mark.parametrize("run", RUNS)
-def test_no_host_sync_inside_a_training_step(run, tiny_model, corpus, senteval_dir, tmp_path):
-    short = sync_warnings(run, 2, tiny_model, corpus, senteval_dir, tmp_path)
-    long = sync_warnings(run, 6, tiny_model, corpus, senteval_dir, tmp_path)
-    assert long - short <= 4 * ALLOWED_PER_STEP.get(run, 0), (short, long)
+@pytest.mark.parametrize("run", list(RUNS))
+def test_no_host_sync_inside_a_training_step_on_cuda(run, tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """Expected: the counter's count on CUDA equals the CPU count (0; WhitenedCSE's eigh once a whitened view), and
+    torch's own sync check agrees: set to "error" inside the steps, any sync raises; where eigh is allowed it is
+    set to "warn" and warns once per eigh."""
+    flags, allowed = RUNS[run]
+    monkeypatch.setattr(syncs, "CUDA_DEBUG", "warn" if allowed else "error")
+    results = run_on_cuda(run, tiny_model, corpus, senteval_dir, tmp_path / "run", "--max_steps", 5,
+                          "--eval_steps", 5, "--count_host_syncs", 3, "--precision", "bf16"
+                          if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16", flags=flags)
+    counted = results["host_syncs"]
+    assert counted["device"] == "cuda" and counted["per_step"] == [allowed] * 3, counted
+    assert counted["cuda_sync_warnings_per_step"] == [allowed] * 3, counted
 
 
 def test_adamw_is_fused_on_cuda():
@@ -80,6 +85,70 @@ def test_adamw_is_fused_on_cuda():
     assert optimizer.defaults["fused"] is True
 
 
-def test_compile_runs_on_cuda(tiny_model, corpus, senteval_dir, tmp_path):
-    results = run_on_cuda("simcse", tiny_model, corpus, senteval_dir, tmp_path, "--compile")
-    assert results["steps"] == 4 and all(v == v for v in results["train_loss"])
+def test_compile_with_inductor_recompiles_nothing_after_warm_up(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                monkeypatch):
+    """Expected: batches padded to multiples of 8; once two widths have been seen (the second graph has a dynamic
+    length) dynamo compiles nothing more."""
+    from torch._dynamo.utils import counters
+    widths, graphs = [], []
+    collate = common.TokenizedCorpus.collate
+    monkeypatch.setattr(common.TokenizedCorpus, "collate",
+                        lambda self, rows: widths.append(collate(self, rows)["input_ids"].shape[1]) or collate(self, rows))
+    add = common.History.add
+    monkeypatch.setattr(common.History, "add", lambda self, *a: graphs.append(counters["stats"]["unique_graphs"])
+                        or add(self, *a))
+    counters.clear()
+    results = run_on_cuda("simcse", tiny_model, corpus, senteval_dir, tmp_path / "run", "--compile", "--max_steps",
+                          12, "--eval_steps", 12, "--batch_size", 2)
+    assert results["steps"] == 12 and all(v == v for v in results["train_loss"])
+    assert all(w % 8 == 0 for w in widths) and len(set(widths)) >= 2, widths
+    warm = next(i for i in range(len(widths)) if len(set(widths[:i + 1])) == 2)
+    assert set(graphs[warm:]) == {graphs[warm]}, (widths, graphs)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP under NCCL needs 2 GPUs")
+def test_two_gpus_under_nccl_train_like_one(tmp_path):
+    """Expected: test_distributed.py's equivalence (parameters to 1e-5, the same losses, DDP for every pass), with
+    NCCL on 2 GPUs: run by that file's own test with the device switched to cuda."""
+    env = dict(os.environ, SUITE_DISTRIBUTED_DEVICE="cuda")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", str(ROOT / "tests" / "test_distributed.py"),
+                           "-k", "train_like_one"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("script", ["simcse", "micse"])
+def test_resume_on_cuda(script, deterministic, tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """Expected: with --deterministic a run stopped at step 2 and resumed ends bit-identical to the straight run
+    (SimCSE: SDPA's backward; miCSE: AMI's generator and the queue on the device); without it, SDPA's backward and
+    atomic adds may order their sums differently, so the losses agree to 1e-3."""
+    import test_resume
+    extra = ["--deterministic"] if deterministic else []
+    argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "straight", "--device", "cuda",
+                                       "--max_steps", 6, "--no_test_eval", "--lr", 1e-3, *extra)]
+    resumed_argv = [str(tmp_path / "resumed") if a == str(tmp_path / "straight") else a for a in argv]
+    try:
+        test_resume.run(script, argv, monkeypatch)
+        test_resume.run(script, resumed_argv, monkeypatch, stop_at=2)
+        test_resume.run(script, resumed_argv + ["--resume"], monkeypatch)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    straight, resumed = (json.loads((tmp_path / name / "results.json").read_text())
+                         for name in ("straight", "resumed"))
+    assert resumed["resumptions"] == [2]
+    if deterministic:
+        assert resumed["train_loss"] == straight["train_loss"] and resumed["grad_norm"] == straight["grad_norm"]
+    else:
+        assert resumed["train_loss"] == pytest.approx(straight["train_loss"], rel=1e-3)
+
+
+def test_a_checkpoint_trained_on_cuda_evaluates_the_same_on_cpu(tiny_model, corpus, senteval_dir, tmp_path):
+    """Expected: best/ loads on the CPU, and its STS test scores there equal the CUDA run's to 0.02 (two-decimal
+    Spearman scores of embeddings that differ in the last float bits)."""
+    import eval_sts
+    results = run_on_cuda("simcse", tiny_model, corpus, senteval_dir, tmp_path / "run")
+    gpu = eval_sts.evaluate(eval_sts.load_encode(str(tmp_path / "run" / "best"), results["eval_pooler"], "cuda"),
+                            senteval_dir)
+    cpu = eval_sts.evaluate(eval_sts.load_encode(str(tmp_path / "run" / "best"), results["eval_pooler"], "cpu"),
+                            senteval_dir)
+    assert gpu.keys() == cpu.keys() and all(abs(gpu[k] - cpu[k]) <= 0.02 for k in gpu), (gpu, cpu)

@@ -1,10 +1,11 @@
 """Several processes (torchrun, gloo on CPU): the same training as one process with the same global batch.
 
-With dropout switched off both runs compute the same function, so after two steps the parameters must agree to
+With dropout switched off both runs compute the same function, so after four steps the parameters must agree to
 1e-5: this is what proves the gathers (negatives over the global batch, DCL's and the whitening's batch
-statistics, miCSE's queue) and the gradient averaging. The driver runs a method's own main() under torchrun and
-records, at every dev gate, the parameters it evaluates; the one-process reference runs the same main() in the
-test's own process with the same recording gate.
+statistics, miCSE's queue) and DistributedDataParallel's gradient averaging. The driver runs a method's own main()
+under torchrun and records, at every dev gate, the parameters it evaluates, and what crossed the processes: DDP's
+forward passes, and the stop flag's exchanges (at log steps only); the one-process reference runs the same main()
+in the test's own process with the same recording dev gate.
 """
 import json
 import os
@@ -15,15 +16,31 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, gates, smoke_args, write_tiny_model
+from conftest import ROOT, gates, smoke_args, write_nli, write_tiny_model
 
 DRIVER = '''
-import sys
+import atexit, json, sys
 sys.path[:0] = [{root!r}, {tests!r}]
-import common, importlib, plumbing
+import common, distributed, importlib, plumbing
 from test_distributed import recording_dev_measures
 script, out, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 common.dev_measures = recording_dev_measures(common.dev_measures, out)
+seen = {{"ddp_forwards": 0, "stop_flag_exchanges": 0}}
+
+class CountingDDP(distributed.DistributedDataParallel):
+    def forward(self, *args, **kwargs):
+        seen["ddp_forwards"] += 1
+        return super().forward(*args, **kwargs)
+
+distributed.DistributedDataParallel = CountingDDP
+real_any_process = distributed.any_process
+
+def any_process(flag):
+    seen["stop_flag_exchanges"] += 1
+    return real_any_process(flag)
+
+distributed.any_process = any_process
+atexit.register(lambda: open(f"{{out}}/seen_rank{{distributed.rank()}}.json", "w").write(json.dumps(seen)))
 plumbing.cli(lambda: importlib.import_module(script).main(argv))
 '''
 
@@ -43,7 +60,13 @@ def recording_dev_measures(real_dev_measures, out):
 METHOD_FLAGS = {
     "simcse": [], "simcsepp": [], "sscl": ["--neg_layers", "1"], "whitenedcse": ["--num_groups", "16"],
     "micse": ["--ami_lambda", "0", "--momentum_dropout", "0", "--queue_size", "12"],  # AMI is per process
+    # hard negatives, and a second DDP pass a step with the MLM head in DDP's buckets (weight 0: each process
+    # masks its own rows from its own generator, so the MLM term is not the one-process term); avg pooling: the
+    # random tiny BERT's [CLS] is nearly one vector for all sentences, whose chance-level gradient is float noise
+    "simcse-sup-mlm": ["--supervised", "--pooler", "avg", "--do_mlm", "--mlm_weight", "0"],
 }
+DEVICE = os.environ.get("SUITE_DISTRIBUTED_DEVICE", "cpu")  # cuda: NCCL on 2 GPUs (tests/test_cuda.py)
+PASSES = {"simcsepp": 2, "simcse-sup-mlm": 2}  # DDP forward passes a step (SimCSE++'s dropout-off pass)
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +98,13 @@ def launch(script, args, workdir):
     return proc, out
 
 
-@pytest.mark.parametrize("script", list(METHOD_FLAGS))
-def test_two_processes_train_like_one(script, no_dropout_model, corpus, senteval_dir, tmp_path, monkeypatch):
-    args = smoke_args(no_dropout_model, corpus, senteval_dir, "unused")[:-4]  # without --output_dir and --device
-    args += ["--device", "cpu", "--max_steps", 2, "--eval_steps", 1, "--batch_size", 8, "--no_test_eval",
-             *METHOD_FLAGS[script]]  # argparse: the last occurrence of a flag wins
+@pytest.mark.parametrize("case", list(METHOD_FLAGS))
+def test_two_processes_train_like_one(case, no_dropout_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    script = case.split("-")[0]
+    data = write_nli(tmp_path / "nli.csv") if "--supervised" in METHOD_FLAGS[case] else corpus
+    args = smoke_args(no_dropout_model, data, senteval_dir, "unused")[:-4]  # without --output_dir and --device
+    args += ["--device", DEVICE, "--max_steps", 4, "--eval_steps", 2, "--batch_size", 8, "--no_test_eval",
+             "--logging_steps", 2, *METHOD_FLAGS[case]]  # argparse: the last occurrence of a flag wins
     one_out = run_in_this_process(script, args, tmp_path / "one", monkeypatch)
     two, two_out = launch(script, args, tmp_path / "two")
     assert two.returncode == 0, two.stderr[-3000:]
@@ -91,11 +116,20 @@ def test_two_processes_train_like_one(script, no_dropout_model, corpus, senteval
         torch.testing.assert_close(rank0[name], single[name], atol=1e-5, rtol=1e-5, msg=name)
     r1, r2 = (json.loads((o / "results.json").read_text()) for o in (one_out, two_out))
     assert r2["world_size"] == 2 and r1["world_size"] == 1
-    assert r1["steps"] == r2["steps"] == 2
-    assert [s for s, _ in gates(r1)] == [s for s, _ in gates(r2)] == [0, 1, 2]
-    assert r1["train_loss"] == pytest.approx(r2["train_loss"], rel=1e-5)
+    assert r1["steps"] == r2["steps"] == 4
+    assert [s for s, _ in gates(r1)] == [s for s, _ in gates(r2)] == [0, 2, 4]
+    assert r1["train_loss"] == pytest.approx(r2["train_loss"], rel=1e-5, abs=1e-6)
+    # the norm of the averaged gradient at step 1, from the same parameters: a sum instead of an average would
+    # double it (Adam would not tell); later steps start from parameters that Adam's noise-sized steps set apart
+    assert r1["grad_norm"][0] == pytest.approx(r2["grad_norm"][0], rel=1e-5)
+    # DistributedDataParallel ran every training pass; the processes exchanged the stop flag at the log steps 0, 2
+    # and 4 only, not at each of the 5 steps
+    for rank in (0, 1):
+        seen = json.loads((two_out / f"seen_rank{rank}.json").read_text())
+        assert seen == {"ddp_forwards": 4 * PASSES.get(case, 1), "stop_flag_exchanges": 3}, seen
     # written once, by process 0: one results.json, one checkpoint, one "wrote" line
-    assert sorted(p.name for p in two_out.iterdir() if not p.name.startswith("params")) == ["best", "results.json"]
+    assert sorted(p.name for p in two_out.iterdir() if not p.name.startswith(("params", "seen"))) == \
+        ["best", "results.json"]
     assert two.stdout.count("wrote ") == 1
 
 

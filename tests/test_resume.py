@@ -38,10 +38,10 @@ def sigterm_at(monkeypatch, step):
     real = distributed.StopSignal.requested
     calls = itertools.count()
 
-    def requested(self):
+    def requested(self, *args, **kwargs):
         if next(calls) == step:
             os.kill(os.getpid(), signal.SIGTERM)
-        return real(self)
+        return real(self, *args, **kwargs)
     monkeypatch.setattr(distributed.StopSignal, "requested", requested)
 
 
@@ -175,18 +175,19 @@ sys.path[:0] = [{root!r}]
 import distributed, importlib, plumbing
 stop_at, argv = int(sys.argv[1]), sys.argv[2:]
 real, calls = distributed.StopSignal.requested, itertools.count()
-def requested(self):
+def requested(self, *args, **kwargs):
     if next(calls) == stop_at and distributed.rank() == 0:
         os.kill(os.getpid(), signal.SIGTERM)
-    return real(self)
+    return real(self, *args, **kwargs)
 distributed.StopSignal.requested = requested
 plumbing.cli(lambda: importlib.import_module("micse").main(argv))
 '''
 
 
 def test_resume_under_torchrun(tiny_model, corpus, senteval_dir, tmp_path):
-    """Two processes (gloo): process 0 gets the SIGTERM, both stop at the same step, both resume; the losses equal
-    a straight two-process run's. miCSE: per-process AMI generators and slices, and the shared queue."""
+    """Two processes (gloo): process 0 gets the SIGTERM during step 3, both stop at the same step, the next log step
+    (4: they agree on the stop flag at log steps only), both resume; the losses equal a straight two-process run's.
+    miCSE: per-process AMI generators and slices, and the shared queue."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(root=str(ROOT)))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
@@ -205,7 +206,7 @@ def test_resume_under_torchrun(tiny_model, corpus, senteval_dir, tmp_path):
     resumed = launch(tmp_path / "resumed", -1, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("straight", "resumed"))
-    assert a["world_size"] == b["world_size"] == 2 and b["resumptions"] == [3]
+    assert a["world_size"] == b["world_size"] == 2 and b["resumptions"] == [4]
     assert a["train_loss"] == b["train_loss"] and gates(a) == gates(b)
     shutil.rmtree(tmp_path / "straight")
 
@@ -219,3 +220,18 @@ def test_last_is_saved_at_dev_gates_every_save_steps_and_at_a_signal(tiny_model,
     argv = case_args("simcse", tiny_model, corpus, senteval_dir, tmp_path / "run", tmp_path)
     run("simcse", argv + ["--eval_steps", "4", "--save_steps", "3"], monkeypatch, stop_at=5)
     assert saved_at == [0, 3, 4, 5]  # gates 0 and 4, --save_steps 3, the signal at 5
+
+
+def test_deterministic_sets_torch_and_cublas_and_changes_nothing_on_cpu(straight_runs, tiny_model, corpus,
+                                                                       senteval_dir, tmp_path, monkeypatch):
+    """--deterministic: PyTorch's deterministic algorithms and cuBLAS's fixed workspace (what a bit-identical resume
+    on a GPU needs: tests/test_cuda.py); a CPU run is deterministic already, so its numbers stay the same."""
+    import simcse
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        simcse.main(case_args("simcse", tiny_model, corpus, senteval_dir, tmp_path / "run", tmp_path)
+                    + ["--deterministic"])
+        assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert outcome(tmp_path / "run")[0]["train_loss"] == outcome(straight_runs["simcse"])[0]["train_loss"]
