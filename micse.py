@@ -19,7 +19,8 @@ depth (see Choices), e.g. 19:23 for 24-layer encoders.
 
 Follows the authors' released code where the paper differs (marked in ami_loss): MI keeps Eq. 4's
 log, attention tiles are formed by layer parity, and the loss is scaled by the squared fraction of
-valid attention entries.
+valid attention entries in the tiles it keeps (models.py takes the mask after dropping the tiles
+with fewer than 150 valid entries).
 Few-shot data: without --train_file, a fraction the authors released (0.000064, 0.0001, 0.0005,
 0.001, 0.005, 0.01, 0.1) with --seed 48-52 downloads their subset
 wiki_subset_1M_<P>percent_seed<S>.txt from sap-ai-research/datasets-for-micse (Table 2's files); any
@@ -118,7 +119,7 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     the same indices for both views, `num_samples` a tile; tiles with fewer valid entries are
     dropped, unless no tile has that many: then every tile gives as many as the poorest has. The
     logs are centred and their cosine rho gives MI = -1/2 log(1 - rho^2). Returns -mean(MI) *
-    (valid fraction^2 + 1e-6).
+    (valid fraction^2 + 1e-6), the fraction taken over the tiles kept.
     """
     kept = max_layer - min_layer
     if kept < 2 or kept % 2:
@@ -133,13 +134,14 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     tiles1, tiles2 = tiles(attn1), tiles(attn2)
     valid = (tiles1 > 0) & (tiles2 > 0)
     counts = valid.sum(dim=1)
-    valid_fraction = counts.sum().to(tiles1.dtype) / valid.numel()
     # The authors' tile selection, with every shape fixed so that nothing waits for the device:
     # each tile is computed and `used` says which count; k samples a tile.
     enough = counts >= num_samples
     some_enough = enough.any()
     used = enough | ~some_enough
     k = torch.where(some_enough, num_samples, counts.min())
+    # Code over paper: the released code scales by the valid share of the tiles it keeps
+    valid_fraction = (counts * used).sum().to(tiles1.dtype) / (used.sum() * valid.shape[1])
     width = min(num_samples, tiles1.shape[1])
     # Uniform sampling without replacement: the k valid entries with the largest random keys (topk
     # sorts them, so a tile's first k columns are its sample).

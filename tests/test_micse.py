@@ -65,12 +65,55 @@ def test_ami_uses_only_valid_entries_with_padding():
 def test_ami_drops_tiles_with_too_few_entries():
     attn1 = random_attention(seed=7, padded_keys=[4, 1, 4])
     attn2 = random_attention(seed=8, padded_keys=[4, 1, 4])
-    # num_samples = 32 = a full tile: sample 1's tiles (8 valid entries) are dropped, the others are used whole.
+    # num_samples = 32 = a full tile: sample 1's tiles (8 valid entries) are dropped, the others are used whole,
+    # and the scale is the valid share of the kept tiles (1 here), as the released models.py computes it after
+    # the drop (the share of all tiles would be (2 * 32 + 8) / (3 * 32))
     got = micse.ami_loss(attn1, attn2, 0, 4, num_samples=32)
-    kept = reference_ami(attn1[[0, 2]], attn2[[0, 2]], 0, 4)
-    fraction_all = (2 * 32 + 8) / (3 * 32)
-    fraction_kept = 1.0
-    assert got.item() == pytest.approx(kept / (fraction_kept ** 2 + 1e-6) * (fraction_all ** 2 + 1e-6), rel=1e-9)
+    assert got.item() == pytest.approx(reference_ami(attn1[[0, 2]], attn2[[0, 2]], 0, 4), rel=1e-9)
+
+
+def released_ami(attn1, attn2, min_layer, max_layer, num_samples, keys):
+    """The released models.py's AMI, loop by loop: tiles per sample, head and layer parity; if no tile has
+    `num_samples` valid entries, every tile gives as many as the poorest, else the others are dropped; the scale is
+    the valid share of the kept tiles' entries. `keys` (tiles x entries) pick the sample: a tile's valid entries
+    with the largest keys (the released code draws them with torch.multinomial instead)."""
+    n, _, heads = attn1.shape[:3]
+    tiles = []
+    for i in range(n):
+        for h in range(heads):
+            for parity in (0, 1):
+                layers = range(min_layer + parity, max_layer, 2)
+                tiles.append((np.concatenate([attn1[i, l, h].numpy().ravel() for l in layers]),
+                              np.concatenate([attn2[i, l, h].numpy().ravel() for l in layers])))
+    valid = [(a > 0) & (b > 0) for a, b in tiles]
+    counts = [v.sum() for v in valid]
+    if max(counts) < num_samples:
+        kept, k = list(range(len(tiles))), min(counts)
+    else:
+        kept, k = [t for t in range(len(tiles)) if counts[t] >= num_samples], num_samples
+    mis = []
+    for t in kept:
+        entries = sorted(np.flatnonzero(valid[t]), key=lambda e: -keys[t][e])[:k]
+        la, lb = np.log(tiles[t][0][entries]), np.log(tiles[t][1][entries])
+        la, lb = la - la.mean(), lb - lb.mean()
+        # a one-key row attends with probability 1 (log 0) everywhere: no variance, cosine 0 (the released
+        # nn.CosineSimilarity's eps)
+        rho = la @ lb / max(np.linalg.norm(la) * np.linalg.norm(lb), 1e-12)
+        mis.append(-0.5 * math.log(1 - min(rho ** 2, 1 - 1e-6)))
+    share = sum(counts[t] for t in kept) / (len(kept) * len(tiles[0][0]))
+    return -np.mean(mis) * (share ** 2 + 1e-6)
+
+
+@pytest.mark.parametrize("num_samples", [20, 200])
+def test_ami_samples_and_scales_as_the_released_code(num_samples):
+    """Sampling on, with tiles of 2 layers x 6 x 6 = 72 entries and padding that leaves some short of 20: the kept
+    tiles, their samples (the same random keys) and the scale of the kept tiles equal the loop; with 200, no tile
+    has enough and every tile gives the poorest tile's count."""
+    attn1 = random_attention(n=4, length=6, seed=21, padded_keys=[6, 2, 5, 1])
+    attn2 = random_attention(n=4, length=6, seed=22, padded_keys=[6, 2, 5, 1])
+    keys = torch.rand((4 * 2 * 2, 72), generator=torch.Generator().manual_seed(3)).numpy()
+    got = micse.ami_loss(attn1, attn2, 0, 4, num_samples, torch.Generator().manual_seed(3))
+    assert got.item() == pytest.approx(released_ami(attn1, attn2, 0, 4, num_samples, keys), rel=1e-9)
 
 
 def test_identical_views_give_large_finite_mi():
