@@ -236,6 +236,29 @@ def test_do_mlm_masking_is_the_collators_15_80_10_10_from_its_own_generator(tiny
     assert torch.equal(masked[~chosen], ids[~chosen])
 
 
+def test_the_bert_mlm_head_starts_as_the_released_code_initialised_it(tmp_path):
+    """BertForCL's init_weights under transformers 4.2: weights normal(0, initializer_range), biases zero, LayerNorm
+    1 and 0, the decoder's bias the head's own zero `bias` (one parameter): transformers 5 builds the head with
+    PyTorch's uniform init and an untied decoder bias, which left `bias` outside the loss."""
+    import plumbing
+    import simcse
+    from conftest import write_tiny_model
+    _, backbone = plumbing.load_pretrained(str(write_tiny_model(tmp_path / "m", hidden=64)))
+    torch.manual_seed(0)
+    head = simcse.mlm_head(backbone, "unused")
+    std = backbone.config.initializer_range
+    assert head.decoder.bias is head.bias and not head.bias.any()
+    assert [name for name, _ in head.named_parameters()].count("bias") == 1
+    assert len(list(head.parameters())) == 6  # dense (2), LayerNorm (2), the decoder's weight, the tied bias once
+    for weight in (head.transform.dense.weight, head.decoder.weight):
+        assert abs(weight.mean().item()) < 0.1 * std and weight.std().item() == pytest.approx(std, rel=0.05)
+    assert not head.transform.dense.bias.any()
+    assert torch.equal(head.transform.LayerNorm.weight, torch.ones(64)) and not head.transform.LayerNorm.bias.any()
+    scores = head(torch.randn(3, 64))
+    scores.sum().backward()
+    assert head.bias.grad is not None and head.bias.grad.abs().sum() > 0  # the bias is in the loss
+
+
 def test_keep_first_layers(tiny_model):
     import plumbing
     import simcse
