@@ -12,6 +12,7 @@ Headline (Table 1, BERT-base, 7-task STS average): 78.78, +2.53 over SimCSE's 76
     python whitenedcse.py --no_whitening   # Table 6: m positives from dropout alone, no SGW
     python whitenedcse.py --num_pos 2      # Table 6: SGW with a single positive
     python whitenedcse.py --num_pos 2 --num_groups 128  # the authors' released code: 128 groups
+    torchrun --nproc_per_node 2 whitenedcse.py          # each process whitens its own rows
 
 Backbone presets (--num_groups), read from the model's config; flags the user gives win: 384 for
 BERT-base (Section 4.1, Table 4's best: groups of 2 channels), 512 for BERT-large (Section 4.1 says
@@ -23,6 +24,10 @@ paper and that code. Where they differ: the released code whitens contiguous thi
 interleaved batch, one permutation per third (so a sentence's views mostly share a permutation),
 with 128 groups, 128 sentences per GPU on 2 GPUs and lr 1e-5, and its README evaluates --pooler cls
 while its dev gate uses [CLS] before the head; this file follows the paper's per-view shuffles.
+Under torchrun it follows the released code: shuffled_group_whitening.py whitens each GPU's own rows
+(the head runs before the gather), so each process whitens with its own batch statistics and the
+whitened views are gathered for the loss; --global_whitening gathers the [CLS] features first and
+whitens with the global batch's (one process: the same either way).
 Gradient clipping at 1.0, the last incomplete batch kept (a batch no wider than a group is skipped:
 its covariance is singular) and fp32 evaluation come from the HF Trainer.
 Choices: each view is one dropout pass of the batch (all m in one forward pass) with its own fresh
@@ -72,6 +77,9 @@ def parse_args(argv=None):
                    help="identity permutation for every view (Table 4 ablation)")
     g.add_argument("--no_whitening", action="store_true",
                    help="no SGW: the m positives differ by dropout alone (Table 6 ablation)")
+    g.add_argument("--global_whitening", action="store_true",
+                   help="under torchrun: whiten with the statistics of the global batch (gathered "
+                        "first) instead of each process's own rows, as the released code does")
     args = common.parse_with_presets(parser, argv, {}, "", BACKBONE_SETTINGS)
     plumbing.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
     plumbing.check_range(args, "num_groups", lambda v: v >= 1, "a positive number of groups")
@@ -162,10 +170,14 @@ def main(argv=None):
         corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     hidden = backbone.config.hidden_size
     width = group_width(args, hidden)
-    if width >= args.batch_size:
-        raise plumbing.UsageError(f"groups of {width} channels need --batch_size above {width}")
+    # a covariance over each process's rows (the released code), or the global batch's
+    processes = 1 if args.global_whitening else distributed.world_size()
+    if args.batch_size // processes <= width:
+        raise plumbing.UsageError(f"groups of {width} channels need --batch_size above "
+                                  f"{width * processes}" + (f" ({width} a process)" if processes > 1
+                                                            else ""))
     # fewer rows: a singular covariance
-    loader = common.make_loader(corpus, args, device, min_rows=width + 1)
+    loader = common.make_loader(corpus, args, device, min_rows=(width + 1) * processes)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # Encoder and head: SGW -> Linear -> Tanh on [CLS], training only; evaluation reads [CLS].
@@ -207,15 +219,18 @@ def main(argv=None):
             with common.autocast(device, args.precision):
                 # m dropout views in one pass
                 outputs = forward(**common.repeat_views(batch, args.num_pos))
-            # The [CLS] features of the global batch: each view's covariance is the whole batch's.
-            cls_tokens = outputs.last_hidden_state[:, 0].float()
-            cls_views = [distributed.gather(c) for c in cls_tokens.chunk(args.num_pos)]
+            cls_views = outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)  # [CLS]
+            if args.global_whitening:  # each covariance over the global batch
+                cls_views = [distributed.gather(c) for c in cls_views]
             # Eq. 11: a fresh shuffle per view and step (the identity with --no_shuffle)
             perms = [torch.arange(hidden, device=device) if args.no_shuffle else
                      torch.randperm(hidden, generator=generator, device=device) for _ in cls_views]
             if args.no_whitening:  # Table 6: the positives differ by dropout alone
                 perms = [None] * len(cls_views)
             views = [head(cls, perm) for cls, perm in zip(cls_views, perms)]
+            # Code over paper: the released code whitens each GPU's own rows, then gathers
+            if not args.global_whitening:
+                views = [distributed.gather(v) for v in views]
             loss = multi_positive_info_nce(views, args.temp)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()

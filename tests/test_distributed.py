@@ -58,7 +58,10 @@ def recording_dev_measures(real_dev_measures, out):
 
 
 METHOD_FLAGS = {
-    "simcse": [], "simcsepp": [], "sscl": ["--neg_layers", "1"], "whitenedcse": ["--num_groups", "16"],
+    "simcse": [], "simcsepp": [], "sscl": ["--neg_layers", "1"],
+    # each process whitens its own rows (the released code): the reference whitens each half of its batch
+    # (16 rows a covariance: with 4, float32's rounding of a 2 x 2 whitening sets the two runs apart)
+    "whitenedcse": ["--num_groups", "16", "--batch_size", "32"], "whitenedcse-global": ["--num_groups", "16", "--global_whitening"],
     "micse": ["--ami_lambda", "0", "--momentum_dropout", "0", "--queue_size", "12"],  # AMI is per process
     # hard negatives, and a second DDP pass a step with the MLM head in DDP's buckets (weight 0: each process
     # masks its own rows from its own generator, so the MLM term is not the one-process term); avg pooling: the
@@ -66,6 +69,11 @@ METHOD_FLAGS = {
     "simcse-sup-mlm": ["--supervised", "--pooler", "avg", "--do_mlm", "--mlm_weight", "0"],
 }
 DEVICE = os.environ.get("SUITE_DISTRIBUTED_DEVICE", "cpu")  # cuda: NCCL on 2 GPUs (tests/test_cuda.py)
+# Where Adam turns float-noise-sized gradients into lr-sized steps: the per-process whitening's 2 x 2 covariances
+# differ in the last bits between the runs, so a parameter whose gradient is near 0 may step the other way, and the
+# parameters after 4 steps can only agree to Adam's step size (a test that could not fail). Step 1's loss and
+# gradient norm carry the proof there: a whitening with the global statistics misses step 1's loss by 25%.
+ADAM_NOISE = {"whitenedcse"}
 PASSES = {"simcsepp": 2, "simcse-sup-mlm": 2}  # DDP forward passes a step (SimCSE++'s dropout-off pass)
 
 
@@ -105,6 +113,11 @@ def test_two_processes_train_like_one(case, no_dropout_model, corpus, senteval_d
     args = smoke_args(no_dropout_model, data, senteval_dir, "unused")[:-4]  # without --output_dir and --device
     args += ["--device", DEVICE, "--max_steps", 4, "--eval_steps", 2, "--batch_size", 8, "--no_test_eval",
              "--logging_steps", 2, *METHOD_FLAGS[case]]  # argparse: the last occurrence of a flag wins
+    if case == "whitenedcse":
+        import whitenedcse
+        whiten = whitenedcse.shuffled_group_whitening
+        monkeypatch.setattr(whitenedcse, "shuffled_group_whitening", lambda x, *rest: torch.cat(
+            [whiten(half, *rest) for half in x.split(len(x) // 2)]))  # the processes' slices: 16 + 16 rows
     one_out = run_in_this_process(script, args, tmp_path / "one", monkeypatch)
     two, two_out = launch(script, args, tmp_path / "two")
     assert two.returncode == 0, two.stderr[-3000:]
@@ -113,15 +126,17 @@ def test_two_processes_train_like_one(case, no_dropout_model, corpus, senteval_d
     assert single.keys() == rank0.keys() == rank1.keys()
     for name in single:
         torch.testing.assert_close(rank0[name], rank1[name], atol=0, rtol=0)  # the processes never drift apart
-        torch.testing.assert_close(rank0[name], single[name], atol=1e-5, rtol=1e-5, msg=name)
+        if case not in ADAM_NOISE:
+            torch.testing.assert_close(rank0[name], single[name], atol=1e-5, rtol=1e-5, msg=name)
     r1, r2 = (json.loads((o / "results.json").read_text()) for o in (one_out, two_out))
     assert r2["world_size"] == 2 and r1["world_size"] == 1
     assert r1["steps"] == r2["steps"] == 4
     assert [s for s, _ in gates(r1)] == [s for s, _ in gates(r2)] == [0, 2, 4]
-    assert r1["train_loss"] == pytest.approx(r2["train_loss"], rel=1e-5, abs=1e-6)
-    # the norm of the averaged gradient at step 1, from the same parameters: a sum instead of an average would
-    # double it (Adam would not tell); later steps start from parameters that Adam's noise-sized steps set apart
+    # step 1, from the same parameters: the loss, and the norm of the averaged gradient (a sum instead of an
+    # average would double it; Adam would not tell)
+    assert r1["train_loss"][0] == pytest.approx(r2["train_loss"][0], rel=1e-5, abs=1e-6)
     assert r1["grad_norm"][0] == pytest.approx(r2["grad_norm"][0], rel=1e-5)
+    assert r1["train_loss"] == pytest.approx(r2["train_loss"], rel=1e-3 if case in ADAM_NOISE else 1e-5, abs=1e-6)
     # DistributedDataParallel ran every training pass; the processes exchanged the stop flag at the log steps 0, 2
     # and 4 only, not at each of the 5 steps
     for rank in (0, 1):
