@@ -5,7 +5,8 @@ A protocol is a dict (built in below, or a JSON file of the same shape given as 
     {"name": "paper",                       # its folder: runs/<name>/ and results/<name>/
      "description": "...",                 # the page's first line
      "args": [...],                         # flags every run gets (before its own)
-     "rows": [{"name", "script", "flags", "paper"}, ...],   # "paper": a key of PAPER, or null
+     "rows": [{"name", "script", "flags", "paper", "precision"}, ...],  # "paper": a key of PAPER, or null;
+                                                          # "precision": --precision of the row, or absent
      "seeds": [42, 43, 44, 45, 46],
      "transfer": null | "test" | "fasttest", # --eval_transfer of every run
      "sweep": {"flag": "m", "values": [...]}  # only for a sweep: the rows are its values
@@ -50,6 +51,17 @@ PAPER = {
            ("micse", "miCSE", ((73.68, 0.89), (76.40, 0.48), (76.38, 0.35), 78.13)))
        for label, cell in zip(("0.1%", "1%", "10%", "100%"), cells)},
 }
+# The precision each paper's released training scripts used (the HF Trainer's --fp16, or none): `paper` and
+# `fewshot` run each row so; --args "--precision ..." replaces it (a CPU has no fp16).
+RELEASED_PRECISION = {
+    "simcse": ("fp16", "SimCSE's run_unsup_example.sh and run_sup_example.sh pass --fp16"),
+    "simcsepp": ("fp16", "SimCSE++'s run_re.sh and run_re_vicreg.sh pass --fp16"),
+    "sscl": ("fp16", "SSCL's run_unsup_example.sh passes --fp16"),
+    "whitenedcse": ("fp16", "WhitenedCSE's run_unsup_example.sh passes --fp16"),
+    "micse": ("fp32", "miCSE's README commands pass no --fp16"),
+}
+FEW_SHOT_PRECISION = "miCSE's README commands pass no --fp16; its Table 2's SimCSE baseline, for which the " \
+    "authors give no command, runs at the same precision here"
 FEW_SHOT_FRACTIONS = {"0.1%": 0.001, "1%": 0.01, "10%": 0.1, "100%": 1.0}
 FEW_SHOT_METHODS = {"simcse": ("simcse.py", []), "ami": ("micse.py", ["--queue_size", "0"]),
                     "micse": ("micse.py", [])}
@@ -61,19 +73,21 @@ BUILT_IN = {
                        "NLI for supervised SimCSE, the official SentEval data), five seeds, SentEval's transfer "
                        "tasks in their full protocol: SimCSE Table 5 and the BERT-base rows of its followers.",
         "args": [], "seeds": [42, 43, 44, 45, 46], "transfer": "test",
-        "rows": [{"name": "simcse", "script": "simcse.py", "flags": [], "paper": "simcse"},
-                 {"name": "simcse-sup", "script": "simcse.py", "flags": ["--supervised"], "paper": "simcse-sup"},
-                 {"name": "simcsepp", "script": "simcsepp.py", "flags": [], "paper": "simcsepp"},
-                 {"name": "sscl", "script": "sscl.py", "flags": [], "paper": "sscl"},
-                 {"name": "whitenedcse", "script": "whitenedcse.py", "flags": [], "paper": "whitenedcse"},
-                 {"name": "micse", "script": "micse.py", "flags": [], "paper": "micse"}]},
+        "rows": [{"name": "simcse", "script": "simcse.py", "flags": [], "paper": "simcse", "precision": "fp16"},
+                 {"name": "simcse-sup", "script": "simcse.py", "flags": ["--supervised"], "paper": "simcse-sup",
+                  "precision": "fp16"},
+                 {"name": "simcsepp", "script": "simcsepp.py", "flags": [], "paper": "simcsepp", "precision": "fp16"},
+                 {"name": "sscl", "script": "sscl.py", "flags": [], "paper": "sscl", "precision": "fp16"},
+                 {"name": "whitenedcse", "script": "whitenedcse.py", "flags": [], "paper": "whitenedcse",
+                  "precision": "fp16"},
+                 {"name": "micse", "script": "micse.py", "flags": [], "paper": "micse", "precision": "fp32"}]},
     "fewshot": {
         "name": "fewshot",
         "description": "miCSE Table 2 and Figure 3: SimCSE, AMI+SimCSE (miCSE without its queue) and miCSE on "
                        "0.1%, 1% and 10% of wiki1m (the authors' released subsets: seeds 48-52) and on all of "
                        "it, BERT-base, each with its per-fraction schedule.",
         "args": [], "seeds": [48, 49, 50, 51, 52], "transfer": None,
-        "rows": [{"name": f"{method}-{label}", "script": script, "paper": f"{method}-{label}",
+        "rows": [{"name": f"{method}-{label}", "script": script, "paper": f"{method}-{label}", "precision": "fp32",
                   "flags": [*flags, "--fraction", f"{fraction:g}"] if fraction < 1 else flags}
                  for label, fraction in FEW_SHOT_FRACTIONS.items()
                  for method, (script, flags) in FEW_SHOT_METHODS.items()]},
@@ -124,10 +138,22 @@ def runs(protocol: dict, extra: list[str] = ()) -> list[dict]:
         for row in protocol["rows"]:
             out = RUNS_DIR / protocol["name"] / f"{row['name']}.seed{seed}"
             transfer = ["--eval_transfer", protocol["transfer"]] if protocol.get("transfer") else []
-            argv = [row["script"], *protocol["args"], *row.get("flags", []), *extra, "--seed", str(seed),
-                    *transfer, "--output_dir", str(out)]
+            precision = ["--precision", row["precision"]] if row.get("precision") else []
+            argv = [row["script"], *protocol["args"], *precision, *row.get("flags", []), *extra, "--seed",
+                    str(seed), *transfer, "--output_dir", str(out)]
             found.append({"row": row["name"], "seed": seed, "out": out, "argv": argv})
     return found
+
+
+def precision_lines(protocol: dict) -> list[str]:
+    """Each row's precision and where it comes from (the released scripts), for `commands` and the page."""
+    lines = []
+    for row in protocol["rows"]:
+        if row.get("precision"):
+            source = RELEASED_PRECISION.get(Path(row["script"]).stem, (None, None))[1] \
+                if protocol["name"] != "fewshot" else FEW_SHOT_PRECISION
+            lines.append(f"{row['name']}: --precision {row['precision']}" + (f" ({source})" if source else ""))
+    return lines
 
 
 def command_line(run: dict) -> str:
@@ -248,6 +274,9 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
             devs = [r["best_dev_stsb"] for r in by_seed.values() if r.get("best_dev_stsb") is not None]
             lines.append(f"| {row['name']} | {cell(*mean_std(devs)) if devs else '—'} | "
                          + ", ".join(str(r.get("best_step")) for r in by_seed.values()) + " |")
+    if precision_lines(protocol):
+        lines += ["", "## Precision", "", "Each row at the precision its paper's released scripts trained in:", ""] \
+            + [f"- {line}" for line in precision_lines(protocol)]
     lines += ["", "## Commands", "", "```bash"] + [command_line(r) for r in every] + ["```", ""]
     page = folder / "RESULTS.md"
     page.write_text("\n".join(lines))

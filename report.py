@@ -656,6 +656,8 @@ def main(argv=None):
         protocol = protocols_for(args)
         gpus = check_gpus(args.gpus)
         if args.action == "commands":
+            for line in protocols.precision_lines(protocol):
+                print(f"# {line}")
             for run in protocols.runs(protocol, shlex.split(args.args)):
                 print(protocols.command_line(run))
         elif args.action == "run":

@@ -45,15 +45,25 @@ def lines_of(action_args, capsys):
 
 
 def test_paper_and_fewshot_commands(capsys):
+    """Each paper's rows at the precision of its released scripts, said before the commands: fp16 where they pass
+    --fp16 (SimCSE, SimCSE++, SSCL, WhitenedCSE), fp32 for miCSE's (its README commands have none)."""
     paper = lines_of(["commands", "--protocol", "paper"], capsys)
+    said, paper = [line for line in paper if line.startswith("#")], [line for line in paper if line[0] != "#"]
+    assert said[0] == "# simcse: --precision fp16 (SimCSE's run_unsup_example.sh and run_sup_example.sh pass --fp16)"
+    assert said[-1] == "# micse: --precision fp32 (miCSE's README commands pass no --fp16)" and len(said) == 6
     assert len(paper) == 6 * 5 and all("--eval_transfer test" in line for line in paper)
-    assert "python simcse.py --supervised --seed 42 --eval_transfer test --output_dir runs/paper/simcse-sup.seed42" \
+    assert "python simcse.py --precision fp16 --supervised --seed 42 --eval_transfer test --output_dir " \
+           "runs/paper/simcse-sup.seed42" in paper
+    assert "python micse.py --precision fp32 --seed 42 --eval_transfer test --output_dir runs/paper/micse.seed42" \
         in paper
-    few = lines_of(["commands", "--protocol", "fewshot"], capsys)
-    assert len(few) == 3 * 4 * 5
-    assert "python micse.py --queue_size 0 --fraction 0.001 --seed 48 --output_dir runs/fewshot/ami-0.1%.seed48" \
-        in few
-    assert "python micse.py --seed 52 --output_dir runs/fewshot/micse-100%.seed52" in few
+    few = [line for line in lines_of(["commands", "--protocol", "fewshot"], capsys) if line[0] != "#"]
+    assert len(few) == 3 * 4 * 5 and all("--precision fp32" in line for line in few)
+    assert "python micse.py --precision fp32 --queue_size 0 --fraction 0.001 --seed 48 --output_dir " \
+           "runs/fewshot/ami-0.1%.seed48" in few
+    assert "python micse.py --precision fp32 --seed 52 --output_dir runs/fewshot/micse-100%.seed52" in few
+    # on a machine without fp16 (a CPU), --args replaces the row's precision: the last flag wins
+    cpu = lines_of(["commands", "--protocol", "paper", "--args", "--precision fp32", "--only", "sscl"], capsys)
+    assert cpu[-1].startswith("python sscl.py --precision fp16 --precision fp32 --seed 46")
     sweep = lines_of(["commands", "--protocol", "sweep", "--script", "simcsepp.py", "--flag", "m", "--values", "0.8",
                       "1.0", "--seeds", "42", "--base", "smoke"], capsys)
     assert len(sweep) == 2 and sweep[1].startswith("python simcsepp.py --model_name_or_path ../shared/models/")
@@ -147,3 +157,9 @@ def test_the_estimate_scales_earlier_runs_of_the_same_settings(tmp_path):
     assert protocols.estimate(todo, tmp_path) == ("about 20m00s, from earlier runs of the same settings; 2 run(s) "
                                                   "not estimated (no earlier run of their settings)")
     assert protocols.estimate([], tmp_path) == "nothing to run"
+
+
+def test_the_paper_page_states_each_rows_precision(tmp_path, capsys):
+    page = protocols.write_page(protocols.BUILT_IN["paper"], tmp_path, plots=False).read_text()
+    assert "## Precision" in page and "- micse: --precision fp32 (miCSE's README commands pass no --fp16)" in page
+    assert "- whitenedcse: --precision fp16 (WhitenedCSE's run_unsup_example.sh passes --fp16)" in page
