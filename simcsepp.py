@@ -13,6 +13,7 @@ Headline (Table 3, BERT-base, 7-task STS average): SimCSE 76.25 -> SimCSE++ 78.0
     python simcsepp.py --no_off_dropout                 # Table 3 "+DCL" row
     python simcsepp.py --dcl_weight 0                   # Table 3 "+Off-Info" row
     python simcsepp.py --dcl_only                       # Table 4 "+DCL(wiki)": DCL alone
+    python simcsepp.py --no_off_dropout --m 1 --dcl_temp 10  # models_vicreg.py's DCL SimCSE
 
 Backbone presets, read from the model's config; flags the user gives win: lr 3e-5 for base
 models and 8e-6 for BERT-large and RoBERTa-large, batch 64 (Section 5.1).
@@ -20,9 +21,17 @@ models and 8e-6 for BERT-large and RoBERTa-large, batch 64 (Section 5.1).
 Follows the authors' code where it differs from the paper's equations (marked in the loss
 functions): m scales the positive logit, and DCL averages over dimensions with the correlation
 divided by the batch size.
-Released-code notes: m = 0.9 as in Section 5.1 and run_re.sh, while the DCL script run_re_vicreg.sh
-sets pos=1; gradient clipping at 1.0, the last incomplete batch kept and fp32 evaluation come from
-the HF Trainer it uses.
+Released-code notes (Jiahao004/SimCSE-plus-plus at its head): m = 0.9 as in Section 5.1 and
+run_re.sh (off-dropout InfoNCE alone). No runnable script trains DCL: run_re_vicreg.sh (the README's
+"SimCSE++") passes --pos_ratio 1 and no --sampling_strategy, whose default "None" is plain InfoNCE,
+and models_re_vicreg.py's DCL call is commented out, so it trains plain SimCSE; run_vicreg.sh (the
+README's "DCL SimCSE") calls train_vicreg.py, which is not in the repository; models_vicreg.py
+hard-codes DCL at temperature 10 (with the batch norm) and weight 0.1 beside plain InfoNCE
+(`--no_off_dropout --m 1 --dcl_temp 10` here); the module-level dcl_loss(temp=0.05) of
+models_re_vicreg.py has no batch norm and is never called. So Tables 3-5's DCL numbers have no
+runnable source: --dcl_temp defaults to 5, Table 5's best and train_re_vicreg.py's sw_temp default
+("5 if SW with DE"), and --dcl_only's tau 0.05 is Table 4's label. Gradient clipping at 1.0, the
+last incomplete batch kept and fp32 evaluation come from the HF Trainer the code uses.
 Choices: with --no_off_dropout, m still scales the positive logit (so --m 1 gives SimCSE's InfoNCE
 exactly); the dropout-off pass keeps its gradients; --dcl_only (Table 4's "BERT first-last avg.
 +DCL(wiki, tau_DCL = 0.05)") trains on DCL alone over the two dropout views, first-last average
@@ -59,7 +68,8 @@ def parse_args(argv=None):
                    help="weight m on the positive logit (Table 5 best: 0.9)")
     g.add_argument("--dcl_weight", type=float, default=0.1,
                    help="lambda, weight of the DCL loss (Table 5: 0.1)")
-    g.add_argument("--dcl_temp", type=float, default=5.0, help="DCL temperature (Table 5: 5)")
+    g.add_argument("--dcl_temp", type=float, default=5.0,
+                   help="DCL temperature (Table 5's best: 5; the released models_vicreg.py: 10)")
     g.add_argument("--no_off_dropout", action="store_true",
                    help="negatives from the dropout views s(z1_i, z2_j), no third pass "
                         "(Table 3 '+DCL' row)")

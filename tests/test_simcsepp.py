@@ -112,3 +112,14 @@ def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
     assert results["method"] == "simcsepp" and results["args"]["m"] == 0.9 and len(results["trajectory"]) == 3
     assert in_process_scores(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
                              "--pooler", "cls_before_pooler") == results["test"]
+
+
+def test_dcl_at_temperature_10_is_the_released_models_vicreg_term():
+    """models_vicreg.py (SimCSE++'s "DCL SimCSE"): BatchNorm1d without affine in training mode on each view,
+    cov = z1^T z2 / batch / 10, loss = mean(-diag + logsumexp over each row): simcsepp.py --dcl_temp 10."""
+    g = torch.Generator().manual_seed(4)
+    z1, z2 = torch.randn(16, 12, generator=g) * 3 + 1, torch.randn(16, 12, generator=g)
+    bn = torch.nn.BatchNorm1d(12, affine=False).train()
+    cov = bn(z1).T @ bn(z2) / 16 / 10
+    released = (-torch.diagonal(cov) + torch.logsumexp(cov, dim=-1)).mean()
+    torch.testing.assert_close(simcsepp.dcl_loss(z1, z2, 10.0), released, rtol=1e-6, atol=1e-6)
