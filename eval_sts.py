@@ -10,8 +10,9 @@
 - Alignment and uniformity (Wang & Isola 2020, SimCSE Section 2 / Figure 2) with --align_uniform, on the STS-B
   dev split: the split the training runs' dev gate already reads, so the test split stays untouched.
 
-Usable on its own with any `encode(list[str]) -> np.ndarray`; it imports only plumbing.py from the suite (the
-one-line errors, the hub download of senteval.tar, atomic JSON, progress), which a reader can skip.
+Usable on its own with any `encode(list[str]) -> np.ndarray`. The metric itself (Spearman of the cosines, l_align
+and l_uniform, each distinct sentence encoded once) and the poolers are common.py's, which the training runs' dev
+gate uses too; plumbing/ gives the one-line errors, the hub download of senteval.tar, atomic JSON and progress.
 
     python eval_sts.py --model_name_or_path runs/simcse/best --pooler cls_before_pooler
     python eval_sts.py --model_name_or_path ../shared/models/all-MiniLM-L6-v2 --pooler avg \\
@@ -24,12 +25,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-from scipy.stats import spearmanr
 
+import common
 import plumbing
+from plumbing import files, hub
 
-POOLERS = ("cls", "cls_before_pooler", "avg", "avg_top2", "avg_first_last")
 STS_SUBSETS = {
     "STS12": ["MSRpar", "MSRvid", "SMTeuroparl", "surprise.OnWN", "surprise.SMTnews"],
     "STS13": ["FNWN", "headlines", "OnWN"],  # SMT is not shipped (licence), as in SentEval
@@ -41,64 +41,14 @@ TASKS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelat
 DEV_TASKS = ["STSBenchmark", "SICKRelatedness"]
 
 
-# ------------------------------------------------------------------------------------ hub and loading
-
-
-# -------------------------------------------------------------------------------------------- poolers
-def pool(hidden_states, attention_mask, pooler: str, pooler_output=None) -> torch.Tensor:
-    """SimCSE's poolers over a model's hidden states (tuple: embeddings, layer 1, ..., layer L)."""
-    if pooler == "cls":
-        if pooler_output is None:
-            raise plumbing.UsageError("this model has no pooler layer; use --pooler cls_before_pooler")
-        return pooler_output
-    if pooler == "cls_before_pooler":
-        return hidden_states[-1][:, 0]
-    mask = attention_mask.unsqueeze(-1).float()  # means in fp32, whatever precision the encoder ran in
-    if pooler == "avg":
-        layer = hidden_states[-1]
-    elif pooler == "avg_top2":
-        layer = (hidden_states[-2] + hidden_states[-1]) / 2.0
-    elif pooler == "avg_first_last":
-        layer = (hidden_states[1] + hidden_states[-1]) / 2.0
-    else:
-        raise plumbing.UsageError(f"unknown pooler '{pooler}'; choose one of {', '.join(POOLERS)}")
-    return (layer.float() * mask).sum(1) / mask.sum(1)
-
-
-def make_encode(embed_batch, tokenizer, device):
-    """encode(list[str]) -> np.ndarray, from `embed_batch(tokenised batch on device) -> tensor`; fp32, no grad."""
-    max_length = min(getattr(tokenizer, "model_max_length", 512) or 512, 512)
-
-    @torch.no_grad()
-    def encode(sentences):
-        batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-        return embed_batch({k: v.to(device) for k, v in batch.items()}).float().cpu().numpy()
-    return encode
-
-
+# -------------------------------------------------------------------------------------------- loading
 def load_encode(name_or_path: str, pooler: str, device):
     """encode(list[str]) of a saved model (local directory or hub id) with one of SimCSE's poolers, eval mode; a
     linear projection saved beside the model (SSCL Table 5's output dimension) follows the pooler."""
-    tokenizer, backbone = plumbing.load_pretrained(name_or_path)
-    encode = pooled_encode(backbone.to(device).eval(), tokenizer, pooler, device)
-    projection = plumbing.load_projection(name_or_path)
-    return encode if projection is None else project(encode, projection.to(device))
-
-
-def project(encode, projection: torch.nn.Module):
-    """encode(list[str]) followed by a linear `projection` (its current weights), in fp32."""
-    @torch.no_grad()
-    def projected(sentences):
-        return projection(torch.from_numpy(encode(sentences)).to(projection.weight.device)).cpu().numpy()
-    return projected
-
-
-def pooled_encode(backbone, tokenizer, pooler: str, device):
-    """encode(list[str]) -> np.ndarray for a plain Hugging Face model with one of SimCSE's poolers."""
-    def embed_batch(batch):
-        outputs = backbone(**batch, output_hidden_states=True)
-        return pool(outputs.hidden_states, batch["attention_mask"], pooler, getattr(outputs, "pooler_output", None))
-    return make_encode(embed_batch, tokenizer, device)
+    tokenizer, backbone = hub.load_pretrained(name_or_path)
+    encode = common.model_encode(backbone.to(device).eval(), None, tokenizer, pooler, device)
+    projection = files.load_projection(name_or_path)
+    return encode if projection is None else common.project(encode, projection.to(device))
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -144,24 +94,6 @@ def load_pairs(senteval_dir, task: str, split: str = "test") -> list[tuple[str, 
 
 
 # ---------------------------------------------------------------------------------------- evaluation
-def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
-    b = b / np.maximum(np.linalg.norm(b, axis=1, keepdims=True), 1e-12)
-    return (a * b).sum(axis=1)
-
-
-def encode_unique(encode, sentences, batch_size: int = 128, desc: str = "encoding") -> dict:
-    """{sentence: vector}, each distinct sentence encoded once, in length-sorted batches: the longest batch first,
-    so that the ETA errs long and a batch too big for memory fails at once."""
-    unique = sorted(set(sentences), key=lambda s: (len(s), s))
-    table = {}
-    with plumbing.Progress(len(unique), desc, unit="sentence") as bar:
-        for i in reversed(range(0, len(unique), batch_size)):
-            table.update(zip(unique[i:i + batch_size], encode(unique[i:i + batch_size])))
-            bar.update(len(unique[i:i + batch_size]))
-    return table
-
-
 def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: int = 128,
              fast: bool = True, desc: str | None = None) -> dict:
     """Spearman x100 (two decimals) per task and their average, for `encode(list[str]) -> np.ndarray`.
@@ -177,7 +109,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
     pairs = {task: load_pairs(senteval_dir, task, "dev" if mode == "dev" else "test") for task in tasks}
 
     if fast:
-        table = encode_unique(encode, [s for task_pairs in pairs.values() for p in task_pairs for s in p[:2]],
+        table = common.encode_unique(encode, [s for task_pairs in pairs.values() for p in task_pairs for s in p[:2]],
                               batch_size, desc or f"STS {mode}: encoding")
 
         def embed(sentences):
@@ -186,63 +118,25 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
         def embed(sentences):
             return np.concatenate([encode(sentences[i:i + batch_size]) for i in range(0, len(sentences), batch_size)])
 
-    scores = {task: spearman(task_pairs, embed) for task, task_pairs in pairs.items()}
+    scores = {task: common.spearman(task_pairs, embed) for task, task_pairs in pairs.items()}
     scores["avg"] = round(sum(scores[t] for t in tasks) / len(tasks), 2)
     return scores
-
-
-def pair_cosines(pairs, embed) -> np.ndarray:
-    """The cosine similarity of each (sentence1, sentence2, gold) pair, `embed(list[str]) -> np.ndarray`."""
-    left, right, _ = zip(*pairs)
-    return _cosine(embed(list(left)), embed(list(right)))
-
-
-def spearman(pairs, embed) -> float:
-    """Spearman x100 (two decimals) between the pairs' cosine similarities and their gold scores."""
-    gold = np.array([p[2] for p in pairs])
-    return round(float(spearmanr(pair_cosines(pairs, embed), gold).correlation) * 100, 2)
-
-
-def align_uniform_loss(x: np.ndarray, y: np.ndarray, data: np.ndarray) -> tuple[float, float]:
-    """(l_align, l_uniform) of Wang & Isola (2020) on L2-normalised embeddings (SimCSE Eq. 2-3).
-
-    l_align = mean_i ||f(x_i) - f(y_i)||^2 over the positive pairs (x_i, y_i); l_uniform = log mean over all
-    pairs i < j of distinct rows of `data` of exp(-2 ||f(d_i) - f(d_j)||^2).
-    """
-    def unit(a):
-        a = np.asarray(a, dtype=np.float64)
-        return a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
-    x, y, data = unit(x), unit(y), unit(data)
-    align = float(np.mean(np.sum((x - y) ** 2, axis=1)))
-    squared = np.maximum(2.0 - 2.0 * data @ data.T, 0.0)  # ||a - b||^2 of unit vectors
-    upper = squared[np.triu_indices(len(data), k=1)]
-    log_terms = -2.0 * upper
-    uniform = float(np.log(np.mean(np.exp(log_terms - log_terms.max()))) + log_terms.max())
-    return align, uniform
 
 
 def align_uniform(encode, senteval_dir, batch_size: int = 128, desc: str = "alignment/uniformity") -> dict:
     """SimCSE's alignment/uniformity: STS-B dev pairs with gold score > 4 as positives, all its sentences as data."""
     pairs = load_pairs(senteval_dir, "STSBenchmark", "dev")
-    return pairs_align_uniform(pairs, encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size, desc))
-
-
-def pairs_align_uniform(pairs, table: dict) -> dict:
-    """{"align", "uniform"} (four decimals) of encoded STS pairs (`table`: {sentence: vector}, every distinct
-    sentence of `pairs`): the pairs with gold score > 4 as positives, every distinct sentence as data."""
-    positives = [p for p in pairs if p[2] > 4.0]
-    align, uniform = align_uniform_loss(np.stack([table[a] for a, _, _ in positives]),
-                                        np.stack([table[b] for _, b, _ in positives]), np.stack(list(table.values())))
-    return {"align": round(align, 4), "uniform": round(uniform, 4)}
+    return common.align_uniform(pairs, common.encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size,
+                                                            desc))
 
 
 def stsb_dev(encode, senteval_dir, batch_size: int = 128, desc: str = "STS-B dev") -> dict:
     """{"STSBenchmark", "align", "uniform"}: the dev score of `evaluate(..., ["STSBenchmark"], "dev")` and the
     `align_uniform` of the same embeddings, from one encoding of STS-B dev (the training runs' dev gate)."""
     pairs = load_pairs(senteval_dir, "STSBenchmark", "dev")
-    table = encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size, desc)
-    score = spearman(pairs, lambda sentences: np.stack([table[s] for s in sentences]))
-    return {"STSBenchmark": score, **pairs_align_uniform(pairs, table)}
+    table = common.encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size, desc)
+    score = common.spearman(pairs, lambda sentences: np.stack([table[s] for s in sentences]))
+    return {"STSBenchmark": score, **common.align_uniform(pairs, table)}
 
 
 def print_table(scores: dict) -> None:
@@ -263,7 +157,7 @@ def resolve_senteval_dir(senteval_dir: str | None, check=()) -> Path:
     The tasks in `check` are read once (test split, and dev for STS-B and SICK-R), so that a training run finds a
     missing or malformed file before it trains, not after.
     """
-    root = plumbing.senteval_folder(senteval_dir)  # the given folder, or senteval.tar from the hub
+    root = hub.senteval_folder(senteval_dir)  # the given folder, or senteval.tar from the hub
     for task in check:
         for split in ("test", "dev") if task in DEV_TASKS else ("test",):
             load_pairs(root, task, split)
@@ -273,7 +167,7 @@ def resolve_senteval_dir(senteval_dir: str | None, check=()) -> Path:
 def main(argv=None) -> None:
     parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", required=True, help="Hugging Face model id or local directory")
-    parser.add_argument("--pooler", default="cls_before_pooler", choices=POOLERS,
+    parser.add_argument("--pooler", default="cls_before_pooler", choices=common.POOLERS,
                         help="cls = BERT's pooler output (a SimCSE checkpoint's MLP); cls_before_pooler = last "
                              "[CLS]; avg, avg_top2, avg_first_last = masked means")
     parser.add_argument("--senteval_dir", default=None, help="SentEval data folder (default: HF senteval.tar)")
@@ -300,7 +194,7 @@ def main(argv=None) -> None:
         print(f"l_align {scores['align']:.4f}  l_uniform {scores['uniform']:.4f}  (STS-B dev)")
     print(f"evaluation wall time {time.perf_counter() - start:.1f}s")
     if args.json:
-        plumbing.write_json(Path(args.json), scores)
+        files.write_json(Path(args.json), scores)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ and the folds are scikit-learn's StratifiedKFold(shuffle=True, random_state=1111
 is speed: every classifier of a task phase (for MR: 10 outer folds x 4 L2 values x 10 inner folds = 400) trains
 at once as one batched model, a (models x D x classes) weight tensor updated with a per-model mask for the
 models whose batch or epoch is over, and each distinct sentence is encoded once, length-sorted.
-A leaf evaluator: it imports only eval_sts.py (model loading, poolers, errors), nothing of the training suite.
+A leaf evaluator: it imports eval_sts.py (model loading) and common.py (poolers, encoding), no training loop.
 
     python eval_transfer.py --model_name_or_path ../shared/models/all-MiniLM-L6-v2 --pooler cls_before_pooler \\
         --senteval_dir ../shared/data/senteval
@@ -33,8 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import common
 import eval_sts
 import plumbing
+from plumbing import files
+from plumbing import progress
 
 TASKS = ["MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC"]
 L2_VALUES = [1e-5, 1e-4, 1e-3, 1e-2]
@@ -301,7 +304,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
     data = {task: load_task(senteval_dir, task) for task in tasks}
     sentences = [s for splits in data.values() for xs, _ in splits.values() for x in xs
                  for s in (x if isinstance(x, tuple) else (x,))]
-    table = eval_sts.encode_unique(encode, sentences, batch_size, "transfer: encoding")
+    table = common.encode_unique(encode, sentences, batch_size, "transfer: encoding")
 
     def features(xs):
         if isinstance(xs[0], tuple):
@@ -311,7 +314,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
         return torch.as_tensor(xs, dtype=torch.float32, device=device)
 
     scores = {}
-    bar = plumbing.Progress(len(data), "transfer: classifiers", unit="task", report_each=True)
+    bar = progress.Progress(len(data), "transfer: classifiers", unit="task", report_each=True)
     for task, splits in data.items():
         split = {name: (features(xs), torch.as_tensor(ys, device=device)) for name, (xs, ys) in splits.items()}
         n_classes = int(max(int(ys.max()) for _, ys in split.values())) + 1
@@ -331,7 +334,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
 def main(argv=None) -> None:
     parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", required=True, help="Hugging Face model id or local directory")
-    parser.add_argument("--pooler", default="cls_before_pooler", choices=eval_sts.POOLERS, help="as in eval_sts.py")
+    parser.add_argument("--pooler", default="cls_before_pooler", choices=common.POOLERS, help="as in eval_sts.py")
     parser.add_argument("--senteval_dir", default=None, help="SentEval data folder (default: HF senteval.tar)")
     parser.add_argument("--mode", default="test", choices=list(MODES), help="test: SimCSE's setting; fasttest: "
                         "SentEval's prototyping setting")
@@ -361,7 +364,7 @@ def main(argv=None) -> None:
     print(f"transfer evaluation wall time {wall_s:.1f}s: encoding {encoding_s[0]:.1f}s, "
           f"classifiers {wall_s - encoding_s[0]:.1f}s")
     if args.json:
-        plumbing.write_json(Path(args.json), scores)
+        files.write_json(Path(args.json), scores)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ per-fraction settings.
 Headline (Table 2, BERT-base, 7-task STS average): 76.40 with 1% of the data (SimCSE needs all of it
 for 76.15); 78.13 with 100%.
 
-    python micse.py --fraction 0.01 --seed 3  # few-shot, settings from FEW_SHOT_SETTINGS
+    python micse.py --fraction 0.01 --seed 48  # few-shot on the authors' 1% subset (Table 2)
     python micse.py                           # 100%: batch 50, lr 3e-5, 250 warm-up steps
     python micse.py --queue_size 0            # AMI + SimCSE, the variant the authors released
 
@@ -40,35 +40,36 @@ from __future__ import annotations
 
 import copy
 import math
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import transformers
 
 import common
-import distributed
-import eval_sts
+import data
 import plumbing
-import resume
+from plumbing import distributed, hub, options
+from plumbing.run import Run
 
 ATTN_IMPLEMENTATION = "eager"  # transformers 5's default SDPA returns no attention weights
 
-# Per-fraction settings: the training commands in the README of the authors' released miCSE code
-# (SAP-samples) and, for 100%, the paper's Section 3.1. Flags the user gives override them.
-FEW_SHOT_SETTINGS = {
-    1.0: dict(batch_size=50, lr=3e-5, epochs=1, warmup_steps=250, ami_lambda=2.5e-3,
-              eval_steps=125),
-    0.1: dict(batch_size=64, lr=1e-5, epochs=10, ami_lambda=5e-4, eval_steps=500),
-    0.01: dict(batch_size=64, lr=1e-5, epochs=50, ami_lambda=1e-4, eval_steps=500),
-    0.001: dict(batch_size=64, lr=1e-5, epochs=500, ami_lambda=1e-3, eval_steps=500),
-    0.0001: dict(batch_size=64, lr=1e-5, epochs=2500, ami_lambda=1e-3, eval_steps=250),
+# The paper's settings per fraction of wiki1m (the nearest row to --fraction; flags the user gives
+# win): the training commands of the authors' README (SAP-samples) and, for 100%, Section 3.1.
+PRESETS = {
+    1.0: (dict(batch_size=50, lr=3e-5, epochs=1, warmup_steps=250, ami_lambda=2.5e-3,
+               eval_steps=125), "miCSE's settings for fraction 1 (Section 3.1)"),
+    0.1: (dict(batch_size=64, lr=1e-5, epochs=10, ami_lambda=5e-4, eval_steps=500),
+          "miCSE's settings for fraction 0.1 (the authors' README)"),
+    0.01: (dict(batch_size=64, lr=1e-5, epochs=50, ami_lambda=1e-4, eval_steps=500),
+           "miCSE's settings for fraction 0.01 (the authors' README)"),
+    0.001: (dict(batch_size=64, lr=1e-5, epochs=500, ami_lambda=1e-3, eval_steps=500),
+            "miCSE's settings for fraction 0.001 (the authors' README)"),
+    0.0001: (dict(batch_size=64, lr=1e-5, epochs=2500, ami_lambda=1e-3, eval_steps=250),
+             "miCSE's settings for fraction 0.0001 (the authors' README)"),
 }
 
 
 def parse_args(argv=None):
-    parser = common.base_parser(__doc__, method="micse")
+    parser = options.parser(__doc__, method="micse")
     g = parser.add_argument_group("miCSE")
     g.add_argument("--ami_lambda", type=float, default=2.5e-3,
                    help="weight of the AMI loss (set per fraction)")
@@ -91,13 +92,10 @@ def parse_args(argv=None):
                    help="dropout rate of the momentum encoder")
     known, _ = parser.parse_known_args(argv)
     plumbing.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
-    nearest = common.nearest_fraction(FEW_SHOT_SETTINGS, known.fraction)
-    source = f"miCSE's settings for fraction {nearest:g} " + \
-        ("(Section 3.1)" if nearest == 1.0 else "(the authors' README)")
-    if nearest != known.fraction:
-        source += f", the nearest to --fraction {known.fraction:g} in FEW_SHOT_SETTINGS"
-    # flags the user gives win
-    args = common.parse_with_presets(parser, argv, FEW_SHOT_SETTINGS[nearest], source)
+    nearest = options.nearest(PRESETS, known.fraction)
+    note = "" if nearest == known.fraction else \
+        f", the nearest to --fraction {known.fraction:g} in PRESETS"
+    args = options.parse(parser, argv, PRESETS, lambda known, backbone: [nearest], note)
     for name, accepted in (("ami_lambda", ">= 0"), ("queue_size", ">= 0 (0 disables the queue)")):
         plumbing.check_range(args, name, lambda v: v >= 0, accepted)
     plumbing.check_range(args, "ami_samples", lambda v: v >= 2, "at least 2 entries per tile")
@@ -203,19 +201,14 @@ def default_ami_layers(num_layers: int) -> tuple[int, int]:
 
 def main(argv=None):
     args = parse_args(argv)
-    common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
-    transformers.set_seed(args.seed)
-    device = distributed.init(plumbing.resolve_device(args.device))
+    run = Run(args)  # every flag checked, the seeds, the device (and torchrun's process group)
+    device = run.device
 
-    # downloads, senteval.tar and datasets' cache: process 0 first
-    with distributed.main_process_first():
-        # miCSE's own subset where they released one
-        examples, train_file, subset = common.training_examples(args)
-        # every SentEval file read once now: a bad one stops the run before training
-        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
-        tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
+    with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
+        examples, train_file, subset = data.training_examples(args)  # the authors' subset if any
+        tokenizer, backbone = hub.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
-        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
+        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     num_layers = backbone.config.num_hidden_layers
     default_min, default_max = default_ami_layers(num_layers)
     args.ami_min_layer = default_min if args.ami_min_layer is None else args.ami_min_layer
@@ -224,23 +217,19 @@ def main(argv=None):
     if not 0 <= ami_min < ami_max <= num_layers or (ami_max - ami_min) % 2:
         raise plumbing.UsageError(f"--ami_min_layer/--ami_max_layer {ami_min}:{ami_max} must be an "
                                   f"even number of layers within the model's {num_layers}")
-    loader = common.make_loader(corpus, args, device)
+    loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
     # --no-mlp_only_train.
     backbone.to(device).train()
-    common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
+    common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    model = common.Encoder(backbone, head)  # what trains, one module (for DDP)
+    model = common.Encoder(backbone, head)  # what trains, one module (DDP's)
     params = [p for p in model.parameters() if p.requires_grad]
-    # DistributedDataParallel under torchrun; --compile: the training passes only
-    forward = distributed.data_parallel(model, args.compile)
-    eval_pooler = common.eval_pooler(args)
-    encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
+    forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    # loss scaling for fp16; a pass-through otherwise
-    scaler = common.grad_scaler(device, args.precision)
+    scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     generator = torch.Generator(device=device).manual_seed(args.seed)  # AMI's samples
     # The momentum encoder: an EMA copy of the encoder (dropout 0.3, no gradients) sharing the
     # online head. It needs no attention weights, so it runs SDPA attention.
@@ -250,31 +239,19 @@ def main(argv=None):
         common.set_dropout(momentum_backbone, args.momentum_dropout)
         momentum_forward = common.Encoder(momentum_backbone)  # the same 4-D mask, outside DDP
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
-    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
-                                 device)
+    eval_pooler = common.eval_pooler(args)
+    encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
 
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    stop = distributed.StopSignal()
-    # what last/ saves for --resume, with the RNG streams, the data position and the record so far
-    run_state = {"backbone": backbone, "head": head, "optimizer": optimizer,
-                 "scheduler": scheduler, "scaler": scaler, "ami_generator": generator,
-                 "momentum_backbone": momentum_backbone, "queue": queue}
-    # --resume: restored from last/ (the RNG streams last of all); otherwise a run from step 0
-    saved = resume.restore(args, run_state, loader, device) if args.resume else resume.new_run()
-    best_dev, best_step, train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
-    history = common.History(args, saved)  # losses, gradient norms, the trajectory; --report_to
-    batches = common.batches(loader)  # epoch after epoch
-    clock = time.perf_counter()
-    bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
-                            initial=len(history.losses))
-    # step 0 only evaluates the initial model
-    for step in range(saved["next_step"], total_steps + 1):
+    run.start(loader, total_steps, encode, [backbone, head], train_file, subset, backbone=backbone,
+              head=head, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+              ami_generator=generator, momentum_backbone=momentum_backbone,
+              queue=queue)  # what last/ saves
+    batches = data.batches(loader)  # epoch after epoch
+    for step in run.steps():  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            # one pass over the batch repeated: two dropout views
-            views = common.repeat_views(batch, 2)
-            # the encoder only: embeddings and losses are fp32
-            with common.autocast(device, args.precision):
+            views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two views
+            with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
                 outputs = forward(**views, output_hidden_states=True, output_attentions=True)
             if not outputs.attentions or outputs.attentions[0] is None:
                 raise RuntimeError("no attention weights: load the encoder with "
@@ -304,75 +281,17 @@ def main(argv=None):
                 with torch.no_grad():
                     with common.autocast(device, args.precision):
                         outputs_momentum = momentum_forward(**batch, output_hidden_states=True)
-                    hidden_states = outputs_momentum.hidden_states
-                    keys = common.embed(hidden_states, batch["attention_mask"], args.pooler, head)
+                    keys = common.embed(outputs_momentum.hidden_states, batch["attention_mask"],
+                                        args.pooler, head)
                 queue.push(distributed.gather(keys))  # the same queue on every process
-            # stays on the device until the next log or dev step: no host sync
-            history.add(loss, grad_norm)
-            bar.update()  # a clock read, no host sync
-        dev_step = step % args.eval_steps == 0 or step == total_steps
-        # --align_uniform_steps: STS-B dev encoded between the gates too, for the trajectory
-        align_uniform_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
-        every_save = bool(args.save_steps) and step % args.save_steps == 0
-        log_step = dev_step or align_uniform_step or every_save or step % args.logging_steps == 0
-        stopping = stop.requested(share=log_step)  # several processes agree at log steps only
-        # last/ for --resume: at each dev gate, every --save_steps, and when a signal stops the run
-        save_step = dev_step or stopping or every_save
-        if save_step or log_step:
-            # one host sync; the first NaN or inf loss stops the run with its step
-            history.read()
-            # the device has finished every step up to here
-            train_time += time.perf_counter() - clock
-            message = common.progress(step, total_steps, history.losses, train_time)
-            # lr: what the scheduler set for the next step (as the HF Trainer logs it)
-            point = {"step": step, "train_time_s": round(train_time, 3),
-                     "lr": scheduler.get_last_lr()[0]}
-            if dev_step or align_uniform_step:  # one encoding of STS-B dev: score, align, uniform
-                modules = [backbone] + ([head] if head is not None else [])
-                point.update(common.dev_measures(modules, encode, senteval_dir), gate=dev_step)
-            if dev_step:  # the STS-B dev gate
-                dev = point["stsb_dev"]
-                if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
-                    best_dev, best_step = dev, step
-                    common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
-                message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
-            history.record(point)  # results.json's trajectory; --report_to's scalars
-            if save_step:  # written whole or not at all
-                loop = {"best_dev": best_dev, "best_step": best_step, "train_time": train_time}
-                resume.save(args, step, run_state, loader, history, loop)
-            distributed.log(message)
-            bar.set_postfix(loss=history.losses[-1] if history.losses else None, best_dev=best_dev)
-            clock = time.perf_counter()  # the dev gate and the log are not training time
-            bar.unpause()  # nor in the bar's speed and ETA
-        if stopping:
-            break
+            run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
+        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+            if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
+                run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 
-    bar.close()
-    # the other processes exit here: process 0's final evaluation holds nobody in a barrier
-    distributed.shutdown()
-    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated
-    # on the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
-    if distributed.rank() == 0:
-        out = Path(args.output_dir)
-        results = common.run_record(
-            args, eval_pooler, device, stop, history, train_time, summary=summary,
-            train_file=train_file, micse_subset=subset, num_train_examples=len(corpus),
-            best_dev_stsb=best_dev, best_step=best_step)
-        with stop.final_evaluation(results):  # a signal now stops it; results.json records that
-            if not results["interrupted"]:
-                distributed.log(f"best STS-B dev {best_dev:.2f} at step {best_step}; evaluating it")
-                encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
-                if not args.no_test_eval:
-                    results["test"] = common.sts_test_scores(encode, senteval_dir)
-                results["align_uniform"] = common.align_uniform(
-                    encode, args, eval_pooler, senteval_dir, device)
-                if args.eval_transfer:
-                    results["transfer"] = common.transfer_scores(
-                        encode, senteval_dir, args, device, results)
-        plumbing.write_json(out / "results.json", results)
-        resume.drop(args, results)  # a completed run needs no last/ (unless --keep_last)
-        distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
-    stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM
+    # The end: best/ reloaded as eval_sts.py loads it, evaluated by process 0 (the 7 STS test tasks,
+    # alignment/uniformity, --eval_transfer) and written with the run's record to results.json.
+    run.write(run.evaluate_best(eval_pooler))
 
 
 if __name__ == "__main__":

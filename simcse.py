@@ -53,43 +53,39 @@ first k layers (SSCL Table 1; the checkpoint in best/ has k layers).
 from __future__ import annotations
 
 import math
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import transformers
 
 import common
-import distributed
-import eval_sts
+import data
 import plumbing
-import resume
+from plumbing import distributed, hub, options
+from plumbing.run import Run
 
-# Table A.1 and Appendix A (supervised BERT-base): defaults under --supervised; flags the user gives
-# win.
-SUPERVISED_DEFAULTS = {"batch_size": 512, "lr": 5e-5, "epochs": 3, "eval_steps": 250,
-                       "mlp_only_train": False}
-# Table A.1 per backbone (BERT-base's are the shared defaults): {backbone: (settings, source)}
-BACKBONE_SETTINGS = {
+# The paper's settings, one row a condition (parse_args picks the rows; flags the user gives win).
+# Unsupervised BERT-base (Table A.1) is common.FLAGS' defaults.
+PRESETS = {
+    "supervised": ({"batch_size": 512, "lr": 5e-5, "epochs": 3, "eval_steps": 250,
+                    "mlp_only_train": False}, "supervised SimCSE (Table A.1, Appendix A)"),
     "bert-large": ({"lr": 1e-5}, "Table A.1, BERT-large"),
     "roberta-base": ({"batch_size": 512, "lr": 1e-5}, "Table A.1, RoBERTa-base"),
     "roberta-large": ({"batch_size": 512, "lr": 3e-5}, "Table A.1, RoBERTa-large"),
+    "supervised bert-large": ({"lr": 1e-5}, "Table A.1, supervised bert-large"),
+    "supervised roberta-large": ({"lr": 1e-5}, "Table A.1, supervised roberta-large"),
+    # Few-shot (miCSE Table 2's SimCSE rows): SimCSE's own batch and lr (miCSE Section 4: "we follow
+    # the same hyperparameters proposed by the authors"); no schedule is given for SimCSE, so epochs
+    # and dev steps are miCSE's per-fraction ones (its README's commands).
+    **{fraction: ({"epochs": epochs, "eval_steps": eval_steps}, f"miCSE's few-shot schedule for "
+                  f"fraction {fraction:g} (SimCSE's batch and lr)")
+       for fraction, epochs, eval_steps in ((0.1, 10, 500), (0.01, 50, 500), (0.001, 500, 500),
+                                            (0.0001, 2500, 250))},
 }
-# Few-shot (miCSE Table 2's SimCSE rows): SimCSE's own batch and lr, as miCSE Section 4 says ("we
-# follow the same hyperparameters proposed by the authors"); they give no schedule for SimCSE, so
-# epochs and dev steps follow miCSE's per-fraction schedule (the released README's commands).
-FEW_SHOT_SCHEDULE = {0.1: {"epochs": 10, "eval_steps": 500},
-                     0.01: {"epochs": 50, "eval_steps": 500},
-                     0.001: {"epochs": 500, "eval_steps": 500},
-                     0.0001: {"epochs": 2500, "eval_steps": 250}}
-SUPERVISED_BACKBONE_SETTINGS = {  # supervised large models: batch 512, lr 1e-5
-    kind: ({"lr": 1e-5}, f"Table A.1, supervised {kind}")
-    for kind in ("bert-large", "roberta-large")}
 
 
 def parse_args(argv=None):
-    parser = common.base_parser(__doc__, method="simcse")
+    parser = options.parser(__doc__, method="simcse")
     g = parser.add_argument_group("SimCSE")
     g.add_argument("--supervised", action="store_true",
                    help="train on NLI triplets (sent0, sent1, hard_neg); default file "
@@ -110,7 +106,8 @@ def parse_args(argv=None):
                         "(alpha = e^weight)")
     g.add_argument("--neutral_hard_negatives", action="store_true",
                    help="with --supervised: a CSV's neutral column as a second hard negative "
-                        "(Table 7's 'Contra. + Neutral'; nli_for_simcse.csv has none: README)")
+                        "(Table 7's 'Contra. + Neutral'; nli_for_simcse.csv has none: "
+                        "docs/reproducing.md)")
     g.add_argument("--do_mlm", action="store_true",
                    help="add the masked-LM objective on masked copies of the inputs (Appendix "
                         "D.2, the released code's --do_mlm)")
@@ -132,16 +129,14 @@ def parse_args(argv=None):
         parser.error("--neutral_hard_negatives goes with --supervised and hard negatives (Table 7)")
     plumbing.check_range(known, "mlm_probability", lambda v: 0 < v < 1, "0 < p < 1")
     plumbing.check_range(known, "num_layers", lambda v: v >= 1, "at least 1 layer")
-    if known.supervised:
-        return common.parse_with_presets(parser, argv, SUPERVISED_DEFAULTS,
-                                         "supervised SimCSE (Table A.1, Appendix A)",
-                                         SUPERVISED_BACKBONE_SETTINGS)
-    presets, source = {}, ""
-    if known.fraction <= 0.1:  # few-shot: the nearest fraction of miCSE's schedule
-        nearest = common.nearest_fraction(FEW_SHOT_SCHEDULE, known.fraction)
-        presets = FEW_SHOT_SCHEDULE[nearest]
-        source = f"miCSE's few-shot schedule for fraction {nearest:g} (SimCSE's batch and lr)"
-    return common.parse_with_presets(parser, argv, presets, source, BACKBONE_SETTINGS)
+
+    def rows(known, backbone):  # later rows over earlier
+        if known.supervised:
+            return ["supervised", f"supervised {backbone}"]
+        fractions = [key for key in PRESETS if isinstance(key, float)]
+        few_shot = [options.nearest(fractions, known.fraction)] if known.fraction <= 0.1 else []
+        return few_shot + [backbone]
+    return options.parse(parser, argv, PRESETS, rows)
 
 
 def masked_lm_loss(prediction_scores, labels) -> torch.Tensor:
@@ -170,7 +165,7 @@ def mlm_head(backbone, name_or_path: str) -> torch.nn.Module:
     decoder's bias tied to the head's zero `bias` (transformers 5 builds it with PyTorch's uniform
     init and an untied decoder bias, which left `bias` unused)."""
     if backbone.config.model_type == "roberta":
-        return plumbing.load_pretrained(name_or_path,
+        return hub.load_pretrained(name_or_path,
                                         auto_class=transformers.AutoModelForMaskedLM)[1].lm_head
     from transformers.models.bert.modeling_bert import BertLMPredictionHead
     head = BertLMPredictionHead(backbone.config)
@@ -205,24 +200,20 @@ def mask_tokens(input_ids, special_ids, probability: float, mask_token_id: int, 
 
 def main(argv=None):
     args = parse_args(argv)
-    common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
-    transformers.set_seed(args.seed)
-    device = distributed.init(plumbing.resolve_device(args.device))
+    run = Run(args)  # every flag checked, the seeds, the device (and torchrun's process group)
+    device = run.device
 
     # Data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard
     # negatives), tokenised once; a batch is then only gathered and padded to its longest row.
     default_file = "nli_for_simcse.csv" if args.supervised else "wiki1m_for_simcse.txt"
-    # downloads, senteval.tar and datasets' cache: process 0 first
-    with distributed.main_process_first():
-        examples, train_file, subset = common.training_examples(
+    with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
+        examples, train_file, subset = data.training_examples(
             args, default_file, triplets=args.supervised, hard_negatives=not args.no_hard_negatives,
             neutral=args.neutral_hard_negatives)
-        # every SentEval file read once now: a bad one stops the run before training
-        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
-        tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
+        tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
-        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
-    loader = common.make_loader(corpus, args, device)
+        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
+    loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
@@ -230,47 +221,30 @@ def main(argv=None):
     if args.num_layers:  # SSCL Table 1: SimCSE on a shallower encoder
         keep_first_layers(backbone, args.num_layers)
     backbone.to(device).train()
-    common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
+    common.set_dropout(backbone, args.dropout)  # --dropout (Table 3); None: the checkpoint's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     lm_head, mlm_generator = None, None
-    if args.do_mlm:  # Appendix D.2: the MLM head, and masking on the device from its own generator
+    if args.do_mlm:  # Appendix D.2: the MLM head; masking on the device from its own generator
         lm_head = mlm_head(backbone, args.model_name_or_path).to(device).train()
         mlm_generator = torch.Generator(device).manual_seed(args.seed + distributed.rank())
         special_ids = torch.tensor(tokenizer.all_special_ids, device=device)
-    model = common.Encoder(backbone, head, lm_head)  # what trains, one module (for DDP)
+    model = common.Encoder(backbone, head, lm_head)  # what trains, one module (DDP's)
     params = [p for p in model.parameters() if p.requires_grad]
-    # DistributedDataParallel under torchrun; --compile: the training passes only
-    forward = distributed.data_parallel(model, args.compile)
+    forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    optimizer, scheduler = common.make_optimizer(params, args, total_steps)
+    scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
-    optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    # loss scaling for fp16; a pass-through otherwise
-    scaler = common.grad_scaler(device, args.precision)
-    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
-                                 device)
 
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    stop = distributed.StopSignal()
-    # what last/ saves for --resume, with the RNG streams, the data position and the record so far
-    run_state = {"backbone": backbone, "head": head, "optimizer": optimizer,
-                 "scheduler": scheduler, "scaler": scaler, "lm_head": lm_head,
-                 "mlm_generator": mlm_generator}
-    # --resume: restored from last/ (the RNG streams last of all); otherwise a run from step 0
-    saved = resume.restore(args, run_state, loader, device) if args.resume else resume.new_run()
-    best_dev, best_step, train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
-    history = common.History(args, saved)  # losses, gradient norms, the trajectory; --report_to
-    batches = common.batches(loader)  # epoch after epoch
-    clock = time.perf_counter()
-    bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
-                            initial=len(history.losses))
-    # step 0 only evaluates the initial model
-    for step in range(saved["next_step"], total_steps + 1):
+    run.start(loader, total_steps, encode, [backbone, head], train_file, subset,
+              backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
+              scaler=scaler, lm_head=lm_head, mlm_generator=mlm_generator)  # what last/ saves
+    batches = data.batches(loader)  # epoch after epoch
+    for step in run.steps():  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            # one pass: anchors, entailments, contradictions (dropout on, as in training)
-            if args.supervised:
-                # the encoder only: embeddings and loss are fp32
-                with common.autocast(device, args.precision):
+            if args.supervised:  # one pass: anchors, entailments, contradictions (dropout on)
+                with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
                     outputs = forward(**batch, output_hidden_states=True)
                 z = common.embed(outputs.hidden_states, batch["attention_mask"], args.pooler, head)
                 # (anchors, positives, hard negatives), or (anchors, positives): Table 4's pairs
@@ -281,8 +255,7 @@ def main(argv=None):
                                        args.hard_negative_weight)
             else:  # one pass over the batch repeated: two dropout masks, two views
                 views = common.repeat_views(batch, 1 if args.fixed_dropout_mask else 2)
-                # the encoder only: embeddings and loss are fp32
-                with common.autocast(device, args.precision):
+                with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
                     outputs = forward(**views, output_hidden_states=True)
                 z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
                 z1, z2 = (z, z) if args.fixed_dropout_mask else z.chunk(2)  # Table 3, "Fixed 0.1"
@@ -307,72 +280,14 @@ def main(argv=None):
             scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
             scaler.update()
             scheduler.step()
-            # stays on the device until the next log or dev step: no host sync
-            history.add(loss, grad_norm)
-            bar.update()  # a clock read, no host sync
-        dev_step = step % args.eval_steps == 0 or step == total_steps
-        # --align_uniform_steps: STS-B dev encoded between the gates too, for the trajectory
-        align_uniform_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
-        every_save = bool(args.save_steps) and step % args.save_steps == 0
-        log_step = dev_step or align_uniform_step or every_save or step % args.logging_steps == 0
-        stopping = stop.requested(share=log_step)  # several processes agree at log steps only
-        # last/ for --resume: at each dev gate, every --save_steps, and when a signal stops the run
-        save_step = dev_step or stopping or every_save
-        if save_step or log_step:
-            # one host sync; the first NaN or inf loss stops the run with its step
-            history.read()
-            # the device has finished every step up to here
-            train_time += time.perf_counter() - clock
-            message = common.progress(step, total_steps, history.losses, train_time)
-            # lr: what the scheduler set for the next step (as the HF Trainer logs it)
-            point = {"step": step, "train_time_s": round(train_time, 3),
-                     "lr": scheduler.get_last_lr()[0]}
-            if dev_step or align_uniform_step:  # one encoding of STS-B dev: score, align, uniform
-                modules = [backbone] + ([head] if head is not None else [])
-                point.update(common.dev_measures(modules, encode, senteval_dir), gate=dev_step)
-            if dev_step:  # the STS-B dev gate
-                dev = point["stsb_dev"]
-                if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
-                    best_dev, best_step = dev, step
-                    common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
-                message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
-            history.record(point)  # results.json's trajectory; --report_to's scalars
-            if save_step:  # written whole or not at all
-                loop = {"best_dev": best_dev, "best_step": best_step, "train_time": train_time}
-                resume.save(args, step, run_state, loader, history, loop)
-            distributed.log(message)
-            bar.set_postfix(loss=history.losses[-1] if history.losses else None, best_dev=best_dev)
-            clock = time.perf_counter()  # the dev gate and the log are not training time
-            bar.unpause()  # nor in the bar's speed and ETA
-        if stopping:
-            break
+            run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
+        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+            if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
+                run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 
-    bar.close()
-    # the other processes exit here: process 0's final evaluation holds nobody in a barrier
-    distributed.shutdown()
-    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated
-    # on the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
-    if distributed.rank() == 0:
-        out = Path(args.output_dir)
-        results = common.run_record(
-            args, eval_pooler, device, stop, history, train_time, summary=summary,
-            train_file=train_file, micse_subset=subset, num_train_examples=len(corpus),
-            best_dev_stsb=best_dev, best_step=best_step)
-        with stop.final_evaluation(results):  # a signal now stops it; results.json records that
-            if not results["interrupted"]:
-                distributed.log(f"best STS-B dev {best_dev:.2f} at step {best_step}; evaluating it")
-                encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
-                if not args.no_test_eval:
-                    results["test"] = common.sts_test_scores(encode, senteval_dir)
-                results["align_uniform"] = common.align_uniform(
-                    encode, args, eval_pooler, senteval_dir, device)
-                if args.eval_transfer:
-                    results["transfer"] = common.transfer_scores(
-                        encode, senteval_dir, args, device, results)
-        plumbing.write_json(out / "results.json", results)
-        resume.drop(args, results)  # a completed run needs no last/ (unless --keep_last)
-        distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
-    stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM
+    # The end: best/ reloaded as eval_sts.py loads it, evaluated by process 0 (the 7 STS test tasks,
+    # alignment/uniformity, --eval_transfer) and written with the run's record to results.json.
+    run.write(run.evaluate_best(eval_pooler))
 
 
 if __name__ == "__main__":

@@ -41,28 +41,29 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import transformers
 
 import common
-import distributed
-import eval_sts
+import data
 import plumbing
-import resume
+from plumbing import distributed, hub, options
+from plumbing.run import Run
 
-
-# Section 5.1: large models train at lr 8e-6 (base: 3e-5, the shared default), batch 64
-BACKBONE_SETTINGS = {kind: ({"lr": 8e-6}, "SimCSE++ Section 5.1, large models")
-                     for kind in ("bert-large", "roberta-large")}
+# The paper's settings, one row a condition (flags the user gives win); base models: common.FLAGS'
+# lr 3e-5 and batch 64 (Section 5.1).
+PRESETS = {
+    "bert-large": ({"lr": 8e-6}, "SimCSE++ Section 5.1, large models"),
+    "roberta-large": ({"lr": 8e-6}, "SimCSE++ Section 5.1, large models"),
+    # Table 4's row: BERT first-last avg. + DCL(wiki, tau_DCL = 0.05)
+    "dcl_only": ({"pooler": "avg_first_last", "dcl_temp": 0.05}, "SimCSE++ Table 4"),
+}
 
 
 def parse_args(argv=None):
-    parser = common.base_parser(__doc__, method="simcsepp")
+    parser = options.parser(__doc__, method="simcsepp")
     g = parser.add_argument_group("SimCSE++ (Section 5.1 defaults)")
     g.add_argument("--m", type=float, default=0.9,
                    help="weight m on the positive logit (Table 5 best: 0.9)")
@@ -76,11 +77,8 @@ def parse_args(argv=None):
     g.add_argument("--dcl_only", action="store_true",
                    help="Table 4: DCL alone as the objective (no InfoNCE); sets --pooler "
                         "avg_first_last and --dcl_temp 0.05 unless given")
-    known, _ = parser.parse_known_args(argv)
-    presets, source = {}, ""
-    if known.dcl_only:  # Table 4's row: BERT first-last avg. + DCL(wiki, tau_DCL = 0.05)
-        presets, source = {"pooler": "avg_first_last", "dcl_temp": 0.05}, "SimCSE++ Table 4"
-    args = common.parse_with_presets(parser, argv, presets, source, BACKBONE_SETTINGS)
+    args = options.parse(parser, argv, PRESETS, lambda known, backbone: (
+        ["dcl_only"] if known.dcl_only else []) + [backbone])
     plumbing.check_range(args, "m", lambda v: v > 0, "a positive weight")
     plumbing.check_range(args, "dcl_weight", lambda v: v >= 0, ">= 0 (0 disables DCL)")
     plumbing.check_range(args, "dcl_temp", lambda v: v > 0, "a positive temperature")
@@ -140,59 +138,38 @@ def dropout_off(module: nn.Module):
 
 def main(argv=None):
     args = parse_args(argv)
-    common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
-    transformers.set_seed(args.seed)
-    device = distributed.init(plumbing.resolve_device(args.device))
+    run = Run(args)  # every flag checked, the seeds, the device (and torchrun's process group)
+    device = run.device
 
-    # downloads, senteval.tar and datasets' cache: process 0 first
-    with distributed.main_process_first():
-        examples, train_file, subset = common.training_examples(args)
-        # every SentEval file read once now: a bad one stops the run before training
-        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
-        tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
+    with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
+        examples, train_file, subset = data.training_examples(args)
+        tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
-        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
-    loader = common.make_loader(corpus, args, device)
+        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
+    loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
     # --no-mlp_only_train.
     backbone.to(device).train()
-    common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
+    common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    model = common.Encoder(backbone, head)  # what trains, one module (for DDP)
+    model = common.Encoder(backbone, head)  # what trains, one module (DDP's)
     params = [p for p in model.parameters() if p.requires_grad]
-    # DistributedDataParallel under torchrun; --compile: the training passes only
-    forward = distributed.data_parallel(model, args.compile)
+    forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    optimizer, scheduler = common.make_optimizer(params, args, total_steps)
+    scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
-    optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    # loss scaling for fp16; a pass-through otherwise
-    scaler = common.grad_scaler(device, args.precision)
-    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
-                                 device)
 
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    stop = distributed.StopSignal()
-    # what last/ saves for --resume, with the RNG streams, the data position and the record so far
-    run_state = {"backbone": backbone, "head": head, "optimizer": optimizer,
-                 "scheduler": scheduler, "scaler": scaler}
-    # --resume: restored from last/ (the RNG streams last of all); otherwise a run from step 0
-    saved = resume.restore(args, run_state, loader, device) if args.resume else resume.new_run()
-    best_dev, best_step, train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
-    history = common.History(args, saved)  # losses, gradient norms, the trajectory; --report_to
-    batches = common.batches(loader)  # epoch after epoch
-    clock = time.perf_counter()
-    bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
-                            initial=len(history.losses))
-    # step 0 only evaluates the initial model
-    for step in range(saved["next_step"], total_steps + 1):
+    run.start(loader, total_steps, encode, [backbone, head], train_file, subset, backbone=backbone,
+              head=head, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # for last/
+    batches = data.batches(loader)  # epoch after epoch
+    for step in run.steps():  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            # one pass over the batch repeated: two dropout views
-            views = common.repeat_views(batch, 2)
-            # the encoder only: embeddings and loss are fp32
-            with common.autocast(device, args.precision):
+            views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two views
+            with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
                 outputs = forward(**views, output_hidden_states=True)
             z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
             z1, z2 = z.chunk(2)
@@ -219,72 +196,14 @@ def main(argv=None):
             scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
             scaler.update()
             scheduler.step()
-            # stays on the device until the next log or dev step: no host sync
-            history.add(loss, grad_norm)
-            bar.update()  # a clock read, no host sync
-        dev_step = step % args.eval_steps == 0 or step == total_steps
-        # --align_uniform_steps: STS-B dev encoded between the gates too, for the trajectory
-        align_uniform_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
-        every_save = bool(args.save_steps) and step % args.save_steps == 0
-        log_step = dev_step or align_uniform_step or every_save or step % args.logging_steps == 0
-        stopping = stop.requested(share=log_step)  # several processes agree at log steps only
-        # last/ for --resume: at each dev gate, every --save_steps, and when a signal stops the run
-        save_step = dev_step or stopping or every_save
-        if save_step or log_step:
-            # one host sync; the first NaN or inf loss stops the run with its step
-            history.read()
-            # the device has finished every step up to here
-            train_time += time.perf_counter() - clock
-            message = common.progress(step, total_steps, history.losses, train_time)
-            # lr: what the scheduler set for the next step (as the HF Trainer logs it)
-            point = {"step": step, "train_time_s": round(train_time, 3),
-                     "lr": scheduler.get_last_lr()[0]}
-            if dev_step or align_uniform_step:  # one encoding of STS-B dev: score, align, uniform
-                modules = [backbone] + ([head] if head is not None else [])
-                point.update(common.dev_measures(modules, encode, senteval_dir), gate=dev_step)
-            if dev_step:  # the STS-B dev gate
-                dev = point["stsb_dev"]
-                if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
-                    best_dev, best_step = dev, step
-                    common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
-                message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
-            history.record(point)  # results.json's trajectory; --report_to's scalars
-            if save_step:  # written whole or not at all
-                loop = {"best_dev": best_dev, "best_step": best_step, "train_time": train_time}
-                resume.save(args, step, run_state, loader, history, loop)
-            distributed.log(message)
-            bar.set_postfix(loss=history.losses[-1] if history.losses else None, best_dev=best_dev)
-            clock = time.perf_counter()  # the dev gate and the log are not training time
-            bar.unpause()  # nor in the bar's speed and ETA
-        if stopping:
-            break
+            run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
+        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+            if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
+                run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 
-    bar.close()
-    # the other processes exit here: process 0's final evaluation holds nobody in a barrier
-    distributed.shutdown()
-    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated
-    # on the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
-    if distributed.rank() == 0:
-        out = Path(args.output_dir)
-        results = common.run_record(
-            args, eval_pooler, device, stop, history, train_time, summary=summary,
-            train_file=train_file, micse_subset=subset, num_train_examples=len(corpus),
-            best_dev_stsb=best_dev, best_step=best_step)
-        with stop.final_evaluation(results):  # a signal now stops it; results.json records that
-            if not results["interrupted"]:
-                distributed.log(f"best STS-B dev {best_dev:.2f} at step {best_step}; evaluating it")
-                encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
-                if not args.no_test_eval:
-                    results["test"] = common.sts_test_scores(encode, senteval_dir)
-                results["align_uniform"] = common.align_uniform(
-                    encode, args, eval_pooler, senteval_dir, device)
-                if args.eval_transfer:
-                    results["transfer"] = common.transfer_scores(
-                        encode, senteval_dir, args, device, results)
-        plumbing.write_json(out / "results.json", results)
-        resume.drop(args, results)  # a completed run needs no last/ (unless --keep_last)
-        distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
-    stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM
+    # The end: best/ reloaded as eval_sts.py loads it, evaluated by process 0 (the 7 STS test tasks,
+    # alignment/uniformity, --eval_transfer) and written with the run's record to results.json.
+    run.write(run.evaluate_best(eval_pooler))
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ the HF Trainer it uses.
 Choices: intermediate-layer negatives keep their gradients (they are part of the same forward pass,
 not a detached memory); SetSim is reported for every pair of adjacent transformer layers (1-2, ...,
 (L-1)-L), on the layer's sentence representation before the MLP ([CLS] or masked mean), averaged
-over the distinct STS-B test sentences (analyze.py's SetSim; `analyze.py setsim` measures any
-checkpoint the same way). SSCL-BERT (--no_dropout_positive; Section 4.3: "we don't add any
-augmentation methods to construct positives") is read as one pass of the batch serving as both
+over the distinct STS-B test sentences, of the pretrained model and of best/ after training (set_sim
+and oversmoothing here; `tools/analyze.py setsim` measures any checkpoint with them). SSCL-BERT
+(--no_dropout_positive; Section 4.3: "we don't add any augmentation methods to construct
+positives") is read as one pass of the batch serving as both
 views, so each positive is the sentence itself (cosine 1) and only the in-batch and layer negatives
 move the encoder; dropout stays at the checkpoint's rate (--dropout 0 removes it too).
 --output_dim d (Table 5: "the same simple linear projection head") puts one Linear(D, d) after the
@@ -38,27 +39,26 @@ sentence-transformers files are then left out, as they cannot hold it).
 from __future__ import annotations
 
 import math
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import transformers
 
-import analyze
 import common
-import distributed
-import eval_sts
+import data
 import plumbing
-import resume
+from plumbing import distributed, hub, options, progress
+from plumbing.run import Run
 
-
-# Section 4.2: lr 3e-5 for BERT-base (the shared default) and 1e-5 for BERT-large, batch 64
-BACKBONE_SETTINGS = {"bert-large": ({"lr": 1e-5}, "SSCL Section 4.2, BERT-large")}
+# The paper's settings (flags the user gives win): the released scripts train and evaluate with the
+# average pooler; lr 3e-5 for BERT-base (common.FLAGS') and 1e-5 for BERT-large, batch 64 (4.2).
+PRESETS = {
+    "released": ({"pooler": "avg"}, "SSCL's released scripts"),
+    "bert-large": ({"lr": 1e-5}, "SSCL Section 4.2, BERT-large"),
+}
 
 
 def parse_args(argv=None):
-    parser = common.base_parser(__doc__, method="sscl")
+    parser = options.parser(__doc__, method="sscl")
     g = parser.add_argument_group("SSCL")
     g.add_argument("--neg_layers", type=int, default=2,
                    help="k: negatives from layers L-1, ..., L-k below the last (progressive SSCL, "
@@ -79,9 +79,7 @@ def parse_args(argv=None):
     g.add_argument("--report_oversmoothing", action="store_true",
                    help="write SetSim (Eq. 2) of adjacent layers on STS-B test, before and after "
                         "training")
-    # the released scripts train and evaluate with the average pooler
-    args = common.parse_with_presets(parser, argv, {"pooler": "avg"}, "SSCL's released scripts",
-                                     BACKBONE_SETTINGS)
+    args = options.parse(parser, argv, PRESETS, lambda known, backbone: ["released", backbone])
     if args.pooler not in ("cls", "avg"):
         parser.error("SSCL trains with --pooler cls or avg (Section 4.2)")
     plumbing.check_range(args, "neg_layers", lambda v: v >= 0, "a non-negative number of layers")
@@ -126,72 +124,75 @@ def layer_representations(hidden_states, attention_mask, layers, pooler: str, he
                   .chunk(num_views)) for layer in layers]
 
 
+def set_sim(hidden_states, attention_mask, pooler: str) -> torch.Tensor:
+    """SetSim (Eq. 2) of each sentence for adjacent layers (1,2), ..., (L-1,L), shape (L-1, N): the
+    cosine of the two layers' representations, [CLS] before any MLP or the masked mean."""
+    pooler = "cls_before_pooler" if pooler == "cls" else pooler
+    reps = [common.pool(hidden_states[:layer + 1], attention_mask, pooler)
+            for layer in range(1, len(hidden_states))]
+    return torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1)
+                        for a, b in zip(reps, reps[1:])])
+
+
+@torch.no_grad()
+def oversmoothing(backbone, tokenizer, pooler: str, sentences, device, desc="SetSim") -> dict:
+    """Mean SetSim over `sentences`, per adjacent layer pair {"1-2": ...} (Figure 1), eval mode."""
+    was_training, total = backbone.training, 0.0
+    backbone.eval()
+    with progress.Progress(len(sentences), desc, unit="sentence") as bar:
+        for i in range(0, len(sentences), 128):
+            batch = tokenizer(sentences[i:i + 128], padding=True, truncation=True,
+                              return_tensors="pt").to(device)
+            hidden_states = backbone(**batch, output_hidden_states=True).hidden_states
+            total = total + set_sim(hidden_states, batch["attention_mask"], pooler).sum(dim=1)
+            bar.update(len(batch["input_ids"]))
+    backbone.train(was_training)
+    means = (total / len(sentences)).tolist()
+    return {f"{layer}-{layer + 1}": round(v, 4) for layer, v in enumerate(means, start=1)}
+
+
 def main(argv=None):
     args = parse_args(argv)
-    common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
-    transformers.set_seed(args.seed)
-    device = distributed.init(plumbing.resolve_device(args.device))
+    run = Run(args)  # every flag checked, the seeds, the device (and torchrun's process group)
+    device = run.device
 
-    # downloads, senteval.tar and datasets' cache: process 0 first
-    with distributed.main_process_first():
-        examples, train_file, subset = common.training_examples(args)
-        # every SentEval file read once now: a bad one stops the run before training
-        senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
-        tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
+    with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
+        examples, train_file, subset = data.training_examples(args)
+        tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
-        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
-    loader = common.make_loader(corpus, args, device)
+        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
+    loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
-    # --no-mlp_only_train.
+    # Encoder, head (the MLP on [CLS] with --pooler cls) and Table 5's projection
     backbone.to(device).train()
-    common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the checkpoint's
+    common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     projection = None
     if args.output_dim:  # Table 5: a linear projection after the pooler, at evaluation too
         projection = torch.nn.Linear(backbone.config.hidden_size, args.output_dim).to(device)
-        encode = eval_sts.project(encode, projection)
-    model = common.Encoder(backbone, head, projection)  # what trains, one module (for DDP)
+        encode = common.project(encode, projection)
+    model = common.Encoder(backbone, head, projection)  # what trains, one module (DDP's)
     params = [p for p in model.parameters() if p.requires_grad]
-    # DistributedDataParallel under torchrun; --compile: the training passes only
-    forward = distributed.data_parallel(model, args.compile)
+    forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
-    # loss scaling for fp16; a pass-through otherwise
-    scaler = common.grad_scaler(device, args.precision)
+    scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     neg_layers = negative_layers(backbone.config.num_hidden_layers, args.neg_layers,
                                  args.neg_layer_index)
-    setsim = None
-    if args.report_oversmoothing and distributed.rank() == 0:
-        setsim = {"before": analyze.oversmoothing(backbone, tokenizer, args.pooler, senteval_dir,
-                                                  device, "SetSim before")}
-    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
-                                 device)
 
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    stop = distributed.StopSignal()
-    # what last/ saves for --resume, with the RNG streams, the data position and the record so far
-    run_state = {"backbone": backbone, "head": head, "optimizer": optimizer,
-                 "scheduler": scheduler, "scaler": scaler, "projection": projection}
-    # --resume: restored from last/ (the RNG streams last of all); otherwise a run from step 0
-    saved = resume.restore(args, run_state, loader, device) if args.resume else resume.new_run()
-    best_dev, best_step, train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
-    history = common.History(args, saved)  # losses, gradient norms, the trajectory; --report_to
-    batches = common.batches(loader)  # epoch after epoch
-    clock = time.perf_counter()
-    bar = plumbing.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
-                            initial=len(history.losses))
-    # step 0 only evaluates the initial model
-    for step in range(saved["next_step"], total_steps + 1):
+    run.start(loader, total_steps, encode, [backbone, head], train_file, subset, backbone=backbone,
+              head=head, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+              projection=projection)  # what last/ saves
+    batches = data.batches(loader)  # epoch after epoch
+    for step in run.steps():  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             # one pass over the batch repeated: two dropout views (SSCL-BERT: one view, used twice)
             num_views = 1 if args.no_dropout_positive else 2
             views = common.repeat_views(batch, num_views)
-            # the encoder only: embeddings and loss are fp32
-            with common.autocast(device, args.precision):
+            with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
                 outputs = forward(**views, output_hidden_states=True)
             mask = views["attention_mask"]
             z = common.embed(outputs.hidden_states, mask, args.pooler, head)
@@ -216,77 +217,22 @@ def main(argv=None):
             scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
             scaler.update()
             scheduler.step()
-            # stays on the device until the next log or dev step: no host sync
-            history.add(loss, grad_norm)
-            bar.update()  # a clock read, no host sync
-        dev_step = step % args.eval_steps == 0 or step == total_steps
-        # --align_uniform_steps: STS-B dev encoded between the gates too, for the trajectory
-        align_uniform_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
-        every_save = bool(args.save_steps) and step % args.save_steps == 0
-        log_step = dev_step or align_uniform_step or every_save or step % args.logging_steps == 0
-        stopping = stop.requested(share=log_step)  # several processes agree at log steps only
-        # last/ for --resume: at each dev gate, every --save_steps, and when a signal stops the run
-        save_step = dev_step or stopping or every_save
-        if save_step or log_step:
-            # one host sync; the first NaN or inf loss stops the run with its step
-            history.read()
-            # the device has finished every step up to here
-            train_time += time.perf_counter() - clock
-            message = common.progress(step, total_steps, history.losses, train_time)
-            # lr: what the scheduler set for the next step (as the HF Trainer logs it)
-            point = {"step": step, "train_time_s": round(train_time, 3),
-                     "lr": scheduler.get_last_lr()[0]}
-            if dev_step or align_uniform_step:  # one encoding of STS-B dev: score, align, uniform
-                modules = [backbone] + ([head] if head is not None else [])
-                point.update(common.dev_measures(modules, encode, senteval_dir), gate=dev_step)
-            if dev_step:  # the STS-B dev gate
-                dev = point["stsb_dev"]
-                if best_step is None or dev > best_dev:  # the first gate always saves: best/ exists
-                    best_dev, best_step = dev, step
-                    common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir,
-                                           projection)
-                message += f"  STS-B dev {dev:.2f}  best {best_dev:.2f} (step {best_step})"
-            history.record(point)  # results.json's trajectory; --report_to's scalars
-            if save_step:  # written whole or not at all
-                loop = {"best_dev": best_dev, "best_step": best_step, "train_time": train_time}
-                resume.save(args, step, run_state, loader, history, loop)
-            distributed.log(message)
-            bar.set_postfix(loss=history.losses[-1] if history.losses else None, best_dev=best_dev)
-            clock = time.perf_counter()  # the dev gate and the log are not training time
-            bar.unpause()  # nor in the bar's speed and ETA
-        if stopping:
-            break
+            run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
+        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+            if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
+                run.save_best(step, backbone, head, tokenizer, eval_pooler, projection)
 
-    bar.close()
-    # the other processes exit here: process 0's evaluations hold nobody in a barrier
-    distributed.shutdown()
-    if setsim is not None and stop.signum is None:
-        best = plumbing.load_pretrained(str(Path(args.output_dir) / "best"))[1].to(device)
-        setsim["after"] = analyze.oversmoothing(best, tokenizer, args.pooler, senteval_dir, device,
-                                                "SetSim after")
-    # The end, on process 0: the run's record, best/ reloaded as eval_sts.py loads it and evaluated
-    # on the STS test tasks (and alignment/uniformity, --eval_transfer), then results.json.
-    if distributed.rank() == 0:
-        out = Path(args.output_dir)
-        results = common.run_record(
-            args, eval_pooler, device, stop, history, train_time, summary=summary, setsim=setsim,
-            train_file=train_file, micse_subset=subset, num_train_examples=len(corpus),
-            best_dev_stsb=best_dev, best_step=best_step)
-        with stop.final_evaluation(results):  # a signal now stops it; results.json records that
-            if not results["interrupted"]:
-                distributed.log(f"best STS-B dev {best_dev:.2f} at step {best_step}; evaluating it")
-                encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
-                if not args.no_test_eval:
-                    results["test"] = common.sts_test_scores(encode, senteval_dir)
-                results["align_uniform"] = common.align_uniform(
-                    encode, args, eval_pooler, senteval_dir, device)
-                if args.eval_transfer:
-                    results["transfer"] = common.transfer_scores(
-                        encode, senteval_dir, args, device, results)
-        plumbing.write_json(out / "results.json", results)
-        resume.drop(args, results)  # a completed run needs no last/ (unless --keep_last)
-        distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
-    stop.exit_if_stopped()  # 130 after Ctrl-C, 143 after SIGTERM
+    # The end: best/ reloaded as eval_sts.py loads it (the projection too), evaluated by process 0
+    # (the 7 STS test tasks, alignment/uniformity, --eval_transfer); --report_oversmoothing: SetSim
+    # of the pretrained model and of best/ on STS-B test; results.json.
+    results = run.evaluate_best(eval_pooler)
+    if args.report_oversmoothing and results is not None and not results["interrupted"]:
+        sentences = run.sentences("STSBenchmark", "test")
+        results["setsim"] = {when: oversmoothing(hub.load_pretrained(path)[1].to(device), tokenizer,
+                                                 args.pooler, sentences, device, f"SetSim {when}")
+                             for when, path in (("before", args.model_name_or_path),
+                                                ("after", f"{args.output_dir}/best"))}
+    run.write(results)
 
 
 if __name__ == "__main__":

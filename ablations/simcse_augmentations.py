@@ -41,7 +41,6 @@ import copy
 import math
 import random
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modules
@@ -51,18 +50,18 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import common  # noqa: E402
-import distributed  # noqa: E402
-import eval_sts  # noqa: E402
+import data  # noqa: E402
 import plumbing  # noqa: E402
-import resume  # noqa: E402
 import simcse  # noqa: E402
+from plumbing import distributed, hub, options  # noqa: E402
+from plumbing.run import Run  # noqa: E402
 
 POSITIVES = ("dropout", "crop", "word_deletion", "delete_one_word", "synonym", "mlm",
              "next_sentence", "next_3_sentences")
 
 
 def parse_args(argv=None):
-    parser = common.base_parser(__doc__, method="simcse_augmentations")
+    parser = options.parser(__doc__, method="simcse_augmentations")
     g = parser.add_argument_group("SimCSE Tables 1 and 2")
     g.add_argument("--positive", choices=POSITIVES, default="dropout",
                    help="how x_i+ is made from x_i (dropout: x_i+ = x_i, unsupervised SimCSE)")
@@ -75,7 +74,7 @@ def parse_args(argv=None):
                         "WordNet through nltk when installed")
     g.add_argument("--mlm_model", default="bert-base-uncased",
                    help="the masked LM that replaces words for --positive mlm (Table 1: BERT-base)")
-    args = common.parse_with_presets(parser, argv, {}, "", simcse.BACKBONE_SETTINGS)
+    args = options.parse(parser, argv, simcse.PRESETS)  # SimCSE's per-backbone rows
     if args.positive in ("crop", "word_deletion", "mlm") and args.rate is None:
         parser.error(f"--positive {args.positive} needs --rate k (Table 1: 0.1, 0.2, 0.3; "
                      "MLM: 0.15)")
@@ -181,7 +180,7 @@ def make_pairs(args, sentences: list[str], device) -> tuple[list[str], list[str]
         pairs = next_sentence_pairs(sentences, 1 if args.positive == "next_sentence" else 3, rng)
         return [a for a, _ in pairs], [p for _, p in pairs]
     if args.positive == "mlm":
-        tokenizer, model = plumbing.load_pretrained(
+        tokenizer, model = hub.load_pretrained(
             args.mlm_model, auto_class=transformers.AutoModelForMaskedLM, flag="--mlm_model")
         model.to(device).eval()
         generator = torch.Generator().manual_seed(args.seed)
@@ -200,20 +199,18 @@ def make_pairs(args, sentences: list[str], device) -> tuple[list[str], list[str]
 
 def main(argv=None):
     args = parse_args(argv)
-    common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
-    transformers.set_seed(args.seed)
-    device = distributed.init(plumbing.resolve_device(args.device))
+    run = Run(args, resumable=False)  # every flag checked, the seeds, the device; no last/
+    device = run.device
     if distributed.world_size() > 1:
         raise plumbing.UsageError("the ablation scripts run on one process (no torchrun)")
 
     # Data: the pairs (x_i, x_i+), built once, laid out as (all anchors, all positives) per batch.
-    examples, train_file, _ = common.training_examples(args)
-    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
-    tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
+    examples, train_file, _ = data.training_examples(args)
+    tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
     anchors, positives = make_pairs(args, list(examples["text"]), device)
     pairs = datasets.Dataset.from_dict({"sent0": anchors, "sent1": positives})
-    corpus = common.TokenizedCorpus(pairs, tokenizer, args.max_seq_length)
-    loader = common.make_loader(corpus, args, device)
+    corpus = data.TokenizedCorpus(pairs, tokenizer, args.max_seq_length)
+    loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # Encoders and heads: f_theta for both sides, or (Table 2) a second copy for the positives.
@@ -231,16 +228,11 @@ def main(argv=None):
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)
-    summary = common.run_summary(args, len(corpus), train_file, None, len(loader), total_steps,
-                                 device)
 
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    stop = distributed.StopSignal()
-    history = common.History(args, resume.new_run())
-    best_dev, best_step, train_time = -math.inf, None, 0.0
-    batches = common.batches(loader)
-    clock = time.perf_counter()
-    for step in range(total_steps + 1):
+    run.start(loader, total_steps, encode, [backbone, head], train_file, None,
+              optimizer=optimizer, scheduler=scheduler)
+    batches = data.batches(loader)
+    for step in run.steps():
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             with common.autocast(device, args.precision):
@@ -260,39 +252,13 @@ def main(argv=None):
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
-            history.add(loss, grad_norm)
-        stopping = stop.requested()  # Ctrl-C / SIGTERM: a last gate, then the end
-        if step % args.eval_steps == 0 or step == total_steps or stopping:
-            history.read()
-            train_time += time.perf_counter() - clock
-            point = {"step": step, "train_time_s": round(train_time, 3),
-                     "lr": scheduler.get_last_lr()[0], "gate": True}
-            # the dev gate on the anchor's encoder
-            point.update(common.dev_measures([backbone, head], encode, senteval_dir))
-            if best_step is None or point["stsb_dev"] > best_dev:
-                best_dev, best_step = point["stsb_dev"], step
-                common.save_checkpoint(backbone, head, tokenizer, eval_pooler, args.output_dir)
-            history.record(point)
-            distributed.log(common.progress(step, total_steps, history.losses, train_time)
-                            + f"  STS-B dev {point['stsb_dev']:.2f}  best {best_dev:.2f} "
-                              f"(step {best_step})")
-            clock = time.perf_counter()
-            if stopping:
-                break
+            run.record(loss, grad_norm)
+        if step % args.eval_steps == 0 or step == total_steps:  # the dev gate: the anchor's encoder
+            if run.dev_gate(step) > run.best_dev or run.best_step is None:
+                run.save_best(step, backbone, head, tokenizer, eval_pooler)
 
-    out = Path(args.output_dir)
-    results = common.run_record(args, eval_pooler, device, stop, history, train_time,
-                                summary=summary, train_file=train_file,
-                                num_train_examples=len(corpus), best_dev_stsb=best_dev,
-                                best_step=best_step, table="SimCSE Tables 1-2",
-                                example_pairs=[list(p) for p in zip(anchors[:3], positives[:3])])
-    with stop.final_evaluation(results):
-        if not results["interrupted"] and not args.no_test_eval:
-            encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
-            results["test"] = common.sts_test_scores(encode, senteval_dir)
-    plumbing.write_json(out / "results.json", results)
-    distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
-    stop.exit_if_stopped()
+    run.write(run.evaluate_best(eval_pooler, table="SimCSE Tables 1-2",
+                                example_pairs=[list(p) for p in zip(anchors[:3], positives[:3])]))
 
 
 if __name__ == "__main__":

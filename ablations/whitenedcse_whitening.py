@@ -26,25 +26,23 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modules
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import transformers  # noqa: E402
 
 import common  # noqa: E402
-import distributed  # noqa: E402
-import eval_sts  # noqa: E402
+import data  # noqa: E402
 import plumbing  # noqa: E402
-import resume  # noqa: E402
 import whitenedcse  # noqa: E402
+from plumbing import distributed, hub, options  # noqa: E402
+from plumbing.run import Run  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = common.base_parser(__doc__, method="whitenedcse_whitening")
+    parser = options.parser(__doc__, method="whitenedcse_whitening")
     g = parser.add_argument_group("WhitenedCSE Table 3")
     g.add_argument("--whitening", choices=["pca", "zca", "group", "shuffled_group"],
                    default="zca", help="the head's whitening (shuffled_group: WhitenedCSE)")
@@ -56,7 +54,7 @@ def parse_args(argv=None):
     g.add_argument("--num_groups", type=int, default=None,
                    help="groups for group / shuffled_group (default: whitenedcse.py's)")
     g.add_argument("--num_pos", type=int, default=3, help="m, positives (WhitenedCSE: 3)")
-    args = common.parse_with_presets(parser, argv, {}, "", whitenedcse.BACKBONE_SETTINGS)
+    args = options.parse(parser, argv, whitenedcse.PRESETS)
     plumbing.check_range(args, "momentum", lambda v: 0 <= v < 1, "0 <= beta < 1")
     plumbing.check_range(args, "whitening_eps", lambda v: v >= 0, ">= 0")
     plumbing.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
@@ -112,22 +110,20 @@ class MomentumWhitenedHead(nn.Module):
 
 def main(argv=None):
     args = parse_args(argv)
-    common.check_args(args)  # every flag, the device, --precision and --output_dir, before any work
-    transformers.set_seed(args.seed)
-    device = distributed.init(plumbing.resolve_device(args.device))
+    run = Run(args, resumable=False)  # every flag checked, the seeds, the device; no last/
+    device = run.device
     if distributed.world_size() > 1:
         raise plumbing.UsageError("the ablation scripts run on one process (no torchrun)")
 
-    examples, train_file, subset = common.training_examples(args)
-    senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
-    tokenizer, backbone = plumbing.load_pretrained(args.model_name_or_path)
-    corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
+    examples, train_file, subset = data.training_examples(args)
+    tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
+    corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
     hidden = backbone.config.hidden_size
     group_width = whitenedcse.group_width(args, hidden)  # --num_groups checked for every kind
     width = group_width if "group" in args.whitening else 1
     if width >= args.batch_size:
         raise plumbing.UsageError(f"groups of {width} channels need --batch_size above {width}")
-    loader = common.make_loader(corpus, args, device, min_rows=width + 1)
+    loader = data.make_loader(corpus, args, device, min_rows=width + 1)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     backbone.to(device).train()
@@ -142,19 +138,14 @@ def main(argv=None):
     forward = common.Encoder(backbone)  # a prebuilt 4-D attention mask: no host sync
     eval_pooler = "cls_before_pooler"
     generator = torch.Generator(device).manual_seed(args.seed)  # the channel shuffles
-    encode = eval_sts.pooled_encode(backbone, tokenizer, eval_pooler, device)
+    encode = common.model_encode(backbone, None, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)
-    summary = common.run_summary(args, len(corpus), train_file, subset, len(loader), total_steps,
-                                 device)
 
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    stop = distributed.StopSignal()
-    history = common.History(args, resume.new_run())
-    best_dev, best_step, train_time = -math.inf, None, 0.0
-    batches = common.batches(loader)
-    clock = time.perf_counter()
-    for step in range(total_steps + 1):
+    run.start(loader, total_steps, encode, [backbone, head], train_file, subset,
+              optimizer=optimizer, scheduler=scheduler)
+    batches = data.batches(loader)
+    for step in run.steps():
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
             with common.autocast(device, args.precision):  # m dropout views in one pass
@@ -175,37 +166,12 @@ def main(argv=None):
             scaler.step(optimizer)
             scaler.update()
             scheduler.step()
-            history.add(loss, grad_norm)
-        stopping = stop.requested()  # Ctrl-C / SIGTERM: a last gate, then the end
-        if step % args.eval_steps == 0 or step == total_steps or stopping:
-            history.read()
-            train_time += time.perf_counter() - clock
-            point = {"step": step, "train_time_s": round(train_time, 3),
-                     "lr": scheduler.get_last_lr()[0], "gate": True}
-            point.update(common.dev_measures([backbone, head], encode, senteval_dir))
-            if best_step is None or point["stsb_dev"] > best_dev:
-                best_dev, best_step = point["stsb_dev"], step
-                common.save_checkpoint(backbone, None, tokenizer, eval_pooler, args.output_dir)
-            history.record(point)
-            distributed.log(common.progress(step, total_steps, history.losses, train_time)
-                            + f"  STS-B dev {point['stsb_dev']:.2f}  best {best_dev:.2f} "
-                              f"(step {best_step})")
-            clock = time.perf_counter()
-            if stopping:
-                break
+            run.record(loss, grad_norm)
+        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+            if run.dev_gate(step) > run.best_dev or run.best_step is None:
+                run.save_best(step, backbone, None, tokenizer, eval_pooler)
 
-    out = Path(args.output_dir)
-    results = common.run_record(args, eval_pooler, device, stop, history, train_time,
-                                summary=summary, train_file=train_file,
-                                num_train_examples=len(corpus), best_dev_stsb=best_dev,
-                                best_step=best_step, table="WhitenedCSE Table 3")
-    with stop.final_evaluation(results):
-        if not results["interrupted"] and not args.no_test_eval:
-            encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)
-            results["test"] = common.sts_test_scores(encode, senteval_dir)
-    plumbing.write_json(out / "results.json", results)
-    distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
-    stop.exit_if_stopped()
+    run.write(run.evaluate_best(eval_pooler, table="WhitenedCSE Table 3"))
 
 
 if __name__ == "__main__":

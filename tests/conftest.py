@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "ablations")]  # the suite, its tools, its studies
 
 WORDS = ("the a man woman dog cat runs walks eats plays on in with park house ball food big small red blue "
          "quickly slowly happy sad child car road tree green old young sings reads book music loud quiet "
@@ -161,3 +161,19 @@ def restore_signal_handlers():
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)
+
+
+def watch_widths_and_graphs(monkeypatch) -> tuple[list, list]:
+    """--compile's tests: each batch's padded width (data.TokenizedCorpus.collate) and, at each step the run records,
+    how many graphs dynamo has compiled so far."""
+    import data
+    from plumbing.run import History
+    from torch._dynamo.utils import counters
+    widths, graphs = [], []
+    collate, add = data.TokenizedCorpus.collate, History.add
+    monkeypatch.setattr(data.TokenizedCorpus, "collate",
+                        lambda self, rows: widths.append(collate(self, rows)["input_ids"].shape[1]) or collate(self, rows))
+    monkeypatch.setattr(History, "add", lambda self, *a: graphs.append(counters["stats"]["unique_graphs"])
+                        or add(self, *a))
+    counters.clear()
+    return widths, graphs

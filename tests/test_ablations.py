@@ -1,5 +1,5 @@
 """#30's ablations: the new losses against loops, the augmentations on fixed strings, MLM masking, and every
-command of the README's ablation table run for two steps on ../shared's data."""
+command of the ablation table (docs/reproducing.md) run for two steps on ../shared's data."""
 import csv
 import importlib
 import json
@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT / "ablations"))
 import simcse_augmentations as aug  # noqa: E402
 import simcsepp_noise_barlow as noise  # noqa: E402
 import whitenedcse_whitening as whitening  # noqa: E402
+from plumbing import hub  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------- losses against loops
@@ -205,7 +206,7 @@ def test_do_mlm_masking_is_the_collators_15_80_10_10_from_its_own_generator(tiny
     generator (the masks of the earlier CPU-side masking, bit for bit), with no host sync and without the global
     RNG (dropout's); 15% of the ordinary tokens chosen, of them 80% [MASK], 10% random, 10% kept."""
     import simcse
-    import syncs
+    from plumbing import syncs
     import transformers
     args = simcse.parse_args(["--do_mlm", "--model_name_or_path", str(tiny_model)])
     assert (args.mlm_weight, args.mlm_probability) == (0.1, 0.15)  # the released code's defaults
@@ -240,10 +241,9 @@ def test_the_bert_mlm_head_starts_as_the_released_code_initialised_it(tmp_path):
     """BertForCL's init_weights under transformers 4.2: weights normal(0, initializer_range), biases zero, LayerNorm
     1 and 0, the decoder's bias the head's own zero `bias` (one parameter): transformers 5 builds the head with
     PyTorch's uniform init and an untied decoder bias, which left `bias` outside the loss."""
-    import plumbing
     import simcse
     from conftest import write_tiny_model
-    _, backbone = plumbing.load_pretrained(str(write_tiny_model(tmp_path / "m", hidden=64)))
+    _, backbone = hub.load_pretrained(str(write_tiny_model(tmp_path / "m", hidden=64)))
     torch.manual_seed(0)
     head = simcse.mlm_head(backbone, "unused")
     std = backbone.config.initializer_range
@@ -262,7 +262,7 @@ def test_the_bert_mlm_head_starts_as_the_released_code_initialised_it(tmp_path):
 def test_keep_first_layers(tiny_model):
     import plumbing
     import simcse
-    _, backbone = plumbing.load_pretrained(str(tiny_model))
+    _, backbone = hub.load_pretrained(str(tiny_model))
     simcse.keep_first_layers(backbone, 1)
     assert len(backbone.encoder.layer) == 1 and backbone.config.num_hidden_layers == 1
     assert len(backbone(input_ids=torch.tensor([[2, 7, 3]]), output_hidden_states=True).hidden_states) == 2
@@ -270,12 +270,12 @@ def test_keep_first_layers(tiny_model):
         simcse.keep_first_layers(backbone, 5)
 
 
-# ---------------------------------------------------------------------------- every README command on ../shared
+# ------------------------------------------------------------------ every command of the ablation table on ../shared
 DATA = SHARED / "data"
 needs_shared_data = pytest.mark.skipif(not (DATA / "wiki1m_head.txt").is_file(),
                                        reason="../shared/data (wiki1m_head.txt, nli_snli_devtest.csv) is not beside "
                                               "this checkout")
-# (the README's command, what the test adds: the tiny model has 2 layers, 32 channels and 4 groups' worth)
+# (the table's command, what the test adds: the tiny model has 2 layers, 32 channels and 4 groups' worth)
 COMMANDS = [
     ("simcse.py --supervised --no_hard_negatives", ""),
     ("simcse.py --supervised --train_file nli_neutral.csv --neutral_hard_negatives", ""),
@@ -307,8 +307,8 @@ COMMANDS = [
 ]
 
 
-def test_every_command_here_is_in_the_readme_table():
-    table = (ROOT / "README.md").read_text().split("## Ablations", 1)[1].split("\n## ", 1)[0]
+def test_every_command_here_is_in_the_ablation_table():
+    table = (ROOT / "docs" / "reproducing.md").read_text().split("## Ablations", 1)[1].split("\n## ", 1)[0]
     missing = [command for command, _ in COMMANDS if f"`{command}`" not in table]
     assert not missing, missing
 
@@ -350,7 +350,7 @@ def test_an_ablation_command_runs_on_shared_data(command, extra, tiny_model, tin
     script, *flags = shlex.split(command)
     flags = [str(shared_inputs / f) if f in ("nli_neutral.csv", "synonyms.tsv") else f for f in flags]
     given = shlex.split(extra)
-    for name, value in zip(given[::2], given[1::2]):  # the test's value replaces the README's
+    for name, value in zip(given[::2], given[1::2]):  # the test's value replaces the table's
         if name in flags:
             flags[flags.index(name) + 1] = value
         else:
@@ -424,7 +424,7 @@ def test_misused_ablation_flags_are_one_line(tiny_model, senteval_dir, tmp_path)
             needle = "the encoder has only 2 layers"
         code, stderr = cli_in_process(simcse, *flags, *base)
         assert code == 2 and needle in stderr and len(stderr.strip().splitlines()) == 1, stderr
-    # a missing replacer model is named by its own flag (plumbing.load_pretrained's `flag`)
+    # a missing replacer model is named by its own flag (hub.load_pretrained's `flag`)
     code, stderr = cli_in_process(aug, "--positive", "mlm", "--rate", "0.15", "--mlm_model", tmp_path / "no_mlm",
                                   "--batch_size", "8", "--train_file", nli.with_name("x.txt"), *base)
     assert code == 2 and f"--mlm_model {tmp_path / 'no_mlm'}: no such folder" in stderr, stderr

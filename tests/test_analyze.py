@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import analyze
+import sscl
 import plumbing
 from conftest import smoke_args
 
@@ -51,7 +52,7 @@ def test_similarity_groups_hand_checked():
 def test_set_sim_of_identical_layers_is_one_and_a_hand_built_case():
     mask = torch.tensor([[1, 1], [1, 0]])
     layer = torch.randn(2, 2, 4)
-    assert torch.allclose(analyze.set_sim((layer, layer, layer, layer), mask, "avg"), torch.ones(2, 2))
+    assert torch.allclose(sscl.set_sim((layer, layer, layer, layer), mask, "avg"), torch.ones(2, 2))
     h1 = torch.tensor([[[1., 0.], [1., 0.]], [[1., 0.], [5., 5.]]])
     h2 = torch.tensor([[[0., 1.], [0., 1.]], [[1., 1.], [9., 9.]]])
     h3 = torch.tensor([[[0., 2.], [0., 2.]], [[2., 2.], [0., 0.]]])
@@ -59,7 +60,7 @@ def test_set_sim_of_identical_layers_is_one_and_a_hand_built_case():
     s = 1 / math.sqrt(2)
     # avg: sentence 2 masks its second token; cls: the first token, before any MLP
     for pooler in ("avg", "cls", "cls_before_pooler"):
-        assert torch.allclose(analyze.set_sim(hidden, mask, pooler), torch.tensor([[0.0, s], [1.0, 1.0]]), atol=1e-6)
+        assert torch.allclose(sscl.set_sim(hidden, mask, pooler), torch.tensor([[0.0, s], [1.0, 1.0]]), atol=1e-6)
 
 
 def test_trajectory_points_in_time_order_and_from_the_older_format():

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
-import common
 import micse
 import simcse
 import simcsepp
 import sscl
 import whitenedcse
 from conftest import smoke_args, write_tiny_model
+from plumbing import options
 
 
 def write_config(path, model_type: str, hidden: int, layers: int):
@@ -31,13 +31,13 @@ def configs(tmp_path_factory):
 
 def test_the_backbone_is_read_from_the_config_not_the_name(configs, tmp_path):
     for name, path in configs.items():
-        kind, _ = common.backbone(path)
+        kind, _ = options.backbone(path)
         assert kind == (None if name == "other" else name)
-    assert common.backbone(configs["other"]) == (None, "bert, 512 wide, 4 layers")
+    assert options.backbone(configs["other"]) == (None, "bert, 512 wide, 4 layers")
     # a hub id that is not downloaded yet is known by its published config; an unknown id is not
-    assert common.backbone("roberta-large")[0] == "roberta-large"
-    assert common.backbone("FacebookAI/roberta-base")[0] == "roberta-base"
-    assert common.backbone("someone/some-model") == (None, "not read yet")
+    assert options.backbone("roberta-large")[0] == "roberta-large"
+    assert options.backbone("FacebookAI/roberta-base")[0] == "roberta-base"
+    assert options.backbone("someone/some-model") == (None, "not read yet")
 
 
 @pytest.mark.parametrize("module, argv, kind, expected", [
@@ -74,7 +74,8 @@ def test_the_users_flags_win_and_the_record_says_which_presets_applied(configs):
 def test_an_unknown_backbone_gets_the_bert_base_settings_and_says_so(configs, capsys):
     args = simcse.parse_args(["--model_name_or_path", configs["other"]])
     assert (args.batch_size, args.lr, args.backbone, args.presets) == (64, 3e-5, None, None)
-    summary = common.run_summary(args, 10, "wiki.txt", None, 1, 5, "cpu")
+    from plumbing import run
+    summary = run.summary(args, {"num_train_examples": 10, "micse_subset": None, "train_file": "wiki.txt"}, 1, 5, "cpu")
     assert summary["backbone"] == "bert, 512 wide, 4 layers: no preset for this backbone, the BERT-base settings"
     assert "no preset for this backbone" in capsys.readouterr().out
 

@@ -9,7 +9,10 @@ import torch
 import common
 import eval_sts
 import plumbing
-import resume
+from plumbing import resume
+from plumbing import hub
+import data
+from plumbing import options
 
 
 def loop_info_nce(z1, z2, temp, z3=None, weight=0.0):
@@ -63,28 +66,26 @@ def test_poolers_on_hand_built_hidden_states():
     first = torch.tensor([[[1., 0.], [3., 0.], [5., 0.]], [[2., 2.], [9., 9.], [9., 9.]]])
     last = torch.tensor([[[0., 1.], [0., 3.], [0., 8.]], [[4., 4.], [7., 7.], [7., 7.]]])
     hidden = (emb, first, last)
-    assert torch.allclose(eval_sts.pool(hidden, mask, "cls_before_pooler"), torch.tensor([[0., 1.], [4., 4.]]))
-    assert torch.allclose(eval_sts.pool(hidden, mask, "avg"), torch.tensor([[0., 4.], [4., 4.]]))
-    assert torch.allclose(eval_sts.pool(hidden, mask, "avg_first_last"), torch.tensor([[1.5, 2.0], [3., 3.]]))
-    assert torch.allclose(eval_sts.pool(hidden, mask, "avg_top2"), torch.tensor([[1.5, 2.0], [3., 3.]]))
+    assert torch.allclose(common.pool(hidden, mask, "cls_before_pooler"), torch.tensor([[0., 1.], [4., 4.]]))
+    assert torch.allclose(common.pool(hidden, mask, "avg"), torch.tensor([[0., 4.], [4., 4.]]))
+    assert torch.allclose(common.pool(hidden, mask, "avg_first_last"), torch.tensor([[1.5, 2.0], [3., 3.]]))
+    assert torch.allclose(common.pool(hidden, mask, "avg_top2"), torch.tensor([[1.5, 2.0], [3., 3.]]))
     pooler_output = torch.randn(2, 2)
-    assert eval_sts.pool(hidden, mask, "cls", pooler_output) is pooler_output
+    assert common.pool(hidden, mask, "cls", pooler_output) is pooler_output
     with pytest.raises(plumbing.UsageError, match="no pooler"):
-        eval_sts.pool(hidden, mask, "cls")
-    with pytest.raises(plumbing.UsageError, match="unknown pooler"):
-        eval_sts.pool(hidden, mask, "max")
+        common.pool(hidden, mask, "cls")
 
 
 def test_subsample_is_deterministic_and_bounded():
     items = list(range(1000))
-    a = common.subsample(items, 0.01, seed=3)
-    assert a == common.subsample(items, 0.01, seed=3)
-    assert a != common.subsample(items, 0.01, seed=4)
+    a = data.subsample(items, 0.01, seed=3)
+    assert a == data.subsample(items, 0.01, seed=3)
+    assert a != data.subsample(items, 0.01, seed=4)
     assert len(a) == 10 and a == sorted(a) and set(a) <= set(items)
-    assert len(common.subsample(items, 0.0015, seed=0)) == round(1.5)
-    assert common.subsample(items, 1.0, seed=0) == items
+    assert len(data.subsample(items, 0.0015, seed=0)) == round(1.5)
+    assert data.subsample(items, 1.0, seed=0) == items
     with pytest.raises(plumbing.UsageError, match="keeps none"):
-        common.subsample(items, 0.0001, seed=0)
+        data.subsample(items, 0.0001, seed=0)
 
 
 def args_for(train_file, **extra):
@@ -94,35 +95,35 @@ def args_for(train_file, **extra):
 def test_training_examples_skip_empty_lines_and_reject_bad_files(tmp_path):
     path = tmp_path / "c.txt"
     path.write_text("one\n\n  \ntwo  \n")
-    examples, source, subset = common.training_examples(args_for(path))
+    examples, source, subset = data.training_examples(args_for(path))
     assert examples["text"] == ["one", "two"] and source == str(path) and subset is None
     path.write_text("\n\n")
     with pytest.raises(plumbing.UsageError, match="is empty"):
-        common.training_examples(args_for(path))
+        data.training_examples(args_for(path))
     with pytest.raises(plumbing.UsageError, match="no such file"):
-        common.training_examples(args_for(tmp_path / "missing.txt"))
+        data.training_examples(args_for(tmp_path / "missing.txt"))
     path.write_bytes(b"fine\nstill fine\nbad \xff byte\n")
     with pytest.raises(plumbing.UsageError, match="line 3 is not UTF-8"):
-        common.training_examples(args_for(path))
+        data.training_examples(args_for(path))
 
 
 def test_training_triplets_keep_na_strings_and_name_bad_rows(tmp_path):
     path = tmp_path / "nli.csv"
     path.write_text("sent0,sent1,hard_neg\nNA,None,null\na man,a person,a dog\n")
-    examples, _, _ = common.training_examples(args_for(path), triplets=True)
+    examples, _, _ = data.training_examples(args_for(path), triplets=True)
     assert list(zip(examples["sent0"], examples["sent1"], examples["hard_neg"])) == [("NA", "None", "null"),
                                                                                  ("a man", "a person", "a dog")]
     path.write_text("sent0,sent1,hard_neg\na,b,c\nd,e\n")
     with pytest.raises(plumbing.UsageError, match="line 3 has 2 column"):
-        common.training_examples(args_for(path), triplets=True)
+        data.training_examples(args_for(path), triplets=True)
     path.write_text("premise,hypothesis\na,b\n")
     with pytest.raises(plumbing.UsageError, match="the header must name sent0,sent1 \\(and hard_neg"):
-        common.training_examples(args_for(path), triplets=True)
+        data.training_examples(args_for(path), triplets=True)
     # pairs: a file without hard_neg, or --no_hard_negatives on one with it (SimCSE Table 4)
     path.write_text("sent0,sent1\na man,a person\n")
-    assert common.training_examples(args_for(path), triplets=True)[0].column_names == ["sent0", "sent1"]
+    assert data.training_examples(args_for(path), triplets=True)[0].column_names == ["sent0", "sent1"]
     path.write_text("sent0,sent1,hard_neg\na man,a person,a dog\n")
-    examples = common.training_examples(args_for(path), triplets=True, hard_negatives=False)[0]
+    examples = data.training_examples(args_for(path), triplets=True, hard_negatives=False)[0]
     assert examples.column_names == ["sent0", "sent1"]
 
 
@@ -132,19 +133,19 @@ def test_training_triplets_keep_na_strings_and_name_bad_rows(tmp_path):
     (0.005, "wiki_subset_1M_000.50percent_seed48.txt"), (0.01, "wiki_subset_1M_001.00percent_seed48.txt"),
     (0.1, "wiki_subset_1M_010.00percent_seed48.txt")])
 def test_micse_subset_names_for_each_released_fraction(fraction, name):
-    assert common.micse_subset(fraction, 48) == name
-    assert common.micse_subset(fraction, 52) == name.replace("seed48", "seed52")
-    assert common.micse_subset(fraction, 3) is None  # no released subset: wiki1m is subsampled with the seed
-    assert common.micse_subset(0.02, 48) is None
+    assert data.micse_subset(fraction, 48) == name
+    assert data.micse_subset(fraction, 52) == name.replace("seed48", "seed52")
+    assert data.micse_subset(fraction, 3) is None  # no released subset: wiki1m is subsampled with the seed
+    assert data.micse_subset(0.02, 48) is None
 
 
 def test_micse_subset_is_downloaded_from_its_repo(tmp_path, monkeypatch):
     subset_file = tmp_path / "subset.txt"
     subset_file.write_text("s1\ns2\ns3\n")
     asked = []
-    monkeypatch.setattr(plumbing, "hub_file", lambda repo, name, flag: asked.append((repo, name, flag)) or str(subset_file))
+    monkeypatch.setattr(hub, "hub_file", lambda repo, name, flag: asked.append((repo, name, flag)) or str(subset_file))
     args = types.SimpleNamespace(train_file=None, fraction=0.01, seed=50)
-    examples, source, subset = common.training_examples(args)
+    examples, source, subset = data.training_examples(args)
     assert asked == [("sap-ai-research/datasets-for-micse", "wiki_subset_1M_001.00percent_seed50.txt", "--train_file")]
     assert examples["text"] == ["s1", "s2", "s3"] and subset == "wiki_subset_1M_001.00percent_seed50.txt"  # not subsampled
 
@@ -153,23 +154,23 @@ def test_offline_micse_subset_names_the_file_and_the_flag(tmp_path, monkeypatch)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(plumbing.UsageError, match="wiki_subset_1M_000.10percent_seed49.txt.*--train_file"):
-        common.training_examples(types.SimpleNamespace(train_file=None, fraction=0.001, seed=49))
+        data.training_examples(types.SimpleNamespace(train_file=None, fraction=0.001, seed=49))
 
 
 @pytest.mark.parametrize("n, batch, min_rows, expected", [(10, 4, 2, [4, 4, 2]), (10, 4, 3, [4, 4]),
                                                            (9, 4, 2, [4, 4]), (8, 4, 2, [4, 4])])
 def test_batch_sampler_keeps_the_last_batch_unless_too_small(n, batch, min_rows, expected):
-    sampler = common.BatchSampler(n, batch, seed=0, min_rows=min_rows)
+    sampler = data.BatchSampler(n, batch, seed=0, min_rows=min_rows)
     batches = list(sampler)
     assert [len(b) for b in batches] == expected and len(sampler) == len(expected)
     assert len({i for b in batches for i in b}) == sum(expected)
     assert list(sampler) != batches  # a new order every epoch
-    assert list(common.BatchSampler(n, batch, seed=0, min_rows=min_rows)) == batches  # deterministic per seed
+    assert list(data.BatchSampler(n, batch, seed=0, min_rows=min_rows)) == batches  # deterministic per seed
 
 
 def test_batch_sampler_slices_are_the_global_batch():
-    single = list(common.BatchSampler(11, 4, seed=5))
-    parts = [list(common.BatchSampler(11, 4, seed=5, rank=r, world_size=2)) for r in range(2)]
+    single = list(data.BatchSampler(11, 4, seed=5))
+    parts = [list(data.BatchSampler(11, 4, seed=5, rank=r, world_size=2)) for r in range(2)]
     assert [a + b for a, b in zip(*parts)] == single
 
 
@@ -179,7 +180,7 @@ def test_collate_lays_out_triplets_column_major(tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     examples = datasets.Dataset.from_dict({"sent0": ["a man", "big red ball"], "sent1": ["a dog", "sun"],
                                            "hard_neg": ["the cat", "moon"]})
-    batch = common.TokenizedCorpus(examples, tokenizer, 6).collate([0, 1])
+    batch = data.TokenizedCorpus(examples, tokenizer, 6).collate([0, 1])
     assert batch["input_ids"].shape[0] == 6 and batch["input_ids"].shape[1] <= 6
     decoded = [tokenizer.decode(ids, skip_special_tokens=True) for ids in batch["input_ids"]]
     assert decoded == ["a man", "big red ball", "a dog", "sun", "the cat", "moon"]
@@ -206,9 +207,9 @@ def test_pretokenised_loader_gives_the_token_ids_of_tokenising_each_batch(triple
                 [random_sentence(rng, 1, 20), random_sentence(rng), random_sentence(rng, 0, 3)] for _ in range(30)])
     args = types.SimpleNamespace(train_file=str(path if triplets else corpus), fraction=0.5, seed=4, batch_size=8,
                                  num_workers=0)
-    examples, _, _ = common.training_examples(args, triplets=triplets)
-    loader = common.make_loader(common.TokenizedCorpus(examples, tokenizer, 12), args, torch.device("cpu"))
-    order = common.BatchSampler(len(examples), 8, seed=4)
+    examples, _, _ = data.training_examples(args, triplets=triplets)
+    loader = data.make_loader(data.TokenizedCorpus(examples, tokenizer, 12), args, torch.device("cpu"))
+    order = data.BatchSampler(len(examples), 8, seed=4)
     steps = 0
     for _ in range(2):  # two epochs: the kept last batch and the new order of the second epoch
         for rows, batch in zip(order, loader):
@@ -226,23 +227,20 @@ def test_padding_to_a_multiple_of_8_and_on_the_left(tiny_model):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     examples = datasets.Dataset.from_dict({"text": ["a man runs in the park", "the dog", "sun"]})
     expected = tokenize_each_batch(examples, tokenizer, [2, 0], 32)
-    batch = common.TokenizedCorpus(examples, tokenizer, 32, pad_to_multiple_of=8).collate([2, 0])
+    batch = data.TokenizedCorpus(examples, tokenizer, 32, pad_to_multiple_of=8).collate([2, 0])
     assert batch["input_ids"].shape == (2, 8) and expected["input_ids"].shape == (2, 8)  # 6 words, [CLS], [SEP]
-    batch = common.TokenizedCorpus(examples, tokenizer, 32, pad_to_multiple_of=16).collate([2, 0])
+    batch = data.TokenizedCorpus(examples, tokenizer, 32, pad_to_multiple_of=16).collate([2, 0])
     assert batch["input_ids"].shape == (2, 16)
     assert torch.equal(batch["input_ids"][:, :8], expected["input_ids"]) and batch["attention_mask"][:, 8:].sum() == 0
     tokenizer.padding_side = "left"
     expected = tokenize_each_batch(examples, tokenizer, [1, 2, 0], 32)
-    batch = common.TokenizedCorpus(examples, tokenizer, 32).collate([1, 2, 0])
+    batch = data.TokenizedCorpus(examples, tokenizer, 32).collate([1, 2, 0])
     assert all(torch.equal(batch[k], expected[k]) for k in expected) and batch["attention_mask"][0, 0] == 0
 
 
-def history_args(tmp_path, report_to="none"):
-    return types.SimpleNamespace(report_to=report_to, output_dir=str(tmp_path), resume=False)
-
-
 def test_history_reads_losses_and_norms_at_once_and_names_the_first_bad_step(tmp_path):
-    history = common.History(history_args(tmp_path), resume.new_run())
+    from plumbing.run import History
+    history = History(resume.new_run())
     history.add(torch.tensor(1.5), torch.tensor(0.5))
     history.read()
     history.read()  # nothing new: nothing changes
@@ -273,16 +271,16 @@ def test_the_norm_clipping_returns_is_the_norm_before_clipping_and_zero_does_not
 
 def test_dev_measures_are_the_dev_score_and_align_uniform_of_the_same_model(tiny_model, senteval_dir):
     """The gate's l_align / l_uniform come from its own encoding, and equal eval_sts.align_uniform's."""
-    tokenizer, backbone = plumbing.load_pretrained(str(tiny_model))
-    encode = eval_sts.pooled_encode(backbone, tokenizer, "avg", torch.device("cpu"))
+    tokenizer, backbone = hub.load_pretrained(str(tiny_model))
+    encode = common.model_encode(backbone, None, tokenizer, "avg", torch.device("cpu"))
     calls = []
 
     def counting_encode(sentences):
         calls.append(len(sentences))
         return encode(sentences)
-    measures = common.dev_measures([backbone], counting_encode, senteval_dir)
-    assert backbone.training  # the gate hands the model back in training mode
     pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", "dev")
+    measures = common.dev_measures([backbone], counting_encode, pairs)
+    assert backbone.training  # the gate hands the model back in training mode
     assert sum(calls) == len({s for p in pairs for s in p[:2]})  # one encoding of each distinct sentence
     backbone.eval()
     expected = eval_sts.align_uniform(encode, senteval_dir)
@@ -293,7 +291,9 @@ def test_dev_measures_are_the_dev_score_and_align_uniform_of_the_same_model(tiny
 def test_tensorboard_scalars_read_back(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is a test requirement (requirements-test.txt)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    history = common.History(history_args(tmp_path, "tensorboard"), resume.new_run())
+    from plumbing import files
+    from plumbing.run import History
+    history = History(resume.new_run(), files.tensorboard("tensorboard", tmp_path / "tb"))
     history.add(torch.tensor(2.0), torch.tensor(0.5))
     history.read()
     history.record({"step": 1, "train_time_s": 0.1, "lr": 3e-5, "stsb_dev": 70.0, "align": 0.2,
@@ -308,10 +308,10 @@ def test_tensorboard_scalars_read_back(tmp_path):
 
 def test_precision_resolves_per_device():
     cpu = torch.device("cpu")
-    assert common.resolve_precision("auto", cpu) == "fp32"
-    assert common.resolve_precision("bf16", cpu) == "bf16" and common.resolve_precision("fp32", cpu) == "fp32"
+    assert options.resolve_precision("auto", cpu) == "fp32"
+    assert options.resolve_precision("bf16", cpu) == "bf16" and options.resolve_precision("fp32", cpu) == "fp32"
     with pytest.raises(plumbing.UsageError, match="fp16 needs a CUDA device"):
-        common.resolve_precision("fp16", cpu)
+        options.resolve_precision("fp16", cpu)
     import simcse
     assert simcse.parse_args(["--fp32"]).precision == "fp32"  # the old flag is an alias
     assert simcse.parse_args([]).precision == "auto" and simcse.parse_args(["--precision", "bf16"]).precision == "bf16"

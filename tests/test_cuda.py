@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import common
-import syncs
-from conftest import ROOT, smoke_args, write_nli
+from plumbing import options, syncs
+from conftest import ROOT, smoke_args, watch_widths_and_graphs, write_nli
 from test_precision import FLAGS, INPUTS, LOSSES, recording
 from test_syncs import RUNS, module_of
 
@@ -36,7 +36,7 @@ def run_on_cuda(run, tiny_model, corpus, senteval_dir, out, *extra, flags=None):
 
 def test_auto_precision_is_bf16_on_a_bf16_gpu_and_fp16_otherwise():
     expected = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
-    assert common.resolve_precision("auto", torch.device("cuda")) == expected
+    assert options.resolve_precision("auto", torch.device("cuda")) == expected
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -89,15 +89,7 @@ def test_compile_with_inductor_recompiles_nothing_after_warm_up(tiny_model, corp
                                                                 monkeypatch):
     """Expected: batches padded to multiples of 8; once two widths have been seen (the second graph has a dynamic
     length) dynamo compiles nothing more."""
-    from torch._dynamo.utils import counters
-    widths, graphs = [], []
-    collate = common.TokenizedCorpus.collate
-    monkeypatch.setattr(common.TokenizedCorpus, "collate",
-                        lambda self, rows: widths.append(collate(self, rows)["input_ids"].shape[1]) or collate(self, rows))
-    add = common.History.add
-    monkeypatch.setattr(common.History, "add", lambda self, *a: graphs.append(counters["stats"]["unique_graphs"])
-                        or add(self, *a))
-    counters.clear()
+    widths, graphs = watch_widths_and_graphs(monkeypatch)
     results = run_on_cuda("simcse", tiny_model, corpus, senteval_dir, tmp_path / "run", "--compile", "--max_steps",
                           12, "--eval_steps", 12, "--batch_size", 2)
     assert results["steps"] == 12 and all(v == v for v in results["train_loss"])

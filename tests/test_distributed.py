@@ -21,7 +21,8 @@ from conftest import ROOT, gates, smoke_args, write_nli, write_tiny_model
 DRIVER = '''
 import atexit, json, sys
 sys.path[:0] = [{root!r}, {tests!r}]
-import common, distributed, importlib, plumbing
+import common, importlib, plumbing
+from plumbing import distributed
 from test_distributed import recording_dev_measures
 script, out, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
 common.dev_measures = recording_dev_measures(common.dev_measures, out)
@@ -48,12 +49,12 @@ plumbing.cli(lambda: importlib.import_module(script).main(argv))
 def recording_dev_measures(real_dev_measures, out):
     """The dev gate, saving first the parameters it evaluates to out/params_rank<rank>.pt (the last gate's file
     is what remains: the parameters after the last step)."""
-    import distributed
+    from plumbing import distributed
 
-    def dev_measures(modules, encode, senteval_dir):
+    def dev_measures(modules, encode, dev_pairs):
         state = {f"{i}.{k}": v.detach().clone() for i, m in enumerate(modules) for k, v in m.state_dict().items()}
         torch.save(state, Path(out) / f"params_rank{distributed.rank()}.pt")
-        return real_dev_measures(modules, encode, senteval_dir)
+        return real_dev_measures(modules, encode, dev_pairs)
     return dev_measures
 
 

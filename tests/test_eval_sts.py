@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from scipy.stats import spearmanr
 
+import common
 import eval_sts
 from conftest import ROOT, SHARED, STS_SUBSETS, cli_in_process, needs_shared, run_script
 
@@ -149,9 +150,11 @@ def test_minilm_dev_reference_figures():
     assert scores["STSBenchmark"] == pytest.approx(86.72, abs=0.0101)
 
 
-def test_eval_sts_imports_only_plumbing():
-    """Importing the evaluator in a fresh interpreter loads nothing of the suite but plumbing.py."""
-    code = "import sys, eval_sts; print(sorted(m for m in ('common', 'distributed', 'simcse') if m in sys.modules))"
+def test_eval_sts_imports_no_training_machinery():
+    """Importing the evaluator in a fresh interpreter loads common.py (the metric and poolers the dev gate shares) and
+    plumbing's errors, hub and files, but no method, data, loop bookkeeping or resume."""
+    code = ("import sys, eval_sts; print(sorted(m for m in ('simcse', 'data', 'plumbing.run', 'plumbing.resume', "
+            "'plumbing.options') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -165,21 +168,34 @@ def numpy_align_uniform(x, y, data):
     return align, np.log(np.mean(terms))
 
 
+def align_uniform_of(positives, data):
+    """common.align_uniform on vectors: the (x, y) rows of `positives` as pairs above 4, `data` more table rows."""
+    table = {f"d{i}": v for i, v in enumerate(data)}
+    table.update({f"x{i}": x for i, (x, _) in enumerate(positives)})
+    table.update({f"y{i}": y for i, (_, y) in enumerate(positives)})
+    got = common.align_uniform([(f"x{i}", f"y{i}", 5.0) for i in range(len(positives))], table)
+    return got["align"], got["uniform"], np.stack(list(table.values()))
+
+
 def test_align_uniform_hand_checked_points():
     # Orthogonal unit vectors: ||a - b||^2 = 2 for every pair, so l_uniform = log e^-4 = -4; identical positives
     # align perfectly (0); opposite positives have ||a - b||^2 = 4.
     e = np.eye(3)
-    assert eval_sts.align_uniform_loss(e, e, e) == pytest.approx((0.0, -4.0))
-    assert eval_sts.align_uniform_loss(e, -e, e)[0] == pytest.approx(4.0)
+    assert common.align_uniform([(f"d{i}", f"d{i}", 5.0) for i in range(3)], dict(zip(["d0", "d1", "d2"], e))) == \
+        {"align": 0.0, "uniform": -4.0}
+    assert align_uniform_of(list(zip(e, -e)), [])[0] == pytest.approx(4.0)
     # Two identical points and one orthogonal: pairs (0,1) distance 0, (0,2) and (1,2) distance 2.
-    data = np.array([[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]])  # normalised inside
-    assert eval_sts.align_uniform_loss(data, data, data)[1] == pytest.approx(np.log((1 + 2 * np.exp(-4)) / 3))
+    data = dict(zip(["a", "b", "c"], np.array([[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]])))  # normalised inside
+    assert common.align_uniform([("a", "a", 5.0)], data)["uniform"] == pytest.approx(
+        np.log((1 + 2 * np.exp(-4)) / 3), abs=5e-5)
+    assert common.align_uniform([("a", "c", 3.0), ("a", "b", 4.5)], data)["align"] == 0.0  # only gold > 4
 
 
 def test_align_uniform_matches_numpy_on_random_embeddings():
     rng = np.random.default_rng(0)
-    x, y, data = rng.normal(size=(7, 5)), rng.normal(size=(7, 5)), rng.normal(size=(12, 5))
-    assert eval_sts.align_uniform_loss(x, y, data) == pytest.approx(numpy_align_uniform(x, y, data), rel=1e-10)
+    x, y, more = rng.normal(size=(7, 5)), rng.normal(size=(7, 5)), rng.normal(size=(12, 5))
+    align, uniform, everything = align_uniform_of(list(zip(x, y)), more)
+    assert (align, uniform) == pytest.approx(numpy_align_uniform(x, y, everything), abs=5e-5)  # four decimals
 
 
 def test_align_uniform_uses_stsb_dev_positives_above_four(senteval_dir):

@@ -10,6 +10,7 @@ import common
 import eval_sts
 import micse
 import plumbing
+from plumbing import hub
 from conftest import in_process_scores, run_script, smoke_args
 
 
@@ -212,7 +213,7 @@ def test_ami_on_the_kept_layers_alone_equals_ami_on_all_layers():
 
 def test_momentum_encoder_copy_runs_sdpa_and_the_online_encoder_keeps_its_attentions(tiny_model):
     import copy
-    _, backbone = plumbing.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
+    _, backbone = hub.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
     momentum = copy.deepcopy(backbone)
     momentum.set_attn_implementation("sdpa")  # as micse.main does
     assert momentum.config._attn_implementation == "sdpa" and backbone.config._attn_implementation == "eager"
@@ -230,13 +231,13 @@ def test_default_ami_layers():
 
 
 def test_eager_attention_returns_weights_and_sdpa_does_not(tiny_model):
-    tokenizer, backbone = plumbing.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
+    tokenizer, backbone = hub.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
     batch = dict(tokenizer(["a man runs", "the dog eats food", "a red car", "sun and moon"], padding=True,
                            return_tensors="pt"))
     outputs = backbone(**common.repeat_views(batch, 2), output_attentions=True)
     assert len(outputs.attentions) == 2 and outputs.attentions[0].shape == (8, 4, 6, 6)
     assert torch.allclose(outputs.attentions[0].sum(-1), torch.ones(8, 4, 6))
-    _, sdpa_backbone = plumbing.load_pretrained(str(tiny_model))
+    _, sdpa_backbone = hub.load_pretrained(str(tiny_model))
     if sdpa_backbone.config._attn_implementation != "eager":  # transformers 5's default: no weights
         attentions = sdpa_backbone(**batch, output_attentions=True).attentions
         assert not attentions or attentions[0] is None

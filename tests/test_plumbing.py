@@ -1,10 +1,12 @@
-"""plumbing.py: the hub's senteval.tar unpacked once, checkpoints loaded in fp32 whatever their dtype.
-(Its one-line errors are tested with each script in test_reliability.py; its progress display in
-test_progress.py.)"""
+"""plumbing/hub.py: the hub's senteval.tar unpacked once, checkpoints loaded in fp32 whatever their dtype, a
+folder that is not a model. (The one-line errors are tested with each script in test_reliability.py; the progress
+display in test_progress.py.)"""
 import numpy as np
+import pytest
 
 import eval_sts
 import plumbing
+from plumbing import hub
 
 
 def test_senteval_tar_is_unpacked_once_and_found(tmp_path, senteval_dir, monkeypatch):
@@ -15,7 +17,7 @@ def test_senteval_tar_is_unpacked_once_and_found(tmp_path, senteval_dir, monkeyp
     with tarfile.open(tar_path, "w") as tar:
         tar.add(senteval_dir, arcname="downstream")
     requested = []
-    monkeypatch.setattr(plumbing, "hub_file",
+    monkeypatch.setattr(hub, "hub_file",
                         lambda repo, name, flag, local: requested.append((repo, name, flag, local)) or str(tar_path))
     root = eval_sts.resolve_senteval_dir(None)
     assert root == tmp_path / "cache" / "senteval_unpacked" / "downstream"
@@ -36,8 +38,17 @@ def test_half_precision_checkpoint_loads_in_fp32(tiny_model, tmp_path):
     shutil.copytree(tiny_model, bf16)
     AutoModel.from_pretrained(tiny_model).to(torch.bfloat16).save_pretrained(bf16)
     assert next(AutoModel.from_pretrained(bf16).parameters()).dtype == torch.bfloat16  # the library's default
-    _, backbone = plumbing.load_pretrained(str(bf16))
+    _, backbone = hub.load_pretrained(str(bf16))
     assert {p.dtype for p in backbone.parameters()} == {torch.float32}
     embeddings = eval_sts.load_encode(str(bf16), "avg", torch.device("cpu"))(["a b c", "d e"])
     assert embeddings.dtype == np.float32
 
+
+
+def test_a_folder_that_is_not_a_model_is_named_as_such(tmp_path):
+    """A folder without config.json (a run's output folder, say) is one line saying so, not the tokenizer's
+    'Couldn't instantiate the backend tokenizer from one of: )'."""
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(plumbing.UsageError, match=r"--model_name_or_path .*runs is a folder but not a model \(it has no "
+                                                  r"config.json\)"):
+        hub.load_pretrained(str(tmp_path / "runs"))

@@ -9,7 +9,8 @@ import torch
 
 import common
 import plumbing
-from conftest import ROOT, smoke_args
+from plumbing import hub
+from conftest import ROOT, smoke_args, watch_widths_and_graphs
 from test_simcse import write_nli
 
 sys.path.insert(0, str(ROOT / "ablations"))
@@ -87,14 +88,14 @@ def test_bf16_encoder_fp32_losses(run, tiny_model, corpus, senteval_dir, tmp_pat
         owner = importlib.import_module(owner) if isinstance(owner, str) else owner
         monkeypatch.setattr(owner, name, recording(getattr(owner, name), calls[name]))
     encoder_autocast = set()  # (enabled, dtype) at each call of the encoder
-    load_pretrained = plumbing.load_pretrained
+    load_pretrained = hub.load_pretrained
 
     def load_and_watch(*args, **kwargs):
         tokenizer, backbone = load_pretrained(*args, **kwargs)
         backbone.register_forward_pre_hook(lambda m, a: encoder_autocast.add(
             (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))))
         return tokenizer, backbone
-    monkeypatch.setattr(plumbing, "load_pretrained", load_and_watch)
+    monkeypatch.setattr(hub, "load_pretrained", load_and_watch)
 
     data = write_nli(tmp_path / "nli.csv") if run == "simcse_sup" else corpus
     out = tmp_path / "run"
@@ -144,21 +145,14 @@ def test_compile_trains_through_the_compiled_encoder_with_batches_padded_to_8(ti
     dynamo compiles nothing more once it has seen two widths (its second graph has a dynamic length): no
     recompiles after the warm-up. tests/test_cuda.py repeats this with inductor."""
     import simcse
-    from torch._dynamo.utils import counters
-    compiled, widths, graphs = [], [], []
+    compiled = []
     real_compile = torch.compile
 
     def eager_compile(module, **kwargs):
         compiled.append(module)
         return real_compile(module, backend="eager")
     monkeypatch.setattr(torch, "compile", eager_compile)
-    collate = common.TokenizedCorpus.collate
-    monkeypatch.setattr(common.TokenizedCorpus, "collate",
-                        lambda self, rows: widths.append(collate(self, rows)["input_ids"].shape[1]) or collate(self, rows))
-    add = common.History.add
-    monkeypatch.setattr(common.History, "add", lambda self, *a: graphs.append(counters["stats"]["unique_graphs"])
-                        or add(self, *a))
-    counters.clear()
+    widths, graphs = watch_widths_and_graphs(monkeypatch)
     out = tmp_path / "run"
     simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--compile", "--no_test_eval",
                                             "--max_steps", 12, "--eval_steps", 12, "--batch_size", 2)])

@@ -12,12 +12,11 @@ import termios
 
 import pytest
 
-import common
-import plumbing
 import simcse
+from plumbing import progress, run
 from conftest import ROOT, run_script, smoke_args
 
-DEMO = "import plumbing, time\nwith plumbing.Progress(4, 'demo', unit='step') as bar:\n" \
+DEMO = "import time\nfrom plumbing import progress\nwith progress.Progress(4, 'demo', unit='step') as bar:\n" \
        "    for _ in range(4):\n        time.sleep(0.05)\n        bar.update()\n        bar.set_postfix(loss=0.5)\n"
 
 
@@ -30,15 +29,15 @@ class FakeClock:
 
 
 def test_duration_by_hand():
-    assert [plumbing.duration(s) for s in (0, 59.4, 61, 3599, 3720, None, float("nan"))] == \
+    assert [progress.duration(s) for s in (0, 59.4, 61, 3599, 3720, None, float("nan"))] == \
         ["0s", "59s", "1m01s", "59m59s", "1h02m", "?", "?"]
 
 
 def test_plain_lines_carry_count_rate_eta_and_postfix(monkeypatch, capsys):
     """Not a terminal (pytest captures stderr): no bar, a line per interval; 1 of 3 steps after 10 s is 0.1
     steps/s, so 2 steps are left at 20 s."""
-    monkeypatch.setattr(plumbing.time, "monotonic", FakeClock(0.0, 10.0, 10.5, 30.0, 31.0))
-    bar = plumbing.Progress(3, "demo", unit="step")
+    monkeypatch.setattr(progress.time, "monotonic", FakeClock(0.0, 10.0, 10.5, 30.0, 31.0))
+    bar = progress.Progress(3, "demo", unit="step")
     assert bar.bar is None
     bar.set_postfix(loss=0.25, best_dev=None)
     bar.update()  # t = 10: the first interval has passed
@@ -52,17 +51,17 @@ def test_plain_lines_carry_count_rate_eta_and_postfix(monkeypatch, capsys):
 
 
 def test_a_short_phase_in_a_log_says_nothing(monkeypatch, capsys):
-    monkeypatch.setattr(plumbing.time, "monotonic", FakeClock(0.0, 1.0, 2.0))
-    with plumbing.Progress(2, "short") as bar:
+    monkeypatch.setattr(progress.time, "monotonic", FakeClock(0.0, 1.0, 2.0))
+    with progress.Progress(2, "short") as bar:
         bar.update(2)
     assert capsys.readouterr().out == ""
 
 
 def test_unpause_leaves_a_dev_gate_out_of_the_rate(monkeypatch, capsys):
     """1 step by t = 1, a 100 s gate, unpause, 1 more step by t = 102: 2 steps in 2 s of work."""
-    monkeypatch.setattr(plumbing.time, "monotonic", FakeClock(0.0, 1.0, 101.0, 102.0))
+    monkeypatch.setattr(progress.time, "monotonic", FakeClock(0.0, 1.0, 101.0, 102.0))
     monkeypatch.setenv("PROGRESS_INTERVAL", "1.5")
-    bar = plumbing.Progress(4, "training", unit="step")
+    bar = progress.Progress(4, "training", unit="step")
     bar.update()
     bar.unpause()
     bar.update()
@@ -149,19 +148,21 @@ def summary_args(**kw):
     (dict(), None, "10 examples from wiki1m.txt"),
 ])
 def test_the_summary_says_whose_data_it_is(kw, subset, data, capsys):
-    summary = common.run_summary(summary_args(**kw), 10, "wiki1m.txt", subset, 1, 50, "cpu")
+    summary = run.summary(summary_args(**kw), {"num_train_examples": 10, "train_file": "wiki1m.txt",
+                                               "micse_subset": subset}, 1, 50, "cpu")
     assert summary["data"] == data and f"  data      {data}" in capsys.readouterr().out
 
 
 def test_the_summary_names_the_presets_and_what_replaced_them():
     import micse
     args = micse.parse_args(["--fraction", "0.01", "--seed", "3", "--lr", "2e-5"])
-    summary = common.run_summary(args, 10, "wiki1m.txt", None, 1, 50, "cpu")
+    summary = run.summary(args, {"num_train_examples": 10, "train_file": "wiki1m.txt", "micse_subset": None}, 1, 50,
+                          "cpu")
     assert summary["presets"] == ("miCSE's settings for fraction 0.01 (the authors' README): batch_size 64, epochs 50, "
                                   "ami_lambda 0.0001, eval_steps 500; your flags replaced lr (now 2e-05)")
 
 
 def test_log_lines_show_no_loss_at_step_0_and_an_eta_after():
-    assert common.progress(0, 100, [], 0.0) == "step 0/100"
-    assert common.progress(10, 100, [0.5] * 10, 5.0) == "step 10/100  loss 0.5000  2.00 steps/s  ETA 45s"
-    assert common.progress(100, 100, [0.5] * 100, 50.0) == "step 100/100  loss 0.5000  2.00 steps/s"
+    assert run.progress_line(0, 100, [], 0.0) == "step 0/100"
+    assert run.progress_line(10, 100, [0.5] * 10, 5.0) == "step 10/100  loss 0.5000  2.00 steps/s  ETA 45s"
+    assert run.progress_line(100, 100, [0.5] * 100, 50.0) == "step 100/100  loss 0.5000  2.00 steps/s"

@@ -129,7 +129,7 @@ def test_a_tiny_protocol_end_to_end(tiny_protocols, tmp_path, capsys):
     (tmp_path / "results" / "tiny" / "simcsepp.seed2.json").unlink()
     (tmp_path / "runs" / "tiny" / "simcsepp.seed2" / "results.json").unlink()
     report.main(["write", "--protocol", str(files["tiny"])])
-    assert "Missing (run them with `report.py run`, or the lines of `report.py commands`): simcsepp seed 2." in \
+    assert "Missing (run them with `python tools/report.py run`, or the lines of `commands`): simcsepp seed 2." in \
         (tmp_path / "results" / "tiny" / "RESULTS.md").read_text()
     # a run finished elsewhere (a line of `commands` on a cluster) is picked up by `write`
     importlib.import_module("simcsepp").main(printed[3].split()[2:] + ["--overwrite_output_dir"])

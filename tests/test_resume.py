@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import distributed
+from plumbing import distributed
 import plumbing
-import resume
+from plumbing import resume
 from conftest import ROOT, gates, smoke_args, write_nli
 
 # 20 examples at batch 8 are 3 steps an epoch (8, 8, 4): 6 steps are two epochs. The first run is stopped at
@@ -172,7 +172,8 @@ def test_a_kill_while_writing_last_leaves_a_loadable_state(tiny_model, corpus, s
 DRIVER = '''
 import itertools, os, signal, sys
 sys.path[:0] = [{root!r}]
-import distributed, importlib, plumbing
+import importlib, plumbing
+from plumbing import distributed
 stop_at, argv = int(sys.argv[1]), sys.argv[2:]
 real, calls = distributed.StopSignal.requested, itertools.count()
 def requested(self, *args, **kwargs):

@@ -1,4 +1,6 @@
-"""Set-up in two commands: the README's first commands are what CI runs, and the requirements hold them up."""
+"""Set-up in two commands, and the shape of the suite: the papers at the top, a tiny common.py, each run readable in
+at most 800 lines, the algorithm repeated and the bookkeeping written once, a short README."""
+import ast
 import re
 
 from conftest import ROOT
@@ -26,38 +28,130 @@ def test_requirements_pin_torch_and_the_test_file_includes_them():
 
 
 METHOD_FILES = ["simcse.py", "simcsepp.py", "sscl.py", "whitenedcse.py", "micse.py"]
+READER_FACING = {"common", "data", "eval_sts", "eval_transfer"}
 
 
-def test_the_core_a_student_reads_fits_in_100_columns_and_reexports_nothing():
-    ablations = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "ablations").glob("*.py"))]
-    assert len(ablations) == 3
-    for name in ["common.py", *METHOD_FILES, *ablations]:
-        long = [n for n, line in enumerate((ROOT / name).read_text().splitlines(), 1) if len(line) > 100]
-        assert not long, f"{name}: lines over 100 characters: {long}"
-    for path in ROOT.glob("*.py"):
-        assert "noqa: F401" not in path.read_text(), path.name
+def test_the_top_level_shows_the_papers():
+    assert sorted(p.name for p in ROOT.glob("*.py")) == sorted(
+        METHOD_FILES + ["common.py", "data.py", "eval_sts.py", "eval_transfer.py"])
+    assert {p.name for p in (ROOT / "tools").glob("*.py")} == {"report.py", "protocols.py", "analyze.py", "bench.py"}
+    assert "what a first reading skips" in (ROOT / "plumbing" / "__init__.py").read_text().lower()
 
 
-def test_eval_sts_is_the_protocol_and_plumbing_is_a_leaf():
-    import ast
-    source = (ROOT / "eval_sts.py").read_text()
-    tree = ast.parse(source)
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
-                for alias in node.names} | {node.module.split(".")[0] for node in ast.walk(tree)
-                                             if isinstance(node, ast.ImportFrom) and node.module}
-    assert not imported & {"socket", "tarfile", "json", "huggingface_hub", "safetensors", "urllib"}
-    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
-    assert not defined & {"Parser", "UsageError", "cli", "write_json", "hub_file", "load_pretrained",
-                          "write_sentence_transformers_config"}
-    plumbing_imports = {alias.name for node in ast.walk(ast.parse((ROOT / "plumbing.py").read_text()))
-                        if isinstance(node, ast.Import) for alias in node.names}
-    assert not plumbing_imports & {"common", "eval_sts", "eval_transfer", "distributed", "report"}
+def imports(path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
 
 
-def test_each_method_shows_its_test_evaluation_and_the_write_of_results():
+def reading_path(name: str) -> dict[str, int]:
+    """The method file and the reader-facing modules it imports, directly or through them: {file: lines}."""
+    found, todo = {}, [name]
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found[current] = len((ROOT / current).read_text().splitlines())
+            todo += [f"{module}.py" for module in imports(ROOT / current) & READER_FACING]
+    return found
+
+
+def test_common_is_tiny_and_a_run_reads_in_800_lines_which_the_readme_states():
+    readme = (ROOT / "README.md").read_text()
+    common_lines = len((ROOT / "common.py").read_text().splitlines())
+    assert common_lines <= 250
     for name in METHOD_FILES:
-        main = (ROOT / name).read_text().split("def main(", 1)[1]
-        for line in ('encode = eval_sts.load_encode(str(out / "best"), eval_pooler, device)',
-                     'results["test"] = common.sts_test_scores(encode, senteval_dir)',
-                     'plumbing.write_json(out / "results.json", results)'):
-            assert line in main, (name, line)
+        path = reading_path(name)
+        assert set(path) == {name, "common.py", "data.py"}, (name, path)  # eval_sts.py is a run's plumbing's
+        total = sum(path.values())
+        assert total <= 800, (name, path)
+        assert f"| `{name}` | {path[name]} | {total} |" in readme, (name, path)
+    assert f"`common.py` ({common_lines} lines)" in readme and \
+        f"`data.py` ({len((ROOT / 'data.py').read_text().splitlines())} lines)" in readme
+
+
+def main_lines(name: str) -> list[str]:
+    source = (ROOT / name).read_text()
+    tree = ast.parse(source)
+    main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    return source.splitlines()[main.lineno - 1:main.end_lineno]
+
+
+def test_each_main_is_at_most_120_lines_and_shows_the_algorithm_and_the_gate():
+    for name in METHOD_FILES:
+        main = "\n".join(main_lines(name))
+        assert len(main_lines(name)) <= 120, name
+        for visible in ("data.make_loader(", "common.make_optimizer(", "forward(**", ".backward()",
+                        "clip_grad_norm_(", "scaler.step(optimizer)", "scheduler.step()",
+                        "if step % args.eval_steps == 0 or step == total_steps:", "run.dev_gate(step)",
+                        "run.save_best(step, backbone,", "run.evaluate_best(eval_pooler", "run.write("):
+            assert visible in main, (name, visible)
+
+
+def code_lines(name: str) -> list[str]:
+    """The file's lines without blank and comment-only lines, white space folded (as a reader compares them)."""
+    return [" ".join(line.split()) for line in (ROOT / name).read_text().splitlines()
+            if line.strip() and not line.strip().startswith("#")]
+
+
+def longest_shared_run(a: list[str], b: list[str]) -> int:
+    best, previous = 0, [0] * (len(b) + 1)
+    for x in a:
+        current = [0] * (len(b) + 1)
+        for j, y in enumerate(b, start=1):
+            if x == y:
+                current[j] = previous[j - 1] + 1
+                best = max(best, current[j])
+        previous = current
+    return best
+
+
+def test_no_identical_block_of_15_lines_is_shared_by_two_method_files():
+    lines = {name: code_lines(name) for name in METHOD_FILES}
+    for i, a in enumerate(METHOD_FILES):
+        for b in METHOD_FILES[i + 1:]:
+            assert longest_shared_run(lines[a], lines[b]) < 15, (a, b)
+
+
+def test_the_core_fits_in_100_columns_and_everything_in_120():
+    for path in [*ROOT.glob("*.py"), *(ROOT / "ablations").glob("*.py")]:
+        long = [n for n, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]
+        if path.name not in ("eval_sts.py", "eval_transfer.py"):
+            assert not long, f"{path.name}: lines over 100 characters: {long}"
+    code = [*ROOT.glob("*.py"), *ROOT.glob("plumbing/*.py"), *ROOT.glob("tools/*.py"), *ROOT.glob("ablations/*.py")]
+    for path in [*code, ROOT / "README.md", *ROOT.glob("docs/*.md")]:
+        long = [n for n, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 120]
+        assert not long, f"{path.relative_to(ROOT)}: lines over 120 characters: {long}"
+
+
+def test_reader_facing_files_import_no_tool_and_plumbing_no_paper():
+    tools = {"report", "protocols", "analyze", "bench"}
+    for path in [*ROOT.glob("*.py"), *(ROOT / "ablations").glob("*.py")]:
+        assert not imports(path) & tools, path.name
+    for path in (ROOT / "plumbing").glob("*.py"):
+        assert not imports(path) & {"simcse", "simcsepp", "sscl", "whitenedcse", "micse", *tools}, path.name
+    plumbing_core = imports(ROOT / "plumbing" / "__init__.py")
+    assert not plumbing_core & {"common", "data", "eval_sts", "eval_transfer", "plumbing"}
+    for path in ROOT.rglob("*.py"):
+        assert "noqa" + ": F401" not in path.read_text(), path  # nothing is re-exported
+
+
+def test_eval_sts_is_the_protocol():
+    tree = ast.parse((ROOT / "eval_sts.py").read_text())
+    assert not imports(ROOT / "eval_sts.py") & {"socket", "tarfile", "json", "huggingface_hub", "safetensors", "urllib"}
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+    assert not defined & {"Parser", "UsageError", "cli", "write_json", "hub_file", "load_pretrained", "pool",
+                          "spearman", "encode_unique", "write_sentence_transformers_config"}
+
+
+def test_the_readme_is_a_guide_of_250_lines_with_docs_beside_it():
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert len(readme) <= 250
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert {"methods.md", "arguments.md", "evaluation.md", "reproducing.md", "engineering.md", "tests.md"} <= pages
+    for page in pages:
+        assert f"docs/{page}" in "\n".join(readme), page  # linked from the guide

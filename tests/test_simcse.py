@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import common
+import data
 import eval_sts
 import plumbing
 from conftest import (SHARED, cli_in_process, gates, in_process_scores, needs_shared, random_sentence, run_script,
@@ -70,10 +71,10 @@ def test_supervised_pairs_only_ignore_the_hard_negatives(tiny_model, senteval_di
     with open(pairs, "w", newline="") as f:
         csv.writer(f).writerows([row[:2] for row in rows])
     losses = {}
-    for name, data, extra in (("triplets", nli, []), ("no_hard", nli, ["--no_hard_negatives"]),
-                              ("pairs", pairs, [])):
+    for name, train_file, extra in (("triplets", nli, []), ("no_hard", nli, ["--no_hard_negatives"]),
+                                    ("pairs", pairs, [])):
         out = tmp_path / name
-        simcse.main([str(a) for a in smoke_args(tiny_model, data, senteval_dir, out, "--supervised", "--max_steps",
+        simcse.main([str(a) for a in smoke_args(tiny_model, train_file, senteval_dir, out, "--supervised", "--max_steps",
                                                 2, "--no_test_eval", *extra)])
         losses[name] = json.loads((out / "results.json").read_text())["train_loss"]
     assert losses["no_hard"] == losses["pairs"] != losses["triplets"]
@@ -93,7 +94,7 @@ def test_sentence_transformers_matches_eval_sts(tiny_model, corpus, senteval_dir
     sentences = ["a man runs in the park", "the dog eats"]
     best = out / "best"
     tok, backbone = AutoTokenizer.from_pretrained(best), AutoModel.from_pretrained(best).eval()
-    encode = eval_sts.pooled_encode(backbone, tok, pooler, "cpu")
+    encode = common.model_encode(backbone, None, tok, pooler, "cpu")
     np.testing.assert_allclose(st.SentenceTransformer(str(best), device="cpu").encode(sentences), encode(sentences),
                                atol=1e-5)
 
@@ -152,7 +153,7 @@ def test_the_few_shot_baseline_takes_simcses_hyperparameters_and_micses_schedule
     args = simcse.parse_args(["--fraction", "0.01", "--seed", "48"])
     assert (args.batch_size, args.lr, args.epochs, args.eval_steps) == (64, 3e-5, 50, 500)
     assert args.presets["source"] == "miCSE's few-shot schedule for fraction 0.01 (SimCSE's batch and lr)"
-    assert common.micse_subset(args.fraction, args.seed) == "wiki_subset_1M_001.00percent_seed48.txt"
+    assert data.micse_subset(args.fraction, args.seed) == "wiki_subset_1M_001.00percent_seed48.txt"
     assert simcse.parse_args(["--fraction", "0.0001", "--epochs", "3"]).epochs == 3  # the user's flag wins
     assert simcse.parse_args(["--fraction", "0.0001"]).eval_steps == 250
     assert simcse.parse_args(["--fraction", "0.5"]).presets is None  # not few-shot: SimCSE's defaults

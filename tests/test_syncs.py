@@ -1,4 +1,4 @@
-"""No host-device sync inside a training step, counted on CPU (syncs.py): the counter itself, the prebuilt 4-D
+"""No host-device sync inside a training step, counted on CPU (plumbing/syncs.py): the counter itself, the prebuilt 4-D
 attention mask that spares transformers' check of the 2-D one, and every script and flag (--count_host_syncs).
 
 The allowance: WhitenedCSE's whitening calls torch.linalg.eigh once a whitened view (m = --num_pos a step), and
@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import common
-import syncs
+from plumbing import syncs
 from conftest import smoke_args, write_nli
 from test_precision import SCRIPTS
 

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 import plumbing
+from plumbing import files
 from conftest import gates, smoke_args
 
 SCRIPTS = ["simcse", "simcsepp", "sscl", "whitenedcse", "micse"]
@@ -64,11 +65,11 @@ def test_every_method_records_the_trajectory(script, tiny_model, corpus, senteva
 
 def test_the_older_format_still_loads():
     old = {"dev_curve": [[0, 70.0], [5, 71.0]], "train_time_curve": [[0, 0.0], [2, 1.0], [5, 2.5]]}
-    assert plumbing.trajectory(old) == [{"step": 0, "train_time_s": 0.0, "stsb_dev": 70.0, "gate": True},
+    assert files.trajectory(old) == [{"step": 0, "train_time_s": 0.0, "stsb_dev": 70.0, "gate": True},
                                         {"step": 2, "train_time_s": 1.0},
                                         {"step": 5, "train_time_s": 2.5, "stsb_dev": 71.0, "gate": True}]
     new = {"trajectory": [{"step": 0}]}
-    assert plumbing.trajectory(new) is new["trajectory"]
+    assert files.trajectory(new) is new["trajectory"]
 
 
 def test_report_to_tensorboard_writes_the_scalars(tiny_model, corpus, senteval_dir, tmp_path):

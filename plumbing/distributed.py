@@ -21,7 +21,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-import plumbing
+from plumbing import progress
 
 
 _RANK, _WORLD, _HOST_GROUP = 0, 1, None  # kept after shutdown(): a process still knows who it was
@@ -160,7 +160,7 @@ class StopSignal:
 
 def log(message: str) -> None:
     if rank() == 0:
-        plumbing.write(message)  # above the progress bars
+        progress.write(message)  # above the progress bars
 
 
 def barrier() -> None:

@@ -27,8 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import distributed
+from plumbing import distributed
 import plumbing
+from plumbing import files
 
 # Flags that do not change a run's numbers: they may differ when it is resumed.
 FREE_FLAGS = {"resume", "overwrite_output_dir", "keep_last", "save_steps", "eval_transfer", "num_workers",
@@ -90,10 +91,10 @@ def save(args, step: int, run_state: dict, loader, history, loop: dict) -> None:
                            "trajectory": history.trajectory, "resumptions": history.resumptions}
         torch.save(state, tmp / "state.pt")
         per_epoch = len(loader)
-        plumbing.write_json(tmp / "run.json", {"args": vars(args), "step": step, "epoch": step // per_epoch,
+        files.write_json(tmp / "run.json", {"args": vars(args), "step": step, "epoch": step // per_epoch,
                                                "position": step % per_epoch,
                                                "world_size": distributed.world_size()})
-        plumbing.swap_in(tmp, out / "last")
+        files.swap_in(tmp, out / "last")
     distributed.barrier()
 
 

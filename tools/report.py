@@ -1,15 +1,15 @@
 """All methods under one protocol, over several seeds: train each, then write the page and the plots.
 
-    python report.py run --protocol paper [--gpus 0,1,2,3]   # a paper's protocol (protocols.py): paper, fewshot,
-    python report.py commands --protocol fewshot             # sweep or a JSON file; `commands` prints its runs
-    python report.py write --protocol paper                  # results/<protocol>/RESULTS.md from what exists
+    python tools/report.py run --protocol paper [--gpus 0,1,2,3]   # a paper's protocol (protocols.py): paper, fewshot,
+    python tools/report.py commands --protocol fewshot             # sweep or a JSON file; `commands` prints its runs
+    python tools/report.py write --protocol paper                  # results/<protocol>/RESULTS.md from what exists
 
 The default protocol, `smoke`, is this suite's own CPU comparison (RESULTS.md):
 
-    python report.py run                      # every row of RUNS and FEW_SHOT with seeds 42 43 44, then the page
-    python report.py run --seeds 42 43 --only simcse micse   # a part of it
-    python report.py run --no_transfer        # STS, dev curves and alignment/uniformity only (much cheaper)
-    python report.py write                    # RESULTS.md, results/dev_curves.png and results/align_uniform.png
+    python tools/report.py run                      # every row of RUNS and FEW_SHOT with seeds 42 43 44, then the page
+    python tools/report.py run --seeds 42 43 --only simcse micse   # a part of it
+    python tools/report.py run --no_transfer        # STS, dev curves and alignment/uniformity only (much cheaper)
+    python tools/report.py write                    # RESULTS.md, results/dev_curves.png and results/align_uniform.png
                                               # from results/*.json alone
 
 Every run uses the same model, corpus, batch, steps and evaluation schedule (PROTOCOL) with its seed; each
@@ -37,10 +37,13 @@ import time
 import types
 from pathlib import Path
 
-import plumbing
-import protocols
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modules
 
-ROOT = Path(__file__).resolve().parent
+import plumbing  # noqa: E402
+from plumbing import files, progress  # noqa: E402
+import protocols  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]  # the suite
 SHARED = ROOT.parent / "shared"
 RESULTS = ROOT / "results"
 MODEL = "../shared/models/all-MiniLM-L6-v2"
@@ -145,7 +148,7 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
         if not (RESULTS / f"{stem}.json").exists():
             scores, cost = timed_scores([sys.executable, "eval_sts.py", "--model_name_or_path", MODEL, "--pooler",
                                          pooler, "--senteval_dir", SENTEVAL], RESULTS / f"{stem}.tmp.json")
-            plumbing.write_json(RESULTS / f"{stem}.json", {**scores, "report": cost})
+            files.write_json(RESULTS / f"{stem}.json", {**scores, "report": cost})
     todo = sum(not (RESULTS / f"{name}.seed{seed}.json").exists() for seed in seeds for name, *_ in rows)
     done, start = 0, time.perf_counter()
     for seed in seeds:  # every row of a seed first: a report stopped early still has comparable rows
@@ -154,11 +157,11 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
             if path.exists():
                 continue
             out = ROOT / run_dir(name, seed)
-            eta = plumbing.duration((time.perf_counter() - start) / done * (todo - done)) if done else "?"
+            eta = progress.duration((time.perf_counter() - start) / done * (todo - done)) if done else "?"
             print(f"== training run {done + 1}/{todo} ({done} done, ETA {eta})", flush=True)
             cost = timed(command(script, flags, seed, out))
             done += 1
-            plumbing.write_json(path, {**json.loads((out / "results.json").read_text()), "report": cost})
+            files.write_json(path, {**json.loads((out / "results.json").read_text()), "report": cost})
     if done or not (RESULTS / "machine.json").exists():  # the machine of the latest runs
         (RESULTS / "machine.json").write_text(json.dumps(machine(), indent=2))
     if not transfer:
@@ -168,7 +171,7 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
             scores, cost = timed_scores([sys.executable, "eval_transfer.py", "--model_name_or_path", MODEL, "--pooler",
                                          pooler, "--senteval_dir", SENTEVAL, "--mode", TRANSFER_MODE],
                                         RESULTS / f"{stem}_transfer.tmp.json")
-            plumbing.write_json(RESULTS / f"{stem}_transfer.json", {**scores, "report": cost})
+            files.write_json(RESULTS / f"{stem}_transfer.json", {**scores, "report": cost})
     for seed in seeds:
         for name, *_ in rows:
             path = RESULTS / f"{name}.seed{seed}.json"
@@ -184,7 +187,7 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
                                          TRANSFER_MODE], RESULTS / f"{name}.seed{seed}.transfer.tmp.json")
             data["transfer"] = {**scores, "mode": TRANSFER_MODE}
             data.setdefault("report", {}).update(transfer_wall_s=cost["wall_s"], transfer_cpu_s=cost["cpu_s"])
-            plumbing.write_json(path, data)
+            files.write_json(path, data)
 
 
 def machine():
@@ -237,10 +240,10 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     page = page or ROOT / "RESULTS.md"
     runs = load(results_dir)
     if "simcse" not in runs:
-        fail(f"no {results_dir.name}/simcse.seed*.json; run `python report.py run` first")
+        fail(f"no {results_dir.name}/simcse.seed*.json; run `python tools/report.py run` first")
     for needed in ("initial.json", "machine.json"):
         if not (results_dir / needed).exists():
-            fail(f"no {results_dir.name}/{needed}; run `python report.py run` first")
+            fail(f"no {results_dir.name}/{needed}; run `python tools/report.py run` first")
     ctx = context(results_dir, runs)
     lines = (header(ctx) + protocol_section(ctx) + sts_section(ctx) + few_shot_section(ctx)
              + transfer_section(ctx) + align_uniform_section(ctx) + speed_section(ctx)
@@ -313,7 +316,8 @@ def header(ctx) -> list[str]:
     info = ctx.info
     full = corpus(ctx, "simcse")
     return ["# Results: every method under one protocol, over seeds", "",
-            "Generated by `python report.py run` (training + this page) or `python report.py write` (this page and",
+            "Generated by `python tools/report.py run` (training + this page) or `python tools/report.py write` "
+            "(this page and",
             "the plots from `results/*.json`). Do not edit by hand.", "",
             f"Machine: {info['cpu']}, {info['cores']} cores, {device_text(ctx)}; Python {info['python']}, "
             f"torch {info['torch']}, transformers {info['transformers']}; last run on {info['date']}.", "",
@@ -365,7 +369,7 @@ def protocol_section(ctx) -> list[str]:
             f"Runs on this page: {done} ({with_transfer} with transfer scores). Total cost: "
             f"{cpu_s / 3600:.1f} CPU-hours, {wall_s / 3600:.1f} hours of wall time on {ctx.info['cores']} cores"
             + (f" ({untimed} runs made before report.py timed its runs are not counted)" if untimed else "") + ".",
-            "", ("Not run yet (`python report.py run` resumes with them): " + "; ".join(missing) + "." if missing
+            "", ("Not run yet (`python tools/report.py run` resumes with them): " + "; ".join(missing) + "." if missing
                  else f"Every row has every default seed ({', '.join(map(str, SEEDS))}).")
             + (f" Transfer scores are missing for {done - with_transfer} of the {done} runs."
                if done > with_transfer else "") + estimate, ""]
@@ -380,7 +384,7 @@ def initial_dev(ctx, name: str) -> float | None:
 
 def dev_curve(results: dict) -> list[tuple[int, float]]:
     """[(step, STS-B dev)] at a run's dev gates, from its trajectory (or the older "dev_curve")."""
-    return [(row["step"], row["stsb_dev"]) for row in plumbing.trajectory(results) if row.get("gate")]
+    return [(row["step"], row["stsb_dev"]) for row in files.trajectory(results) if row.get("gate")]
 
 
 def sts_section(ctx) -> list[str]:
@@ -412,8 +416,8 @@ def few_shot_section(ctx) -> list[str]:
              "The same protocol on `--fraction 0.1`"
              + (f" ({tenth} in {protocol_value('--max_steps')} steps)" if tenth else "")
              + " and `--fraction 0.01`" + (f" ({hundredth})" if hundredth else "") + " of `wiki1m_head.txt`; "
-             "each seed draws its own subset (common.subsample), as miCSE's five subsets do, and miCSE takes its "
-             "per-fraction λ (FEW_SHOT_SETTINGS) while the protocol's batch, learning rate and steps override the "
+             "each seed draws its own subset (data.subsample), as miCSE's five subsets do, and miCSE takes its "
+             "per-fraction λ (micse.py's PRESETS) while the protocol's batch, learning rate and steps override the "
              "rest of those settings. The paper's column is miCSE's Table 2: BERT-base on fractions of the full "
              "wiki1m, mean ± std over 5 subsets. The last column pairs miCSE with SimCSE on the same subsets.", "",
              "| run | n | " + " | ".join(STS_COLUMNS) + " | miCSE − SimCSE (paired) |",
@@ -464,12 +468,12 @@ def speed_section(ctx) -> list[str]:
                          f"{memory / base_memory:.2f} |")
     return lines + ["", f"Means over the seeds. Steps/s exclude the dev evaluations; memory is {memory_text(ctx)}. "
                     "Runs go one after another and are timed as they ran, so work sharing the machine slows some "
-                    "rows: `bench.py` measures speed ratios in one session.", ""]
+                    "rows: `tools/bench.py` measures speed ratios in one session.", ""]
 
 
 def commands_section(ctx) -> list[str]:
     lines = ["## Commands", "", "```bash",
-             f"python report.py run --seeds {' '.join(map(str, ctx.seeds))}     # all of the below, resumable",
+             f"python tools/report.py run --seeds {' '.join(map(str, ctx.seeds))}     # all of the below, resumable",
              *[f"python eval_sts.py --model_name_or_path {MODEL} --pooler {pooler} --senteval_dir {SENTEVAL} "
                f"--json results/{stem}.json" for stem, pooler, _ in INITIAL]]
     for name in ctx.main_names + ctx.few_names:
@@ -491,7 +495,7 @@ def commands_section(ctx) -> list[str]:
 
 def pyplot():
     try:
-        return plumbing.pyplot()
+        return files.pyplot()
     except ImportError:
         print("matplotlib is not installed: skipping the plots (pip install matplotlib)")
         return None
@@ -522,7 +526,7 @@ def plot_dev_curves(runs, results_dir, main_names, few_names):
             ax.text(0.5, 0.5, "no runs yet", transform=ax.transAxes, ha="center", color="gray")
     axes[0].set_ylabel("STS-B dev Spearman × 100 (mean; band: min–max over seeds)")
     fig.suptitle("STS-B dev during training (all-MiniLM-L6-v2, same protocol)")
-    plumbing.save_figure(fig, results_dir / "dev_curves.png")
+    files.save_figure(fig, results_dir / "dev_curves.png")
 
 
 def plot_align_uniform(runs, results_dir, main_names, few_names):
@@ -548,7 +552,7 @@ def plot_align_uniform(runs, results_dir, main_names, few_names):
     ax.set_title("initial (x) → best checkpoint (o; few-shot □), STS-B dev, mean over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    plumbing.save_figure(fig, results_dir / "align_uniform.png")
+    files.save_figure(fig, results_dir / "align_uniform.png")
 
 
 def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None) -> None:
@@ -573,7 +577,7 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None) -> No
             results = json.loads((ROOT / run["out"] / "results.json").read_text())
             folder = RESULTS / protocol["name"]
             folder.mkdir(parents=True, exist_ok=True)
-            plumbing.write_json(folder / f"{run['row']}.seed{run['seed']}.json", {**results, "report": cost})
+            files.write_json(folder / f"{run['row']}.seed{run['seed']}.json", {**results, "report": cost})
         finally:
             free.put(gpu)
     if gpus:

@@ -21,11 +21,15 @@ from __future__ import annotations
 import json
 import math
 import shlex
+import sys
 from pathlib import Path
 
-import plumbing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modules
 
-ROOT = Path(__file__).resolve().parent
+import plumbing  # noqa: E402
+from plumbing import files, progress  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]  # the suite
 RUNS_DIR = Path("runs")  # the runs' output folders, relative to the suite
 STS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness", "avg"]
 TRANSFER = ["MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC", "avg"]
@@ -172,7 +176,7 @@ def collect(protocol: dict, results_dir: Path) -> dict[str, dict[int, dict]]:
             results = json.loads(made.read_text())
             if not results.get("interrupted"):
                 folder.mkdir(parents=True, exist_ok=True)
-                plumbing.write_json(kept, results)
+                files.write_json(kept, results)
         if kept.exists():
             found.setdefault(run["row"], {})[run["seed"]] = json.loads(kept.read_text())
     return found
@@ -209,7 +213,7 @@ def estimate(todo: list[dict], results_dir: Path) -> str:
             known += sum(r["report"]["wall_s"] * want["steps"] / r["steps"] for r in same) / len(same)
         else:
             unknown += 1
-    text = f"about {plumbing.duration(known)}, from earlier runs of the same settings" if known else ""
+    text = f"about {progress.duration(known)}, from earlier runs of the same settings" if known else ""
     if unknown:
         text += ("; " if text else "") + f"{unknown} run(s) not estimated (no earlier run of their settings)"
     return text or "nothing to run"
@@ -262,7 +266,7 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
              f"{len(every) - len(missing)} of {len(every)} runs done (seeds {', '.join(map(str, protocol['seeds']))}"
              f"). Each cell: mean ± sample standard deviation over the seeds; a paper's ± is its own.", ""]
     if missing:
-        lines += ["Missing (run them with `report.py run`, or the lines of `report.py commands`): "
+        lines += ["Missing (run them with `python tools/report.py run`, or the lines of `commands`): "
                   + ", ".join(f"{r['row']} seed {r['seed']}" for r in missing) + ".", ""]
     lines += ["## STS test (best STS-B dev checkpoint)", ""] + score_rows(protocol, found, STS, "test") + [""]
     if any("transfer" in r for by_seed in found.values() for r in by_seed.values()):
@@ -292,10 +296,10 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
 
 def plot_dev_curves(protocol: dict, found: dict, path: Path) -> None:
     """STS-B dev at the dev gates of each row's runs: the mean over seeds, with their min-max band."""
-    plt = plumbing.pyplot()
+    plt = files.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row in protocol["rows"]:
-        curves = [{r["step"]: r["stsb_dev"] for r in plumbing.trajectory(results) if r.get("gate")}
+        curves = [{r["step"]: r["stsb_dev"] for r in files.trajectory(results) if r.get("gate")}
                   for results in found.get(row["name"], {}).values()]
         steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
         if steps:
@@ -310,12 +314,12 @@ def plot_dev_curves(protocol: dict, found: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
-    plumbing.save_figure(fig, path)
+    files.save_figure(fig, path)
 
 
 def plot_sweep(protocol: dict, found: dict, path: Path) -> None:
     """STS-B dev and the 7-task STS average against the swept value: mean over seeds, min-max band."""
-    plt = plumbing.pyplot()
+    plt = files.pyplot()
     values = protocol["sweep"]["values"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, (label, get) in zip(axes, (("best STS-B dev", lambda r: r.get("best_dev_stsb")),
@@ -336,12 +340,12 @@ def plot_sweep(protocol: dict, found: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{protocol['description']}\nmean over seeds; band: min–max", fontsize=9)
-    plumbing.save_figure(fig, path)
+    files.save_figure(fig, path)
 
 
 def plot_few_shot(found: dict, path: Path) -> None:
     """miCSE Figure 3: the 7-task average against the training-set fraction, ours (mean ± std) and the paper's."""
-    plt = plumbing.pyplot()
+    plt = files.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     labels = list(FEW_SHOT_FRACTIONS)
     for method in FEW_SHOT_METHODS:
@@ -364,5 +368,5 @@ def plot_few_shot(found: dict, path: Path) -> None:
     ax.set_title("Few-shot STS (miCSE Table 2 / Figure 3)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    plumbing.save_figure(fig, path)
+    files.save_figure(fig, path)
 

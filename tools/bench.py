@@ -1,6 +1,6 @@
 """Speed and memory of each method against SimCSE, measured in one session on the same model, data and batch.
 
-    python bench.py --model_name_or_path ../shared/models/all-MiniLM-L6-v2 \\
+    python tools/bench.py --model_name_or_path ../shared/models/all-MiniLM-L6-v2 \\
         --train_file ../shared/data/wiki1m_head.txt --senteval_dir ../shared/data/senteval \\
         --methods simcse simcsepp sscl whitenedcse micse --method_args whitenedcse:--num_groups=192 \\
         --steps 20 --batch_size 32 [--supervised_file ../shared/data/nli_snli_devtest.csv] [--compare_with DIR]
@@ -8,8 +8,8 @@
 Each method runs as a user runs it (`python <method>.py ... --max_steps W+N --no_test_eval`), one after another,
 and its own results.json gives steps/s, peak memory (CUDA: peak allocated and reserved; CPU: the process's
 peak RSS, model and evaluation included) and the host-device syncs of a step: --count_host_syncs W-1 counts
-warm-up steps 2..W (syncs.py; the counting slows those steps, which are not timed), the table shows the most a
-step made. Steps/s counts the N steps after W warm-up steps (--warmup; the first
+warm-up steps 2..W (plumbing/syncs.py; the counting slows those steps, which are not timed), the table shows
+the most a step made. Steps/s counts the N steps after W warm-up steps (--warmup; the first
 steps of a GPU run pay for allocation, autotuning and compilation): the run logs at step W, where the losses are
 read from the device, so its training-time curve has the time of the first W steps. Dev gates are not training
 time. --supervised_file adds supervised SimCSE (`simcse.py --supervised`) on that NLI file. --compare_with DIR
@@ -29,10 +29,13 @@ import time
 import types
 from pathlib import Path
 
-import eval_sts
-import plumbing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modules
 
-ROOT = Path(__file__).resolve().parent
+import eval_sts  # noqa: E402
+import plumbing  # noqa: E402
+from plumbing import files, hub  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]  # the suite
 
 
 def bench_method(row, args, extra, workdir, root=ROOT, log_warmup=True) -> dict:
@@ -53,7 +56,7 @@ def bench_method(row, args, extra, workdir, root=ROOT, log_warmup=True) -> dict:
     if proc.returncode != 0:
         raise plumbing.UsageError(f"{row} ({root}) failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     results = json.loads((out / "results.json").read_text())
-    curve = {row["step"]: row["train_time_s"] for row in plumbing.trajectory(results) if "train_time_s" in row}
+    curve = {row["step"]: row["train_time_s"] for row in files.trajectory(results) if "train_time_s" in row}
     if log_warmup and args.warmup and args.warmup in curve:
         results["timed_steps_per_second"] = args.steps / (curve[total] - curve[args.warmup])
     else:
@@ -63,19 +66,19 @@ def bench_method(row, args, extra, workdir, root=ROOT, log_warmup=True) -> dict:
 
 def bench_data(args) -> None:
     """A batch's data time: tokenising its sentences every step (the loader before this layout) against gathering
-    and padding the pre-tokenised rows (common.TokenizedCorpus); the same token ids either way."""
-    import common
-    tokenizer = plumbing.load_pretrained(args.model_name_or_path)[0]
+    and padding the pre-tokenised rows (data.TokenizedCorpus); the same token ids either way."""
+    import data
+    tokenizer = hub.load_pretrained(args.model_name_or_path)[0]
     files = [("sentences", args.train_file, False)] + ([("NLI triplets", args.supervised_file, True)]
                                                        if args.supervised_file else [])
     for label, path, triplets in files:
-        examples = common.training_examples(types.SimpleNamespace(train_file=path, fraction=1.0, seed=args.seed),
+        examples = data.training_examples(types.SimpleNamespace(train_file=path, fraction=1.0, seed=args.seed),
                                             triplets=triplets)[0]
         start = time.perf_counter()
-        corpus = common.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
+        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
         setup = time.perf_counter() - start
         columns = [examples[c] for c in examples.column_names]
-        batches = [rows for rows, _ in zip(common.BatchSampler(len(corpus), args.batch_size, args.seed), range(20))]
+        batches = [rows for rows, _ in zip(data.BatchSampler(len(corpus), args.batch_size, args.seed), range(20))]
         start = time.perf_counter()
         for rows in batches:
             tokenizer([column[r] for column in columns for r in rows], padding=True, truncation=True,

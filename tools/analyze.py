@@ -1,9 +1,9 @@
 """The papers' analyses for any checkpoint or run: a figure (PNG) and its numbers (JSON) each.
 
-    python analyze.py trajectory runs/simcse/results.json runs/micse/results.json
-    python analyze.py spectrum --model_name_or_path bert-base-uncased runs/simcse/best --pooler cls_before_pooler
-    python analyze.py similarity runs/simcse/results.json runs/sscl/results.json
-    python analyze.py setsim --model_name_or_path bert-base-uncased runs/sscl/best --pooler avg
+    python tools/analyze.py trajectory runs/simcse/results.json runs/micse/results.json
+    python tools/analyze.py spectrum --model_name_or_path bert-base-uncased runs/simcse/best --pooler cls_before_pooler
+    python tools/analyze.py similarity runs/simcse/results.json runs/sscl/results.json
+    python tools/analyze.py setsim --model_name_or_path bert-base-uncased runs/sscl/best --pooler avg
 
 - trajectory: l_align against l_uniform along training, one line per run, arrows in time order (SimCSE Figure 2,
   WhitenedCSE Figure 3, SimCSE++ Appendix A), from results.json's trajectory: a point at every dev gate, and every
@@ -16,7 +16,7 @@
 - similarity: the cosine similarity of every STS-B test pair by gold-score group [0,1), [1,2), [2,3), [3,4), [4,5]
   (SimCSE Figure G.1), with each pair's cosine and gold score in the JSON.
 - setsim: SetSim (SSCL Eq. 2) of adjacent transformer layers, averaged over the distinct STS-B test sentences
-  (SSCL Figure 1). sscl.py --report_oversmoothing uses the same functions.
+  (SSCL Figure 1): sscl.py's set_sim and oversmoothing, which sscl.py --report_oversmoothing uses too.
 
 Models: `--model_name_or_path A B ...` (a hub id or folder, with `--pooler`, one for all or one each), or a run's
 results.json given as a positional argument (before the options): its best/ checkpoint with its evaluation
@@ -32,14 +32,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
-import eval_sts
-import plumbing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modules
+
+import common  # noqa: E402
+import eval_sts  # noqa: E402
+import plumbing  # noqa: E402
+import sscl  # noqa: E402
+from plumbing import files, hub  # noqa: E402
 
 ANALYSES = ("trajectory", "spectrum", "similarity", "setsim")
 SCORE_GROUPS = ((0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (4.0, 5.0))  # SimCSE Figure G.1
@@ -50,7 +54,7 @@ def trajectory_points(results: dict) -> list[dict]:
     """The (step, align, uniform) points of a run in time order: the trajectory's rows that have them, or, for a
     results.json without them, its initial and best checkpoints (steps 0 and best_step)."""
     points = [{"step": row["step"], "align": row["align"], "uniform": row["uniform"]}
-              for row in plumbing.trajectory(results) if row.get("align") is not None]
+              for row in files.trajectory(results) if row.get("align") is not None]
     if not points and "align_uniform" in results:
         ends = results["align_uniform"]
         points = [{"step": step, "align": ends[which]["align"], "uniform": ends[which]["uniform"]}
@@ -92,41 +96,10 @@ def similarity_groups(cosines, gold) -> list[dict]:
     return groups
 
 
-def set_sim(hidden_states, attention_mask, pooler: str) -> torch.Tensor:
-    """SetSim (SSCL Eq. 2) of each sentence for adjacent layers (1,2), ..., (L-1,L): shape (L-1, N); the cosine of
-    the two layers' sentence representations, [CLS] before any MLP or the masked mean."""
-    pooler = "cls_before_pooler" if pooler == "cls" else pooler
-    reps = [eval_sts.pool(hidden_states[:layer + 1], attention_mask, pooler)
-            for layer in range(1, len(hidden_states))]
-    return torch.stack([F.cosine_similarity(a.float(), b.float(), dim=-1) for a, b in zip(reps, reps[1:])])
-
-
-# ----------------------------------------------------------------------------------------- over a model
-@torch.no_grad()
-def oversmoothing(backbone, tokenizer, pooler: str, senteval_dir, device, desc: str = "SetSim",
-                  split: str = "test") -> dict:
-    """Mean SetSim over the distinct STS-B sentences of `split`, per adjacent layer pair {"1-2": ...} (SSCL
-    Figure 1), in eval mode (the model's mode is restored)."""
-    pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", split)
-    sentences = sorted({s for pair in pairs for s in pair[:2]})
-    was_training = backbone.training
-    backbone.eval()
-    total = 0.0
-    with plumbing.Progress(len(sentences), desc, unit="sentence") as bar:
-        for i in range(0, len(sentences), 128):
-            batch = tokenizer(sentences[i:i + 128], padding=True, truncation=True, return_tensors="pt").to(device)
-            hidden_states = backbone(**batch, output_hidden_states=True).hidden_states
-            total = total + set_sim(hidden_states, batch["attention_mask"], pooler).sum(dim=1)
-            bar.update(len(batch["input_ids"]))
-    backbone.train(was_training)
-    means = (total / len(sentences)).tolist()
-    return {f"{layer}-{layer + 1}": round(v, 4) for layer, v in enumerate(means, start=1)}
-
-
 def stsb_embeddings(encode, senteval_dir, split: str = "test"):
     """(pairs, {sentence: vector}) of STS-B `split`, each distinct sentence encoded once."""
     pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", split)
-    return pairs, eval_sts.encode_unique(encode, [s for p in pairs for s in p[:2]], desc=f"STS-B {split}")
+    return pairs, common.encode_unique(encode, [s for p in pairs for s in p[:2]], desc=f"STS-B {split}")
 
 
 def measure_spectrum(encode, senteval_dir, split: str = "test") -> dict:
@@ -138,7 +111,8 @@ def measure_spectrum(encode, senteval_dir, split: str = "test") -> dict:
 
 def measure_similarity(encode, senteval_dir, split: str = "test") -> dict:
     pairs, table = stsb_embeddings(encode, senteval_dir, split)
-    cosines = eval_sts.pair_cosines(pairs, lambda sentences: np.stack([table[s] for s in sentences]))
+    left, right = (unit_rows(np.stack([table[p[i]] for p in pairs])) for i in (0, 1))
+    cosines = np.sum(left * right, axis=1)
     gold = [p[2] for p in pairs]
     return {"groups": similarity_groups(cosines, gold), "cosine": [round(float(c), 4) for c in cosines],
             "gold": gold}
@@ -146,7 +120,7 @@ def measure_similarity(encode, senteval_dir, split: str = "test") -> dict:
 
 # ----------------------------------------------------------------------------------------------- figures
 def plot_trajectory(runs: dict, path: Path) -> None:
-    plt = plumbing.pyplot()
+    plt = files.pyplot()
     fig, ax = plt.subplots(figsize=(7, 5.5))
     starts = set()  # runs from the same checkpoint share a start: label it once
     for label, points in runs.items():
@@ -166,7 +140,7 @@ def plot_trajectory(runs: dict, path: Path) -> None:
 
 
 def plot_spectrum(measured: dict, path: Path) -> None:
-    plt = plumbing.pyplot()
+    plt = files.pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
     for label, m in measured.items():
         values = m["singular_values"]
@@ -179,7 +153,7 @@ def plot_spectrum(measured: dict, path: Path) -> None:
 def plot_similarity(measured: dict, path: Path) -> None:
     """One panel per model: a density of the cosine similarities for each gold-score group, stacked along y."""
     from scipy.stats import gaussian_kde
-    plt = plumbing.pyplot()
+    plt = files.pyplot()
     fig, axes = plt.subplots(1, len(measured), figsize=(4.2 * len(measured), 4.5), sharey=True, squeeze=False)
     grid = np.linspace(-1, 1, 400)
     for ax, (label, m) in zip(axes[0], measured.items()):
@@ -196,11 +170,11 @@ def plot_similarity(measured: dict, path: Path) -> None:
     axes[0][0].set_yticks(range(len(SCORE_GROUPS)), [f"{lo:g}-{hi:g}" for lo, hi in SCORE_GROUPS])
     axes[0][0].set_ylabel("gold score group")
     fig.suptitle("Cosine similarity of STS-B pairs by gold score (SimCSE Figure G.1)")
-    plumbing.save_figure(fig, path)
+    files.save_figure(fig, path)
 
 
 def plot_setsim(measured: dict, path: Path) -> None:
-    plt = plumbing.pyplot()
+    plt = files.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, setsim in measured.items():
         ax.plot(list(setsim), list(setsim.values()), marker="o", label=label)
@@ -214,7 +188,7 @@ def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    plumbing.save_figure(fig, path)
+    files.save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
@@ -255,7 +229,7 @@ def main(argv=None) -> None:
     parser.add_argument("runs", nargs="*", default=[], help="results.json files (a run's trajectory; for the other "
                                                             "analyses its best/ checkpoint)")
     parser.add_argument("--model_name_or_path", nargs="+", default=[], help="checkpoints: hub ids or folders")
-    parser.add_argument("--pooler", nargs="+", default=["cls_before_pooler"], choices=eval_sts.POOLERS,
+    parser.add_argument("--pooler", nargs="+", default=["cls_before_pooler"], choices=common.POOLERS,
                         help="the --model_name_or_path models' pooler: one for all or one each")
     parser.add_argument("--labels", nargs="+", default=None,
                         help="a name for each line: the --model_name_or_path models first, then the runs")
@@ -299,9 +273,11 @@ def main(argv=None) -> None:
         measured = {}
         for label, (_, path, pooler) in zip(labels, found):
             if args.analysis == "setsim":
-                tokenizer, backbone = plumbing.load_pretrained(path)
-                measured[label] = oversmoothing(backbone.to(device), tokenizer, pooler, senteval_dir, device,
-                                                f"SetSim: {label}", args.split)
+                tokenizer, backbone = hub.load_pretrained(path)
+                pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", args.split)
+                sentences = sorted({s for pair in pairs for s in pair[:2]})
+                measured[label] = sscl.oversmoothing(backbone.to(device), tokenizer, pooler, sentences, device,
+                                                     f"SetSim: {label}")
                 print(f"{label} ({pooler}): SetSim {measured[label]}")
             elif args.analysis == "spectrum":
                 measured[label] = measure_spectrum(eval_sts.load_encode(path, pooler, device), senteval_dir,
@@ -316,7 +292,7 @@ def main(argv=None) -> None:
         {"spectrum": plot_spectrum, "similarity": plot_similarity, "setsim": plot_setsim}[args.analysis](
             measured, png)
     split = "dev" if args.analysis == "trajectory" else args.split  # the trajectory is measured on STS-B dev
-    plumbing.write_json(json_path, {"analysis": args.analysis, "stsb_split": split, "results": measured})
+    files.write_json(json_path, {"analysis": args.analysis, "stsb_split": split, "results": measured})
     print(f"wrote {json_path}")
 
 

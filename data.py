@@ -1,0 +1,206 @@
+"""The data: wiki1m's sentences or NLI triplets (and miCSE's few-shot subsets), tokenised once;
+the seeded batch order, each process's slice of a global batch, and the loader.
+
+Every file comes from the Hugging Face Hub (cached) or a local path (--train_file); `datasets`
+reads and caches it as SimCSE's train.py does. A batch is then only gathered from the token ids and
+padded to its longest row."""
+from __future__ import annotations
+
+import collections
+import csv
+import itertools
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import plumbing
+from plumbing import distributed, hub, syncs
+
+MICSE_DATA_REPO = "sap-ai-research/datasets-for-micse"
+# miCSE's released subsets (seeds 48-52): fraction -> the percentage in the file name
+MICSE_SUBSETS = {0.000064: "000.0064", 0.0001: "000.01", 0.0005: "000.05", 0.001: "000.10",
+                 0.005: "000.50", 0.01: "001.00", 0.1: "010.00"}
+
+
+def micse_subset(fraction: float, seed: int) -> str | None:
+    """The file name of miCSE's released subset for (fraction, seed), or None if they released
+    none."""
+    percent = MICSE_SUBSETS.get(fraction)
+    if percent is None or not 48 <= seed <= 52:
+        return None
+    return f"wiki_subset_1M_{percent}percent_seed{seed}.txt"
+
+
+def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplets: bool = False,
+                      hard_negatives: bool = True, neutral: bool = False):
+    """(examples, path, miCSE subset or None): a `datasets` Dataset with a "text" column (lines
+    stripped, empty ones skipped) or, with `triplets`, NLI's sent0/sent1/hard_neg columns
+    (sent0/sent1 only when the file has no hard_neg or `hard_negatives` is off; + neutral with
+    `neutral`), --fraction applied deterministically."""
+    subset = None if args.train_file or triplets else micse_subset(args.fraction, args.seed)
+    repo, name = (MICSE_DATA_REPO, subset) if subset else (hub.SIMCSE_DATA_REPO, default_file)
+    path = args.train_file or hub.hub_file(repo, name, "--train_file")
+    if Path(path).is_file() and Path(path).stat().st_size > 20 * 2**20:
+        distributed.log(f"reading {path} (datasets caches it: the next run is faster)")
+    # missing, unreadable, not UTF-8, empty: one line
+    lines = plumbing.read_lines(path, "--train_file")
+    if triplets:
+        rows = csv.reader(lines)
+        header = next(rows)
+        if {"sent0", "sent1"} - set(header):
+            raise plumbing.UsageError(f"--train_file {path}: the header must name sent0,sent1 "
+                                      "(and hard_neg for hard negatives: nli_for_simcse.csv)")
+        columns = ["sent0", "sent1"] + (["hard_neg"] if hard_negatives and "hard_neg" in header
+                                        else [])
+        if neutral and not {"hard_neg", "neutral"} <= set(header):
+            raise plumbing.UsageError(f"--train_file {path}: --neutral_hard_negatives needs "
+                                      "sent0,sent1,hard_neg,neutral columns (docs/reproducing.md)")
+        columns += ["neutral"] if neutral else []
+        for row in rows:
+            if len(row) < len(header):
+                raise plumbing.UsageError(f"--train_file {path} line {rows.line_num} has "
+                                          f"{len(row)} column(s), expected {len(header)}")
+    import datasets
+    datasets.disable_progress_bars()  # one line instead, for a corpus big enough to take a while
+    if triplets:  # keep_default_na: a sentence "NA" or "null" stays a sentence
+        data = datasets.load_dataset("csv", data_files=str(path), split="train",
+                                     keep_default_na=False)
+        data = data.select_columns(columns)
+        data = data.filter(lambda b: [bool(a and p) for a, p in zip(b["sent0"], b["sent1"])],
+                           batched=True)
+    else:
+        data = datasets.load_dataset("text", data_files=str(path), split="train")
+        data = data.map(lambda b: {"text": [s.strip() for s in b["text"]]}, batched=True)
+        data = data.filter(lambda b: [bool(s) for s in b["text"]], batched=True)
+    if len(data) == 0:
+        raise plumbing.UsageError(f"--train_file {path} holds no sentences")
+    if not triplets and {"sent0", "sent1"} <= set(data[0]["text"].split(",")):
+        raise plumbing.UsageError(f"--train_file {path} is NLI triplets (a sent0,sent1,... "
+                                  "header), not one sentence a line; simcse.py trains on it with "
+                                  "--supervised")
+    if not subset:
+        data = data.select(subsample(range(len(data)), args.fraction, args.seed))
+    return data, str(path), subset
+
+
+def subsample(items, fraction: float, seed: int) -> list:
+    """A deterministic random subset of round(fraction * n) items, kept in file order (miCSE's
+    few-shot sets)."""
+    k = round(fraction * len(items))
+    if k < 1:
+        raise plumbing.UsageError(f"--fraction {fraction} of {len(items)} examples keeps none; "
+                                  "use a larger fraction")
+    return [items[i] for i in sorted(random.Random(seed).sample(range(len(items)), k))]
+
+
+class BatchSampler:
+    """Global batches of a seeded shuffle, a new order each epoch, the last incomplete batch kept
+    (the Trainer's dataloader_drop_last=False) unless it has fewer than `min_rows`. Process `rank`
+    of `world_size` takes its contiguous slice of every global batch: the union of the slices is the
+    batch one process would draw."""
+    def __init__(self, num_examples: int, batch_size: int, seed: int, min_rows: int = 2, rank=0,
+                 world_size=1):
+        self.n, self.batch_size, self.seed = num_examples, batch_size, seed
+        self.rank, self.world = rank, world_size
+        self.min_rows, self.epoch, last = max(min_rows, world_size), 0, num_examples % batch_size
+        self.skip = 0  # --resume: batches of the next epoch's order already trained on
+        self.rows = collections.deque()  # the global row count of each batch handed out (batches())
+        if 0 < last < self.min_rows:
+            distributed.log(f"note: the last batch of each epoch has {last} example(s), fewer "
+                            f"than the {self.min_rows} this method needs; it is skipped")
+
+    def __len__(self):
+        return self.n // self.batch_size + (self.n % self.batch_size >= self.min_rows)
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=generator).tolist()
+        self.epoch += 1
+        batches = [order[i:i + self.batch_size] for i in range(0, self.n, self.batch_size)]
+        batches = [rows for rows in batches if len(rows) >= self.min_rows]
+        skip, self.skip = self.skip, 0
+        for rows in batches[skip:]:
+            n = len(rows)
+            self.rows.append(n)
+            yield rows[n * self.rank // self.world:n * (self.rank + 1) // self.world]
+
+
+class TokenizedCorpus:
+    """Every example tokenised once (datasets' batched `map`, cached as SimCSE's train.py does), its
+    token ids kept in one flat array with each sequence's offsets. `collate(rows)` gathers those
+    rows and pads them to their longest; a triplet's sequences are laid out column-major (all sent0,
+    then all sent1, then all hard_neg)."""
+
+    def __init__(self, examples, tokenizer, max_length: int, pad_to_multiple_of: int = 1):
+        columns = examples.column_names  # ["text"] or ["sent0", "sent1", "hard_neg"]
+
+        def tokenize(batch):
+            return {f"{c}_ids": tokenizer(batch[c], truncation=True,
+                                          max_length=max_length)["input_ids"]
+                    for c in columns}
+        if len(examples) > 100_000:
+            distributed.log(f"tokenising {len(examples):,} examples (cached: the next run is "
+                            "faster)")
+        ids = examples.map(tokenize, batched=True, remove_columns=columns).with_format("arrow")
+        flat, offsets = [], [np.zeros(1, dtype=np.int64)]
+        for c in columns:
+            sequences = ids[f"{c}_ids"].combine_chunks()
+            flat.append(sequences.flatten().to_numpy())
+            offsets.append(np.diff(sequences.offsets.to_numpy()).cumsum() + offsets[-1][-1])
+        self.flat, self.offsets = np.concatenate(flat), np.concatenate(offsets)
+        self.num_columns = len(columns)
+        self.pad_id, self.multiple = tokenizer.pad_token_id, pad_to_multiple_of
+        self.left = tokenizer.padding_side == "left"
+        self.with_token_types = "token_type_ids" in tokenizer.model_input_names
+
+    def __len__(self):
+        return (len(self.offsets) - 1) // self.num_columns
+
+    def collate(self, rows: list[int]) -> dict:
+        """What tokenizer(sentences, padding=True) returns for these rows (one sequence each, token
+        types 0)."""
+        sequences = np.array([c * len(self) + r for c in range(self.num_columns) for r in rows])
+        starts = self.offsets[sequences]
+        lengths = self.offsets[sequences + 1] - starts
+        width = -(-int(lengths.max()) // self.multiple) * self.multiple
+        position = np.arange(width) - (width - lengths[:, None] if self.left else 0)
+        valid = (position >= 0) & (position < lengths[:, None])
+        tokens = self.flat[np.clip(starts[:, None] + position, 0, len(self.flat) - 1)]
+        input_ids = np.where(valid, tokens, self.pad_id)
+        batch = {"input_ids": torch.from_numpy(input_ids),
+                 "attention_mask": torch.from_numpy(valid.astype(np.int64))}
+        if self.with_token_types:
+            batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+        return batch
+
+
+def make_loader(corpus: TokenizedCorpus, args, device,
+                min_rows: int = 2) -> torch.utils.data.DataLoader:
+    world = distributed.world_size()
+    if args.batch_size > len(corpus):
+        raise plumbing.UsageError(f"--batch_size {args.batch_size} is larger than the "
+                                  f"{len(corpus)} training examples")
+    if args.batch_size % world:
+        raise plumbing.UsageError(f"--batch_size {args.batch_size} must be divisible by the "
+                                  f"{world} processes")
+    sampler = BatchSampler(len(corpus), args.batch_size, args.seed, min_rows, distributed.rank(),
+                           world)
+    # its own generator: starting an epoch draws nothing from the RNG stream dropout uses (--resume)
+    return torch.utils.data.DataLoader(range(len(corpus)), batch_sampler=sampler,
+                                       collate_fn=corpus.collate, num_workers=args.num_workers,
+                                       pin_memory=device.type == "cuda",
+                                       generator=torch.Generator().manual_seed(args.seed))
+
+
+def batches(loader):
+    """The loader's batches, epoch after epoch. Each tells distributed.gather the global batch's row
+    count, known from the sampler (no collective), and opens a step's window for
+    --count_host_syncs."""
+    sampler = loader.batch_sampler
+    for _ in itertools.count():
+        for batch in loader:
+            distributed.set_rows(sampler.rows.popleft())
+            syncs.begin_step()
+            yield batch

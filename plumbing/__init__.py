@@ -1,0 +1,114 @@
+"""What a first reading skips: the suite's plumbing. A method file calls it in one line where it needs it; nothing
+here is part of a method, and a reader who came for the papers can leave this folder closed (as CleanRL's
+cleanrl_utils/).
+
+- This module: one-line errors (`UsageError`, the `cli` wrapper: exit status 2, never a traceback, `Parser`), the
+  range, device and file checks.
+- hub.py: files and models from the Hugging Face Hub or a local path, an offline machine told which flag to use,
+  `senteval.tar` unpacked once.
+- files.py: atomic JSON (NaN written as null), two-rename folder swaps, the checkpoint's extra files (a projection,
+  the sentence-transformers metadata), TensorBoard scalars, figures.
+- progress.py: progress bars on a terminal, plain lines in a log file.
+- options.py: the run flags every script shares, presets merged under the user's flags, the option checks.
+- run.py: a training run's bookkeeping (the record, logging, progress, the trajectory, resume saves, the stop signal,
+  the end of a run and results.json), written once and called in one line from each loop.
+- distributed.py: torchrun's process group, DistributedDataParallel, the gather with gradients.
+- resume.py: --resume's last/ folder. syncs.py: the host-device sync counter (--count_host_syncs).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+
+class UsageError(ValueError):
+    """Something the user can fix: printed as one line by `cli`, exit status 2, never a traceback."""
+
+def cli(main) -> None:
+    """Run `main()`; a UsageError becomes one line on stderr and exit status 2."""
+    try:
+        main()
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line instead of usage + error."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+def check_range(args, name: str, ok, accepted: str) -> None:
+    value = getattr(args, name)
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
+        raise UsageError(f"--{name} {value} is out of range: {accepted}")
+
+def resolve_device(name: str | None) -> torch.device:
+    """The --device, checked to exist on this machine (default: cuda if available)."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device {name} is not a device name; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                         "use --device cpu")
+    if device.type not in ("cpu", "cuda") and not getattr(torch, device.type, None):
+        raise UsageError(f"--device {name} is not available on this machine; use cpu or cuda")
+    return device
+
+def read_lines(path, flag: str) -> list[str]:
+    """A text file's lines; missing, unreadable, not UTF-8 or empty is one line naming the file (and line)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"{flag} {path}: no such file" + (" (it is a folder)" if p.is_dir() else ""))
+    try:
+        data = p.read_bytes()
+    except OSError as err:
+        raise UsageError(f"{flag} {path}: cannot be read ({err.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_number = data.count(b"\n", 0, err.start) + 1
+        raise UsageError(f"{flag} {path}: line {line_number} is not UTF-8 text") from None
+    if not text.strip():
+        raise UsageError(f"{flag} {path} is empty")
+    return text.splitlines()
+
+def parse_score(value: str, path, line_number: int, flag: str) -> float:
+    try:
+        score = float(value)
+    except ValueError:
+        score = math.nan
+    if not math.isfinite(score):
+        raise UsageError(f"{flag}: {path} line {line_number}: the score '{value}' is not a number")
+    return score
+
+def refuse_flags(args, names, why: str) -> None:
+    """Shared flags a script does not implement: one line naming those given, instead of ignoring them."""
+    given = [f"--{name}" for name in names if getattr(args, name) not in (None, False)]
+    if given:
+        raise UsageError(f"{' '.join(given)}: {why}")
+
+def check_installed(needed: bool, package: str, flag: str) -> None:
+    """An optional dependency a flag needs: one line naming the package, before any work."""
+    if needed and importlib.util.find_spec(package) is None:
+        raise UsageError(f"{flag} needs the {package} package: pip install {package}")
+
+def check_json_path(path: str | None) -> None:
+    """--json must be writable and must not be a folder (checked before any work)."""
+    if path is None or path == "/dev/stdout":
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"--json {path} is a folder; give a file name")
+    if not p.parent.is_dir():
+        raise UsageError(f"--json {path}: the folder {p.parent} does not exist")

@@ -1,0 +1,133 @@
+"""Files: atomic JSON (NaN written as null), folders swapped in with two renames, the extra files of a checkpoint (a
+projection after the pooler, the sentence-transformers metadata), TensorBoard scalars, a results.json's trajectory,
+figures."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from plumbing.progress import write
+
+def _json_safe(value):
+    """NaN and infinities become null: JSON has no such numbers (Python would write a bare NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return [_json_safe(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+def write_json(path: Path, data: dict) -> None:
+    """Write valid JSON to a temporary file beside `path`, then rename: a kill never leaves half a file."""
+    text = json.dumps(_json_safe(data), indent=2, allow_nan=False)
+    if path.exists() and not path.is_file():  # /dev/stdout and the like
+        path.write_text(text)
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+def tensorboard(report_to: str, folder: Path, enabled: bool = True, resume_at: int | None = None):
+    """--report_to tensorboard: a SummaryWriter on `folder`, flushed every 10 s; None otherwise. A previous run's
+    events there are removed (--overwrite_output_dir replaces that run), unless the run resumes at step
+    `resume_at`: then its events from that step on, written after its last save, are dropped."""
+    if report_to != "tensorboard" or not enabled:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+    if folder.exists() and resume_at is None:
+        write(f"removing the previous run's TensorBoard events in {folder}")
+        shutil.rmtree(folder)
+    return SummaryWriter(str(folder), flush_secs=10, purge_step=resume_at)
+
+def add_scalars(writer, step: int, values: dict) -> None:
+    """TensorBoard scalars at `step`; undefined values (None, NaN, inf) are left out."""
+    if writer is not None:
+        for tag, value in values.items():
+            if value is not None and math.isfinite(value):
+                writer.add_scalar(tag, value, step)
+
+def trajectory(results: dict) -> list[dict]:
+    """The trajectory rows of a results.json (common.History.record), also from the format before them:
+    "dev_curve" [[step, dev]] and "train_time_curve" [[step, seconds]] become rows without lr, align and
+    uniform."""
+    if "trajectory" in results:
+        return results["trajectory"]
+    rows = {step: {"step": step, "train_time_s": t} for step, t in results.get("train_time_curve", [])}
+    for step, dev in results.get("dev_curve", []):
+        rows.setdefault(step, {"step": step}).update(stsb_dev=dev, gate=True)
+    return [rows[step] for step in sorted(rows)]
+
+def swap_in(tmp: Path, target: Path) -> None:
+    """Replace the folder `target` by the complete folder `tmp` with two renames: a kill between them leaves the
+    previous one whole in <target>.old (and a kill before them leaves `target` as it was)."""
+    old = target.with_name(target.name + ".old")
+    if target.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        target.rename(old)
+    tmp.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+def pyplot():
+    """matplotlib's pyplot without a display (Agg)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+def save_figure(fig, path: Path) -> None:
+    """A figure to `path` (PNG, 110 dpi) through a temporary file, then closed."""
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+    pyplot().close(fig)
+    print(f"wrote {path}")
+
+
+PROJECTION_FILE = "projection.safetensors"  # a linear layer after the pooler (sscl.py --output_dim)
+
+
+def save_projection(out_dir: Path, projection: torch.nn.Linear) -> None:
+    from safetensors.torch import save_file
+    save_file({k: v.detach().cpu().contiguous() for k, v in projection.state_dict().items()},
+              str(Path(out_dir) / PROJECTION_FILE))
+
+def load_projection(name_or_path: str) -> torch.nn.Linear | None:
+    """The projection saved beside a local model, or None."""
+    path = Path(name_or_path) / PROJECTION_FILE
+    if not path.is_file():
+        return None
+    from safetensors.torch import load_file
+    weights = load_file(str(path))
+    projection = torch.nn.Linear(weights["weight"].shape[1], weights["weight"].shape[0])
+    projection.load_state_dict(weights)
+    return projection
+
+def write_sentence_transformers_config(out_dir: Path, pooler: str, hidden_size: int, head=None) -> None:
+    """modules.json + 1_Pooling (+ 2_Dense for the "cls" pooler) so SentenceTransformer(dir) matches eval_sts."""
+    mode = {"cls": "cls", "cls_before_pooler": "cls", "avg": "mean"}.get(pooler)
+    if mode is None:  # avg_top2 / avg_first_last have no sentence-transformers pooling mode
+        return
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (out_dir / "1_Pooling").mkdir()
+    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": hidden_size, "pooling_mode_cls_token": mode == "cls",
+        "pooling_mode_mean_tokens": mode == "mean", "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False}, indent=2))
+    if pooler == "cls":
+        from safetensors.torch import save_file
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+        (out_dir / "2_Dense").mkdir()
+        (out_dir / "2_Dense" / "config.json").write_text(json.dumps({
+            "in_features": hidden_size, "out_features": hidden_size, "bias": True,
+            "activation_function": "torch.nn.modules.activation.Tanh"}))
+        save_file({"linear.weight": head[0].weight.detach().cpu().contiguous(),
+                   "linear.bias": head[0].bias.detach().cpu().contiguous()},
+                  str(out_dir / "2_Dense" / "model.safetensors"))
+    (out_dir / "modules.json").write_text(json.dumps(modules, indent=2))
+    (out_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))

@@ -1,0 +1,182 @@
+"""Options: the parser of every script (common.py's training flags, then the run's own here), the papers' presets
+merged under the flags the user gives, what the model is, and every option checked before any work."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+import torch
+
+import plumbing
+from plumbing import hub, resume
+
+
+def add_run_flags(parser) -> None:
+    """The flags of a run, not of a method: output, resume, logging, evaluation, devices."""
+    g = parser.add_argument_group("the run")
+    g.add_argument("--output_dir", default=None,
+                   help="best checkpoint (best/) + results.json (default runs/<method>)")
+    g.add_argument("--overwrite_output_dir", action="store_true",
+                   help="allow an --output_dir that holds a run")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the interrupted run in --output_dir from its last/ (the same "
+                        "arguments), to exactly the result of an uninterrupted run")
+    g.add_argument("--save_steps", type=int, default=None,
+                   help="also save last/ every this many steps (saved at every dev gate and on "
+                        "Ctrl-C / SIGTERM)")
+    g.add_argument("--keep_last", action="store_true",
+                   help="keep last/ when the run completes (the weights, twice their size of "
+                        "optimiser state, the RNG streams)")
+    g.add_argument("--logging_steps", type=int, default=None,
+                   help="log loss and steps/s every this many steps (default: at the dev steps); "
+                        "each log reads the losses from the device: one host sync")
+    g.add_argument("--align_uniform_steps", type=int, default=None,
+                   help="also encode STS-B dev every this many steps between the dev gates, for "
+                        "the trajectory's l_align / l_uniform (SimCSE Figure 2: 10); each costs a "
+                        "dev encoding")
+    g.add_argument("--report_to", default="none", choices=["none", "tensorboard"],
+                   help="tensorboard: loss, lr, gradient norm, STS-B dev and l_align / l_uniform "
+                        "as scalars under <output_dir>/tb (pip install tensorboard)")
+    g.add_argument("--no_test_eval", action="store_true", help="skip the final STS test evaluation")
+    g.add_argument("--eval_transfer", nargs="?", const="test", choices=["test", "fasttest"],
+                   default=None, help="also evaluate the best checkpoint on SentEval's 7 transfer "
+                                      "tasks (eval_transfer.py)")
+    g.add_argument("--device", default=None, help="cuda, cuda:N, cpu (default: cuda if available)")
+    g.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes")
+    g.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
+                   help="alias of --precision fp32")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the encoder for the training passes (batches padded to a "
+                        "multiple of 8, so that few shapes compile)")
+    g.add_argument("--deterministic", action="store_true",
+                   help="deterministic algorithms on CUDA (torch.use_deterministic_algorithms, "
+                        "CUBLAS_WORKSPACE_CONFIG): a resumed GPU run is then bit-identical; slower")
+    g.add_argument("--count_host_syncs", type=int, default=None, metavar="N",
+                   help="count the host-device syncs of training steps 2..N+1 into results.json "
+                        "(plumbing/syncs.py; slow while it counts: for tests and bench.py)")
+
+
+def parser(doc: str, method: str) -> plumbing.Parser:
+    """A method's parser: common.FLAGS (unsupervised SimCSE's defaults), the pooler and the precision, then the
+    run's flags; the method adds its own group."""
+    import common
+    p = plumbing.Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("shared arguments (SimCSE unsupervised defaults)")
+    for name, kind, default, text in common.FLAGS:
+        g.add_argument(f"--{name}", type=kind, default=default, help=text)
+    g.add_argument("--pooler", default="cls", choices=common.POOLERS,
+                   help="training pooler; cls = [CLS] + the MLP head")
+    g.add_argument("--mlp_only_train", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --pooler cls, evaluate [CLS] before the MLP (unsupervised SimCSE)")
+    g.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                   help="the encoder's forward pass: auto = bf16 on a CUDA GPU that has it, else "
+                        "fp16 with a GradScaler, fp32 on CPU; losses are always fp32")
+    add_run_flags(p)
+    p.set_defaults(method=method, presets=None, backbone=None, backbone_config=None)
+    return p
+
+
+# --------------------------------------------------------------------------------------------------------- presets
+def parse(parser, argv, table: dict, choose=None, note: str = ""):
+    """parser.parse_args(argv) with the presets of `table` ({key: (settings, source)}) as the defaults: the rows
+    `choose(known_args, backbone)` names, in order, later rows over earlier (default: the backbone's row); the
+    flags the user gives win. args.presets records the sources (and `note`), the values that applied and those the
+    user's flags replaced (the run summary, results.json); args.backbone what the model is."""
+    known, _ = parser.parse_known_args(argv)
+    kind, config = backbone(known.model_name_or_path)
+    parser.set_defaults(backbone=kind, backbone_config=config)
+    keys = [key for key in (choose(known, kind) if choose else [kind]) if key in table]
+    presets = {name: value for key in keys for name, value in table[key][0].items()}
+    parser.set_defaults(**presets)
+    args = parser.parse_args(argv)
+    if presets:
+        given = {k: getattr(args, k) for k in presets}
+        args.presets = {"source": "; ".join(table[key][1] for key in keys) + note,
+                        "applied": {k: v for k, v in given.items() if v == presets[k]},
+                        "overridden": {k: v for k, v in given.items() if v != presets[k]}}
+    return args
+
+
+def nearest(values, fraction: float) -> float:
+    """The value nearest to `fraction` on a log scale (a per-fraction table's row)."""
+    return min(values, key=lambda f: abs(math.log10(f) - math.log10(fraction)))
+
+
+# What a model is, from its config (model_type, width, depth), not its name: a local copy of roberta-large is
+# roberta-large. A hub id not downloaded yet is known by its published config.
+BACKBONES = {("bert", 768, 12): "bert-base", ("bert", 1024, 24): "bert-large",
+             ("roberta", 768, 12): "roberta-base", ("roberta", 1024, 24): "roberta-large"}
+HUB_BACKBONES = {"bert-base-uncased": "bert-base", "bert-base-cased": "bert-base",
+                 "bert-large-uncased": "bert-large", "bert-large-cased": "bert-large",
+                 "roberta-base": "roberta-base", "roberta-large": "roberta-large"}
+
+
+def backbone(name_or_path: str) -> tuple[str | None, str]:
+    """(bert-base, bert-large, roberta-base, roberta-large or None, what its config says)."""
+    config = hub.local_config(name_or_path)
+    if config is None:
+        kind = HUB_BACKBONES.get(name_or_path.split("/")[-1])
+        return kind, "not read yet" if kind is None else f"{kind} (the hub's config)"
+    key = (config.model_type, config.hidden_size, config.num_hidden_layers)
+    return BACKBONES.get(key), f"{key[0]}, {key[1]} wide, {key[2]} layers"
+
+
+# ---------------------------------------------------------------------------------------------------------- checks
+def check_args(args) -> torch.device:
+    """Every shared flag against its meaning, the device and the output folder, before any work; the device."""
+    check = plumbing.check_range
+    check(args, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
+    check(args, "seed", lambda v: 0 <= v < 2**32, "0 <= seed < 2^32")
+    check(args, "batch_size", lambda v: v >= 2, "at least 2 (one sentence has no negatives)")
+    check(args, "max_seq_length", lambda v: 2 <= v <= 512, "2..512 tokens")
+    for name in ("lr", "temp", "epochs", "eval_steps", "logging_steps", "align_uniform_steps", "save_steps",
+                 "count_host_syncs"):
+        check(args, name, lambda v: v > 0, "a positive number")
+    for name in ("max_steps", "warmup_steps", "max_grad_norm", "num_workers"):
+        check(args, name, lambda v: v >= 0, "a non-negative number")
+    check(args, "dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
+    args.logging_steps = args.logging_steps or args.eval_steps
+    plumbing.check_installed(args.report_to == "tensorboard", "tensorboard", "--report_to tensorboard")
+    device = plumbing.resolve_device(args.device)
+    args.precision = resolve_precision(args.precision, device)
+    if args.count_host_syncs and args.compile:
+        raise plumbing.UsageError("--count_host_syncs counts under a TorchDispatchMode, which --compile does not "
+                                  "trace: give one of them")
+    args.output_dir = str(args.output_dir or Path("runs") / args.method)
+    out = Path(args.output_dir)
+    if out.exists() and not out.is_dir():
+        raise plumbing.UsageError(f"--output_dir {out} is a file; give a folder")
+    holds_a_run = any((out / name).exists() for name in ("results.json", "best", "tb", "last"))
+    if args.resume and args.overwrite_output_dir:
+        raise plumbing.UsageError("--resume continues the run in --output_dir and --overwrite_output_dir replaces "
+                                  "it: give one of them")
+    if args.resume:
+        resume.check(args)  # a last/ to resume from, and the run's own arguments
+    elif holds_a_run and not args.overwrite_output_dir:
+        raise plumbing.UsageError(f"--output_dir {out} already holds a run; pass --overwrite_output_dir or "
+                                  "another folder")
+    return device
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """"auto": bf16 on a CUDA GPU that supports it, fp16 (with a GradScaler) on an older one, fp32 on CPU."""
+    cuda = device.type == "cuda"
+    bf16_ok = not cuda or torch.cuda.is_bf16_supported(including_emulation=False)
+    if precision == "auto":
+        return ("bf16" if bf16_ok else "fp16") if cuda else "fp32"
+    if precision == "bf16" and not bf16_ok:
+        raise plumbing.UsageError("--precision bf16: this GPU has no bf16; use --precision fp16 (or auto)")
+    if precision == "fp16" and not cuda:
+        raise plumbing.UsageError("--precision fp16 needs a CUDA device; on CPU use --precision bf16 or fp32")
+    return precision
+
+
+def deterministic_algorithms() -> None:
+    """--deterministic: every op's deterministic algorithm (PyTorch raises where there is none; SDPA then picks a
+    deterministic kernel), cuBLAS's fixed workspace (read when cuBLAS starts: before any CUDA work) and no cuDNN
+    autotuning."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False

@@ -1,0 +1,346 @@
+"""A training run's bookkeeping, written once and called in one line from each method file's loop.
+
+    run = Run(args)                    # every flag checked, the seeds, the device and process group
+    run.start(loader, total_steps, encode, modules, train_file, subset, **state)   # summary, --resume
+    for step in run.steps():           # logging, trajectory, last/ and the stop signal between steps
+        ... the method's training step ...
+        run.record(loss, grad_norm)    # kept on the device until a log step: no host sync
+        if <a dev gate>:
+            if run.dev_gate(step) > run.best_dev or run.best_step is None:   # STS-B dev
+                run.save_best(step, backbone, head, tokenizer, eval_pooler)    # best/
+    run.write(run.evaluate_best(eval_pooler))   # best/ reloaded and evaluated; results.json
+
+What it keeps: each step's loss and gradient norm (read from the device at log steps only, one host sync; the first
+NaN or inf stops the run naming its step), the trajectory (a row at each log, dev and --align_uniform_steps step:
+step, training time, lr, and where STS-B dev was encoded its score, l_align and l_uniform), TensorBoard scalars
+(--report_to), the training time without the dev gates and logs (read where the device has finished its queue, so a
+GPU's real speed), the progress bar, last/ for --resume (at each dev gate, every --save_steps and when a signal stops
+the run), and the record that becomes results.json.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import common
+import data
+import eval_sts
+import plumbing
+from plumbing import distributed, files, options, progress, resume, syncs
+
+
+
+class History:
+    """What the loop measures: each step's loss and gradient norm (`add`: kept on the device until `read`, one host
+    sync at a log step), the trajectory (`record`: a row at each log, dev and --align_uniform_steps step), and their
+    TensorBoard scalars (--report_to). `saved`: resume.new_run() or the record of the run being resumed."""
+
+    def __init__(self, saved: dict, writer=None):
+        self.losses, self.grad_norms = list(saved["losses"]), list(saved["grad_norms"])
+        self.trajectory, self.resumptions = list(saved["trajectory"]), list(saved["resumptions"])
+        self.pending, self.writer = [], writer
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        self.pending.append(torch.stack([loss.detach().float(), grad_norm.float()]))
+
+    def read(self) -> None:
+        """The pending steps' values as floats: one host sync. The first NaN or inf loss stops the run with its
+        step."""
+        if not self.pending:
+            return
+        values = torch.stack(self.pending).tolist()
+        self.pending.clear()
+        for step, (loss, grad_norm) in enumerate(values, start=len(self.losses) + 1):
+            if not math.isfinite(loss):
+                raise plumbing.UsageError(f"the loss became {loss} at step {step}: the run diverged (a lower --lr "
+                                          "may help)")
+            self.losses.append(loss)
+            self.grad_norms.append(grad_norm)
+            files.add_scalars(self.writer, step, {"train/loss": loss, "train/grad_norm": grad_norm})
+
+    def record(self, point: dict) -> None:
+        """A trajectory row: {"step", "train_time_s", "lr"} and, where STS-B dev was encoded, {"stsb_dev", "align",
+        "uniform", "gate"}."""
+        self.trajectory.append(point)
+        files.add_scalars(self.writer, point["step"], {f"{'train' if k == 'lr' else 'dev'}/{k}": v
+                                                       for k, v in point.items()
+                                                       if k in ("lr", "stsb_dev", "align", "uniform")})
+
+
+class Run:
+    def __init__(self, args, resumable: bool = True):
+        """Every flag against its meaning, the device and the output folder, before any work; --count_host_syncs
+        and --deterministic set up; the seeds; under torchrun the process group. `resumable`: writes last/."""
+        device = options.check_args(args)
+        syncs.WINDOW = syncs.StepWindow(args.count_host_syncs, device)
+        if args.deterministic:
+            options.deterministic_algorithms()
+        transformers.set_seed(args.seed)
+        self.args, self.resumable = args, resumable
+        self.device = distributed.init(device)
+        self.best_dev, self.best_step, self.gate_step = -math.inf, None, None
+
+    def start(self, loader, total_steps: int, encode, modules, train_file, subset, **state) -> None:
+        """Before the first step: SentEval's files read (process 0 first: senteval.tar), the run's summary, the
+        output folder, the stop signal, and `state` (what last/ saves: the models, optimiser, schedule, scaler,
+        generators) restored from last/ under --resume, the RNG streams last of all."""
+        args = self.args
+        with distributed.main_process_first():  # every SentEval file read once: a bad one stops the run now
+            self.senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
+        self.dev_pairs = eval_sts.load_pairs(self.senteval_dir, "STSBenchmark", "dev")
+        self.loader, self.total_steps, self.encode = loader, total_steps, encode
+        self.modules = [m for m in modules if m is not None]  # switched to eval mode at the dev gates
+        self.state, self.scheduler = state, state["scheduler"]
+        self.data = {"train_file": train_file, "micse_subset": subset, "num_train_examples": len(loader.dataset)}
+        self.summary = summary(args, self.data, len(loader), total_steps, self.device)
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        self.stop = distributed.StopSignal()
+        saved = resume.restore(args, state, loader, self.device) if args.resume else resume.new_run()
+        self.best_dev, self.best_step, self.train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
+        self.next_step = saved["next_step"]
+        self.history = History(saved, files.tensorboard(args.report_to, Path(args.output_dir) / "tb",
+                                                        distributed.rank() == 0,
+                                                        saved["next_step"] if args.resume else None))
+        self.bar = progress.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
+                                     initial=len(self.history.losses))
+
+    def steps(self):
+        """The steps from 0 (only the initial model's dev gate) or where --resume continues, to the last; between
+        two, the log, the trajectory, last/ and the stop signal. A signal ends it after the step it came in."""
+        self.clock = time.perf_counter()
+        for step in range(self.next_step, self.total_steps + 1):
+            yield step
+            if self._after(step):
+                break
+        self.bar.close()
+
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """A step's loss and gradient norm, kept on the device until the next log step; the step is queued."""
+        self.history.add(loss, grad_norm)
+        syncs.end_step()  # --count_host_syncs' window closes
+        self.bar.update()  # a clock read
+
+    def dev_gate(self, step: int) -> float:
+        """STS-B dev at a dev gate (common.dev_measures: eval mode, fp32, one encoding, with l_align / l_uniform),
+        after the steps so far are done (their time is the training time): the score."""
+        self._read()
+        self.measures, self.gate_step = common.dev_measures(self.modules, self.encode, self.dev_pairs), step
+        return self.measures["stsb_dev"]
+
+    def save_best(self, step: int, backbone, head, tokenizer, eval_pooler: str, projection=None) -> None:
+        """The model of this dev gate is the best so far: its score and step kept, best/ written (save_checkpoint)."""
+        self.best_dev, self.best_step = self.measures["stsb_dev"], step
+        save_checkpoint(self.args.output_dir, backbone, head, tokenizer, eval_pooler, projection)
+
+    def sentences(self, task: str, split: str = "test") -> list[str]:
+        """The distinct sentences of a SentEval task's split, sorted (SSCL's SetSim reads STS-B test's)."""
+        return sorted({s for pair in eval_sts.load_pairs(self.senteval_dir, task, split) for s in pair[:2]})
+
+    # --------------------------------------------------------------------------------------------- between steps
+    def _read(self) -> None:
+        """The steps' losses and gradient norms read from the device (History.read: one host sync), and the training
+        time up to here."""
+        self.history.read()
+        if self.clock is not None:  # the device has finished every step up to here
+            self.train_time += time.perf_counter() - self.clock
+            self.clock = None
+
+    def _after(self, step: int) -> bool:
+        """After a step: at a log step the log line and a trajectory row; last/ at a dev gate, every --save_steps and
+        when a signal stops the run. Whether the run stops here."""
+        args = self.args
+        gate = self.gate_step == step
+        align_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
+        every_save = bool(args.save_steps) and step % args.save_steps == 0
+        log_step = gate or align_step or every_save or step % args.logging_steps == 0
+        stopping = self.stop.requested(share=log_step)  # several processes agree at log steps only
+        if not (log_step or stopping):
+            return False
+        self._read()
+        message = progress_line(step, self.total_steps, self.history.losses, self.train_time)
+        # lr: what the scheduler set for the next step (as the HF Trainer logs it)
+        point = {"step": step, "train_time_s": round(self.train_time, 3), "lr": self.scheduler.get_last_lr()[0]}
+        if gate:
+            point.update(self.measures, gate=True)
+            message += f"  STS-B dev {self.measures['stsb_dev']:.2f}  best {self.best_dev:.2f} " \
+                       f"(step {self.best_step})"
+        elif align_step:  # STS-B dev encoded between the gates, for the trajectory's l_align / l_uniform
+            point.update(common.dev_measures(self.modules, self.encode, self.dev_pairs), gate=False)
+        self.history.record(point)
+        if self.resumable and (gate or stopping or every_save):  # written whole or not at all
+            loop = {"best_dev": self.best_dev, "best_step": self.best_step, "train_time": self.train_time}
+            resume.save(args, step, self.state, self.loader, self.history, loop)
+        distributed.log(message)
+        losses = self.history.losses
+        self.bar.set_postfix(loss=losses[-1] if losses else None, best_dev=self.best_dev)
+        self.clock = time.perf_counter()  # the dev gate and the log are not training time
+        self.bar.unpause()  # nor in the bar's speed and ETA
+        return stopping
+
+    # ------------------------------------------------------------------------------------------------ the end
+    def evaluate_best(self, eval_pooler: str, **extra) -> dict | None:
+        """The processes part (the others exit: process 0's long final evaluation holds nobody in a barrier); on
+        process 0 the run's record, then best/ reloaded as eval_sts.py loads it and evaluated: the 7 STS test tasks
+        (SimCSE's Table 5 protocol), l_align / l_uniform of it and of the pretrained model, --eval_transfer. A signal
+        during it stops it, and results.json records that. None on the other processes."""
+        distributed.shutdown()
+        if distributed.rank() != 0:
+            return None
+        args = self.args
+        results = self._results(eval_pooler, **extra)
+        with self.stop.final_evaluation(results):  # a signal now stops it; results.json records that
+            if not results["interrupted"]:
+                distributed.log(f"best STS-B dev {self.best_dev:.2f} at step {self.best_step}; evaluating it")
+                encode = eval_sts.load_encode(str(Path(args.output_dir) / "best"), eval_pooler, self.device)
+                if not args.no_test_eval:
+                    results["test"] = eval_sts.evaluate(encode, self.senteval_dir, mode="test")
+                    eval_sts.print_table(results["test"])
+                # the pretrained encoder under the evaluation pooler (a fresh head is not "initial")
+                initial = eval_sts.load_encode(args.model_name_or_path, "cls_before_pooler" if eval_pooler == "cls"
+                                               else eval_pooler, self.device)
+                results["align_uniform"] = {
+                    "initial": eval_sts.align_uniform(initial, self.senteval_dir,
+                                                      desc="initial model: alignment/uniformity"),
+                    "best": eval_sts.align_uniform(encode, self.senteval_dir)}
+                if args.eval_transfer:  # results.json first: an error in this long evaluation loses nothing
+                    import eval_transfer
+                    files.write_json(Path(args.output_dir) / "results.json", results)
+                    results["transfer"] = eval_transfer.evaluate(encode, self.senteval_dir, mode=args.eval_transfer,
+                                                                 device=self.device)
+                    eval_sts.print_table(results["transfer"])
+        return results
+
+    def write(self, results: dict | None) -> None:
+        """results.json (process 0), the numbers in context, last/ deleted (a completed run needs it no more,
+        unless --keep_last); then exit 130 / 143 if Ctrl-C or SIGTERM stopped the run."""
+        if results is not None:
+            out = Path(self.args.output_dir)
+            files.write_json(out / "results.json", results)
+            resume.drop(self.args, results)
+            distributed.log(in_context(results))
+            distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
+        self.stop.exit_if_stopped()
+
+    def _results(self, eval_pooler: str, **extra) -> dict:
+        """results.json before the final evaluation: the method, every argument, where and how it ran, what the
+        loop measured, peak memory, and whether a signal stopped the training."""
+        args, device, history = self.args, self.device, self.history
+        if history.writer is not None:
+            history.writer.close()
+        cuda = device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(device) if cuda else \
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+        results = {"method": args.method, "args": {k: v for k, v in vars(args).items() if k != "method"},
+                   "device": str(device), "world_size": distributed.world_size(), "precision": args.precision,
+                   "eval_pooler": eval_pooler, "summary": self.summary, **self.data, **extra,
+                   "best_dev_stsb": self.best_dev, "best_step": self.best_step,
+                   "steps": len(history.losses), "train_loss": history.losses, "grad_norm": history.grad_norms,
+                   "trajectory": history.trajectory, "resumptions": history.resumptions,
+                   "train_time_s": round(self.train_time, 2),
+                   "steps_per_second": round(len(history.losses) / self.train_time, 3) if self.train_time else 0.0,
+                   "peak_memory_mb": round(peak / 2**20, 1),
+                   "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
+                   "interrupted": self.stop.signum is not None}
+        if args.count_host_syncs:
+            results["host_syncs"] = syncs.WINDOW.record()
+        if self.stop.signum is not None:
+            results["interrupted_during"] = "training"
+        if cuda:
+            results["peak_memory_reserved_mb"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
+        return results
+
+
+def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projection=None) -> None:
+    """<out_dir>/best (process 0): save_pretrained + tokenizer + sentence-transformers metadata, written beside it and
+    swapped in only when complete. The MLP head goes into BERT's pooler weights (as SimCSE's simcse_to_huggingface.py
+    does), so `eval_sts.py --pooler cls` on the checkpoint is the head. A projection (nn.Linear after the pooler) is
+    saved beside it, and eval_sts.load_encode applies it."""
+    if distributed.rank() == 0:
+        target, tmp = Path(out_dir) / "best", Path(out_dir) / "best.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        state = backbone.state_dict()  # the training model itself stays untouched
+        if isinstance(head, common.MLPHead) and "pooler.dense.weight" in state:
+            state.update({"pooler.dense.weight": head[0].weight, "pooler.dense.bias": head[0].bias})
+        backbone.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
+        if projection is not None:
+            files.save_projection(tmp, projection)
+        else:  # sentence-transformers' modules do not hold the projection
+            files.write_sentence_transformers_config(tmp, eval_pooler, backbone.config.hidden_size,
+                                                     head if eval_pooler == "cls" else None)
+        umask = os.umask(0)
+        os.umask(umask)
+        for path in tmp.rglob("*"):  # save_pretrained writes the weights through a 0600 temporary file
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+        files.swap_in(tmp, target)  # a kill leaves the previous best whole (best.old at worst)
+    distributed.barrier()
+
+
+def progress_line(step: int, total_steps: int, losses: list, train_time: float) -> str:
+    """The log line: step, loss, training speed and the training time left at that speed (dev gates aside)."""
+    if not losses:  # step 0: nothing trained yet
+        return f"step {step}/{total_steps}"
+    rate = step / max(train_time, 1e-9)
+    left = f"  ETA {progress.duration((total_steps - step) / rate)}" if step < total_steps else ""
+    return f"step {step}/{total_steps}  loss {losses[-1]:.4f}  {rate:.2f} steps/s{left}"
+
+
+def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device) -> dict:
+    """What this run is, printed before training and kept in results.json: the presets and their source, the data,
+    the model, device and precision, the schedule, the output folder."""
+    num, subset, train_file = corpus["num_train_examples"], corpus["micse_subset"], corpus["train_file"]
+    if subset:
+        text = f"miCSE's released subset {subset}: {num:,} examples (Table 2's data)"
+    elif args.fraction < 1:
+        text = f"{num:,} examples, a {args.fraction:g} subset of {train_file} drawn with --seed {args.seed}"
+        if args.fraction in data.MICSE_SUBSETS and not args.train_file:
+            text += " (not the authors' subset: theirs are --seed 48-52)"
+    else:
+        text = f"{num:,} examples from {train_file}"
+    presets = "none: the defaults in --help (BERT-base's)"
+    if args.presets:
+        applied, overridden = args.presets["applied"], args.presets["overridden"]
+        presets = args.presets["source"] + ": " + ", ".join(f"{k} {v}" for k, v in applied.items())
+        if overridden:
+            presets += "; your flags replaced " + ", ".join(f"{k} (now {v})" for k, v in overridden.items())
+    compiled = ", torch.compile" if args.compile else ""
+    model = f"{args.backbone} ({args.backbone_config})" if args.backbone else \
+        f"{args.backbone_config}: no preset for this backbone, the BERT-base settings"
+    result = {"presets": presets, "backbone": model, "data": text,
+              "model": f"{args.model_name_or_path}, trained with pooler {args.pooler}, evaluated with "
+                       f"{common.eval_pooler(args)}",
+              "device": f"{device} x {distributed.world_size()}, precision {args.precision}{compiled}",
+              "schedule": f"{total_steps:,} steps ({steps_per_epoch:,} an epoch), batch {args.batch_size}, lr "
+                          f"{args.lr:g}, STS-B dev every {args.eval_steps} steps; the ETA comes with the first log "
+                          "line",
+              "output": args.output_dir}
+    distributed.log("\n".join([args.method] + [f"  {key:<9} {value}" for key, value in result.items()]))
+    return result
+
+
+def in_context(results: dict) -> str:
+    """The run's numbers beside their starting points: STS-B dev of the initial checkpoint and of the best, the
+    STS test average, and l_align / l_uniform of the pretrained model and of the best checkpoint."""
+    gates = [row for row in results["trajectory"] if row.get("gate")]
+    lines = ["in context:"]
+    if gates and gates[0]["step"] == 0:
+        lines.append(f"  STS-B dev  initial {gates[0]['stsb_dev']:.2f} -> best {results['best_dev_stsb']:.2f} "
+                     f"(step {results['best_step']})")
+    else:
+        lines.append(f"  STS-B dev  best {results['best_dev_stsb']:.2f} (step {results['best_step']})")
+    if "test" in results:
+        lines.append(f"  STS test   7-task average {results['test']['avg']:.2f}")
+    if "align_uniform" in results:
+        a, b = results["align_uniform"]["initial"], results["align_uniform"]["best"]
+        lines.append(f"  align / uniform  initial {a['align']:.4f} / {a['uniform']:.4f} -> best "
+                     f"{b['align']:.4f} / {b['uniform']:.4f} (lower is better)")
+    if results.get("interrupted"):
+        lines.append(f"  interrupted during the {results.get('interrupted_during', 'training')}")
+    return "\n".join(lines)
