@@ -38,8 +38,11 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
     """(examples, path, miCSE subset or None): a `datasets` Dataset with a "text" column (lines
     stripped, empty ones skipped) or, with `triplets`, NLI's sent0/sent1/hard_neg columns
     (sent0/sent1 only when the file has no hard_neg or `hard_negatives` is off; + neutral with
-    `neutral`), --fraction applied deterministically."""
-    subset = None if args.train_file or triplets else micse_subset(args.fraction, args.seed)
+    `neutral`), --fraction applied deterministically unless the file is miCSE's subset for
+    (--fraction, --seed), downloaded or a --train_file with its name."""
+    subset = None if triplets else micse_subset(args.fraction, args.seed)
+    if args.train_file and Path(args.train_file).name != subset:
+        subset = None  # a local copy of the authors' subset keeps its name and is read whole
     repo, name = (MICSE_DATA_REPO, subset) if subset else (hub.SIMCSE_DATA_REPO, default_file)
     path = args.train_file or hub.hub_file(repo, name, "--train_file")
     if Path(path).is_file() and Path(path).stat().st_size > 20 * 2**20:

@@ -300,8 +300,11 @@ def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device) 
         text = f"miCSE's released subset {subset}: {num:,} examples (Table 2's data)"
     elif args.fraction < 1:
         text = f"{num:,} examples, a {args.fraction:g} subset of {train_file} drawn with --seed {args.seed}"
+        released = data.micse_subset(args.fraction, args.seed)
         if args.fraction in data.MICSE_SUBSETS and not args.train_file:
             text += " (not the authors' subset: theirs are --seed 48-52)"
+        elif released:
+            text += f" (not the authors' subset: a local copy is read whole under its name, {released})"
     else:
         text = f"{num:,} examples from {train_file}"
     presets = "none: the defaults in --help (BERT-base's)"

@@ -271,6 +271,24 @@ def test_released_subset_offline_names_the_file_and_the_flag(tmp_path):
     assert len(line) == 1 and "wiki_subset_1M_001.00percent_seed48.txt" in line[0] and "--train_file" in line[0]
 
 
+def test_a_local_copy_of_the_authors_subset_is_read_whole_under_its_name(tmp_path):
+    """docs/reproducing.md's offline route: --train_file keeping the released name, with the same
+    --fraction and --seed, is their subset (not 1% of it); renamed or with another seed, it is subsampled."""
+    import argparse
+    import data
+    name = "wiki_subset_1M_001.00percent_seed48.txt"
+    lines = [f"sentence number {i}" for i in range(300)]
+    (tmp_path / name).write_text("\n".join(lines) + "\n")
+    (tmp_path / "renamed.txt").write_text("\n".join(lines) + "\n")
+    args = argparse.Namespace(train_file=str(tmp_path / name), fraction=0.01, seed=48)
+    examples, _, subset = data.training_examples(args)
+    assert subset == name and examples["text"] == lines
+    for train_file, seed in ((tmp_path / "renamed.txt", 48), (tmp_path / name, 3)):
+        args = argparse.Namespace(train_file=str(train_file), fraction=0.01, seed=seed)
+        examples, _, subset = data.training_examples(args)
+        assert subset is None and len(examples) == 3 and set(examples["text"]) < set(lines)
+
+
 def test_headline_command_offline_names_the_local_path_flags(tmp_path):
     proc = run_script("micse.py", "--fraction", "0.01", "--seed", "3", "--output_dir", tmp_path,
                       env_extra={"HF_HOME": str(tmp_path / "hf")})

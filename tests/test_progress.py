@@ -145,6 +145,9 @@ def summary_args(**kw):
     (dict(fraction=0.02, seed=3), None, "10 examples, a 0.02 subset of wiki1m.txt drawn with --seed 3"),
     (dict(fraction=0.01, seed=3, train_file="mine.txt"), None, "10 examples, a 0.01 subset of wiki1m.txt drawn "
                                                                "with --seed 3"),
+    (dict(fraction=0.01, seed=48, train_file="mine.txt"), None, "10 examples, a 0.01 subset of wiki1m.txt drawn "
+     "with --seed 48 (not the authors' subset: a local copy is read whole under its name, "
+     "wiki_subset_1M_001.00percent_seed48.txt)"),
     (dict(), None, "10 examples from wiki1m.txt"),
 ])
 def test_the_summary_says_whose_data_it_is(kw, subset, data, capsys):
