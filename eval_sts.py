@@ -130,15 +130,6 @@ def align_uniform(encode, senteval_dir, batch_size: int = 128, desc: str = "alig
                                                             desc))
 
 
-def stsb_dev(encode, senteval_dir, batch_size: int = 128, desc: str = "STS-B dev") -> dict:
-    """{"STSBenchmark", "align", "uniform"}: the dev score of `evaluate(..., ["STSBenchmark"], "dev")` and the
-    `align_uniform` of the same embeddings, from one encoding of STS-B dev (the training runs' dev gate)."""
-    pairs = load_pairs(senteval_dir, "STSBenchmark", "dev")
-    table = common.encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size, desc)
-    score = common.spearman(pairs, lambda sentences: np.stack([table[s] for s in sentences]))
-    return {"STSBenchmark": score, **common.align_uniform(pairs, table)}
-
-
 def print_table(scores: dict) -> None:
     """A table like SimCSE's evaluation.py."""
     names = list(scores)

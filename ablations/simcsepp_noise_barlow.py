@@ -73,9 +73,7 @@ def parse_args(argv=None):
         parser.error("--barlow is Table 2, the noise flags are Table 1: give one study")
     if args.pooler != "cls":
         parser.error("this study trains [CLS] with the MLP (--pooler cls), unsupervised SimCSE's")
-    lacking = ("resume", "save_steps", "keep_last", "compile", "eval_transfer",
-               "align_uniform_steps")
-    plumbing.refuse_flags(args, lacking, "not in the ablation scripts (method files have them)")
+    options.refuse_method_only_flags(args)  # --resume, --compile, ...: one line, not ignored
     return args
 
 

@@ -58,9 +58,7 @@ def parse_args(argv=None):
     plumbing.check_range(args, "momentum", lambda v: 0 <= v < 1, "0 <= beta < 1")
     plumbing.check_range(args, "whitening_eps", lambda v: v >= 0, ">= 0")
     plumbing.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
-    lacking = ("resume", "save_steps", "keep_last", "compile", "eval_transfer",
-               "align_uniform_steps")
-    plumbing.refuse_flags(args, lacking, "not in the ablation scripts (method files have them)")
+    options.refuse_method_only_flags(args)  # --resume, --compile, ...: one line, not ignored
     return args
 
 

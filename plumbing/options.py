@@ -124,6 +124,13 @@ def backbone(name_or_path: str) -> tuple[str | None, str]:
 
 
 # ---------------------------------------------------------------------------------------------------------- checks
+def refuse_method_only_flags(args) -> None:
+    """The ablation scripts' run flags: one process, no last/, no --compile, the end without transfer tasks; a
+    method file's flags given to them are one line, not ignored."""
+    plumbing.refuse_flags(args, ("resume", "save_steps", "keep_last", "compile", "eval_transfer",
+                                 "align_uniform_steps"), "not in the ablation scripts (method files have them)")
+
+
 def check_args(args) -> torch.device:
     """Every shared flag against its meaning, the device and the output folder, before any work; the device."""
     check = plumbing.check_range
