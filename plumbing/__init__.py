@@ -29,6 +29,7 @@ import torch
 class UsageError(ValueError):
     """Something the user can fix: printed as one line by `cli`, exit status 2, never a traceback."""
 
+
 def cli(main) -> None:
     """Run `main()`; a UsageError becomes one line on stderr and exit status 2."""
     try:
@@ -39,16 +40,19 @@ def cli(main) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
 
+
 class Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag in one line instead of usage + error."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
+
 def check_range(args, name: str, ok, accepted: str) -> None:
     value = getattr(args, name)
     if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
         raise UsageError(f"--{name} {value} is out of range: {accepted}")
+
 
 def resolve_device(name: str | None) -> torch.device:
     """The --device, checked to exist on this machine (default: cuda if available)."""
@@ -64,6 +68,7 @@ def resolve_device(name: str | None) -> torch.device:
     if device.type not in ("cpu", "cuda") and not getattr(torch, device.type, None):
         raise UsageError(f"--device {name} is not available on this machine; use cpu or cuda")
     return device
+
 
 def read_lines(path, flag: str) -> list[str]:
     """A text file's lines; missing, unreadable, not UTF-8 or empty is one line naming the file (and line)."""
@@ -83,6 +88,7 @@ def read_lines(path, flag: str) -> list[str]:
         raise UsageError(f"{flag} {path} is empty")
     return text.splitlines()
 
+
 def parse_score(value: str, path, line_number: int, flag: str) -> float:
     try:
         score = float(value)
@@ -92,16 +98,19 @@ def parse_score(value: str, path, line_number: int, flag: str) -> float:
         raise UsageError(f"{flag}: {path} line {line_number}: the score '{value}' is not a number")
     return score
 
+
 def refuse_flags(args, names, why: str) -> None:
     """Shared flags a script does not implement: one line naming those given, instead of ignoring them."""
     given = [f"--{name}" for name in names if getattr(args, name) not in (None, False)]
     if given:
         raise UsageError(f"{' '.join(given)}: {why}")
 
+
 def check_installed(needed: bool, package: str, flag: str) -> None:
     """An optional dependency a flag needs: one line naming the package, before any work."""
     if needed and importlib.util.find_spec(package) is None:
         raise UsageError(f"{flag} needs the {package} package: pip install {package}")
+
 
 def check_json_path(path: str | None) -> None:
     """--json must be writable and must not be a folder (checked before any work)."""

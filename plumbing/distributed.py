@@ -56,7 +56,7 @@ def rank() -> int:
 
 def set_rows(batch_rows: int) -> None:
     """The current global batch has `batch_rows` rows: process r holds rows n r / N to n (r + 1) / N
-    (common.BatchSampler), so every process knows every process's count without asking."""
+    (data.BatchSampler), so every process knows every process's count without asking."""
     global _ROWS
     _ROWS = [batch_rows * (r + 1) // _WORLD - batch_rows * r // _WORLD for r in range(_WORLD)]
 

@@ -51,8 +51,8 @@ def add_scalars(writer, step: int, values: dict) -> None:
                 writer.add_scalar(tag, value, step)
 
 def trajectory(results: dict) -> list[dict]:
-    """The trajectory rows of a results.json (common.History.record), also from the format before them:
-    "dev_curve" [[step, dev]] and "train_time_curve" [[step, seconds]] become rows without lr, align and
+    """The trajectory rows of a results.json (plumbing/run.py: History.record), also from the format before
+    them: "dev_curve" [[step, dev]] and "train_time_curve" [[step, seconds]] become rows without lr, align and
     uniform."""
     if "trajectory" in results:
         return results["trajectory"]

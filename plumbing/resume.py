@@ -27,9 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from plumbing import distributed
 import plumbing
-from plumbing import files
+from plumbing import distributed, files
 
 # Flags that do not change a run's numbers: they may differ when it is resumed.
 FREE_FLAGS = {"resume", "overwrite_output_dir", "keep_last", "save_steps", "eval_transfer", "num_workers",
@@ -92,8 +91,7 @@ def save(args, step: int, run_state: dict, loader, history, loop: dict) -> None:
         torch.save(state, tmp / "state.pt")
         per_epoch = len(loader)
         files.write_json(tmp / "run.json", {"args": vars(args), "step": step, "epoch": step // per_epoch,
-                                               "position": step % per_epoch,
-                                               "world_size": distributed.world_size()})
+                                            "position": step % per_epoch, "world_size": distributed.world_size()})
         files.swap_in(tmp, out / "last")
     distributed.barrier()
 

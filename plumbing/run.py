@@ -36,7 +36,6 @@ import plumbing
 from plumbing import distributed, files, options, progress, resume, syncs
 
 
-
 class History:
     """What the loop measures: each step's loss and gradient norm (`add`: kept on the device until `read`, one host
     sync at a log step), the trajectory (`record`: a row at each log, dev and --align_uniform_steps step), and their

@@ -9,8 +9,8 @@ CPU tensor's `.item()` is no sync. On CUDA the window also sets `torch.cuda.set_
 "warn" counts torch's own warnings, which catch syncs inside kernels; tests set "error").
 
 The window is a training step of this process: from the batch the loader hands over (the loader works on host
-tensors) to `common.History.add`; log steps and dev gates come after it. Steps 2..N+1 are counted (step 1
-allocates and warms up); results.json's "host_syncs" has the count of each, and the ops.
+tensors) to `Run.record` (plumbing/run.py); log steps and dev gates come after it. Steps 2..N+1 are counted
+(step 1 allocates and warms up); results.json's "host_syncs" has the count of each, and the ops.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class StepWindow:
             torch.cuda.set_sync_debug_mode(CUDA_DEBUG)
 
     def end(self) -> None:
-        """The step is queued (common.History.add)."""
+        """The step is queued (Run.record)."""
         if self.counter is None:
             return
         if self.caught is not None:
@@ -130,7 +130,7 @@ class StepWindow:
         return record
 
 
-WINDOW = StepWindow(None, torch.device("cpu"))  # set by common.check_args
+WINDOW = StepWindow(None, torch.device("cpu"))  # set by Run (plumbing/run.py)
 
 
 def begin_step() -> None:

@@ -224,7 +224,7 @@ def test_last_is_saved_at_dev_gates_every_save_steps_and_at_a_signal(tiny_model,
 
 
 def test_deterministic_sets_torch_and_cublas_and_changes_nothing_on_cpu(straight_runs, tiny_model, corpus,
-                                                                       senteval_dir, tmp_path, monkeypatch):
+                                                                        senteval_dir, tmp_path, monkeypatch):
     """--deterministic: PyTorch's deterministic algorithms and cuBLAS's fixed workspace (what a bit-identical resume
     on a GPU needs: tests/test_cuda.py); a CPU run is deterministic already, so its numbers stay the same."""
     import simcse

@@ -69,11 +69,11 @@ def bench_data(args) -> None:
     and padding the pre-tokenised rows (data.TokenizedCorpus); the same token ids either way."""
     import data
     tokenizer = hub.load_pretrained(args.model_name_or_path)[0]
-    files = [("sentences", args.train_file, False)] + ([("NLI triplets", args.supervised_file, True)]
-                                                       if args.supervised_file else [])
-    for label, path, triplets in files:
+    corpora = [("sentences", args.train_file, False)] + ([("NLI triplets", args.supervised_file, True)]
+                                                         if args.supervised_file else [])
+    for label, path, triplets in corpora:
         examples = data.training_examples(types.SimpleNamespace(train_file=path, fraction=1.0, seed=args.seed),
-                                            triplets=triplets)[0]
+                                          triplets=triplets)[0]
         start = time.perf_counter()
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
         setup = time.perf_counter() - start

@@ -10,7 +10,7 @@ The default protocol, `smoke`, is this suite's own CPU comparison (RESULTS.md):
     python tools/report.py run --seeds 42 43 --only simcse micse   # a part of it
     python tools/report.py run --no_transfer        # STS, dev curves and alignment/uniformity only (much cheaper)
     python tools/report.py write                    # RESULTS.md, results/dev_curves.png and results/align_uniform.png
-                                              # from results/*.json alone
+                                                    # from results/*.json alone
 
 Every run uses the same model, corpus, batch, steps and evaluation schedule (PROTOCOL) with its seed; each
 method's own flags come after. Resumable: a run whose results/<name>.seed<S>.json exists is not trained again,
