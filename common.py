@@ -1,19 +1,13 @@
 """What every method file shares: the training flags, SimCSE's poolers and MLP head, the encoder,
-the embeddings, InfoNCE, mixed precision, the optimiser, and the STS-B dev measure of the dev gate.
-Each method file runs its own loop; data.py holds the data, plumbing/ what a first reading skips."""
+the embeddings, InfoNCE, mixed precision and the optimiser. It imports nothing of the suite, so a
+copy works on its own. Each method file runs its own loop; data.py holds the data, eval_sts.py the
+STS metric of the dev gate, plumbing/ what a first reading skips."""
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
-from scipy.stats import spearmanr
-
-import plumbing
-from plumbing import distributed, progress
 
 POOLERS = ("cls", "cls_before_pooler", "avg", "avg_top2", "avg_first_last")
 # (flag, type, default, help): unsupervised SimCSE, BERT-base (Table A.1); a method's presets come
@@ -42,7 +36,7 @@ def pool(hidden_states, attention_mask, pooler: str, pooler_output=None) -> torc
     """SimCSE's poolers over the hidden states (embeddings, layer 1, ..., L); means in fp32."""
     if pooler == "cls":
         if pooler_output is None:
-            raise plumbing.UsageError("this model has no pooler layer; use cls_before_pooler")
+            raise ValueError("this model has no pooler layer; use cls_before_pooler")
         return pooler_output
     if pooler == "cls_before_pooler":
         return hidden_states[-1][:, 0]
@@ -63,17 +57,21 @@ class MLPHead(nn.Sequential):
 
 class Encoder(nn.Module):
     """What a step trains, one module (DDP averages all its gradients): the backbone, whose forward
-    this is, and its heads. BERT's pooler is in no loss (SimCSE trains its own head): frozen."""
+    this is, and its heads. BERT's pooler is in no loss (SimCSE trains its own head): frozen.
+    `prebuilt_mask`: the 4-D mask where it gives the model's own outputs (Run.check_encoder)."""
 
-    def __init__(self, backbone, *heads):
+    def __init__(self, backbone, *heads, prebuilt_mask: bool = True):
         super().__init__()
         self.backbone, self.heads = backbone, nn.ModuleList(h for h in heads if h is not None)
+        self.prebuilt_mask = prebuilt_mask
         if getattr(backbone, "pooler", None) is not None:
             backbone.pooler.requires_grad_(False)
 
     def forward(self, attention_mask, **inputs):
-        mask = attention_mask_4d(attention_mask, self.backbone.config._attn_implementation)
-        return self.backbone(attention_mask=mask, **inputs)
+        if self.prebuilt_mask:
+            attention_mask = attention_mask_4d(attention_mask,
+                                               self.backbone.config._attn_implementation)
+        return self.backbone(attention_mask=attention_mask, **inputs)
 
 
 def attention_mask_4d(attention_mask, attn_implementation: str):
@@ -87,14 +85,23 @@ def attention_mask_4d(attention_mask, attn_implementation: str):
     return attention_mask  # flash attention unpads with the 2-D mask
 
 
+def dropout_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Where an encoder keeps its dropout rates: each nn.Dropout's `p`, and the float rate some
+    attention modules pass to their kernel (ModernBERT's `attention_dropout`)."""
+    return [(m, "p") if isinstance(m, nn.Dropout) else (m, "attention_dropout")
+            for m in module.modules() if isinstance(m, nn.Dropout)
+            or isinstance(getattr(m, "attention_dropout", None), float)]
+
+
 def set_dropout(module: nn.Module, p: float | None) -> None:
-    """--dropout: each nn.Dropout's rate and the config's (a checkpoint says what it used)."""
+    """--dropout: every dropout rate of the encoder and the config's (a checkpoint says what it
+    used: BERT's names, DistilBERT's and ModernBERT's)."""
     if p is None:
         return
-    for m in module.modules():
-        if isinstance(m, nn.Dropout):
-            m.p = p
-    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+    for m, slot in dropout_slots(module):
+        setattr(m, slot, p)
+    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob", "dropout",
+                 "attention_dropout", "embedding_dropout", "mlp_dropout"):
         if hasattr(getattr(module, "config", None), name):
             setattr(module.config, name, p)
 
@@ -190,60 +197,3 @@ def make_optimizer(params, args, total_steps: int):
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, args.warmup_steps,
                                                              total_steps)
     return optimizer, scheduler
-
-
-# ------------------------------------------------------------------------------------- dev measure
-def encode_unique(encode, sentences, batch_size: int = 128, desc: str = "encoding") -> dict:
-    """{sentence: vector}: each distinct sentence once, length-sorted batches, the longest first."""
-    unique = sorted(set(sentences), key=lambda s: (len(s), s))
-    table = {}
-    with progress.Progress(len(unique), desc, unit="sentence") as bar:
-        for i in reversed(range(0, len(unique), batch_size)):
-            table.update(zip(unique[i:i + batch_size], encode(unique[i:i + batch_size])))
-            bar.update(len(unique[i:i + batch_size]))
-    return table
-
-
-def spearman(pairs, embed) -> float:
-    """Spearman x 100 (two decimals) of the pairs' cosines (embed(list[str]) -> np.ndarray) against
-    their gold scores, as SentEval's STS."""
-    def unit(a):
-        return a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
-    left, right, gold = zip(*pairs)
-    cosine = (unit(embed(list(left))) * unit(embed(list(right)))).sum(axis=1)
-    return round(float(spearmanr(cosine, np.array(gold)).correlation) * 100, 2)
-
-
-def align_uniform(pairs, table: dict) -> dict:
-    """l_align / l_uniform (Wang & Isola 2020, SimCSE Eq. 2-3) on unit vectors, four decimals: the
-    pairs with gold score > 4 as positives, every distinct sentence of `table` as the data."""
-    def unit(rows):
-        a = np.asarray(rows, dtype=np.float64)
-        return a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
-    x, y = (unit([table[p[i]] for p in pairs if p[2] > 4.0]) for i in (0, 1))
-    data = unit(list(table.values()))
-    exponent = -2.0 * np.maximum(2.0 - 2.0 * data @ data.T, 0.0)[np.triu_indices(len(data), k=1)]
-    uniform = np.log(np.mean(np.exp(exponent - exponent.max()))) + exponent.max()
-    return {"align": round(float(np.mean(np.sum((x - y) ** 2, axis=1))), 4),
-            "uniform": round(float(uniform), 4)}
-
-
-def dev_measures(modules, encode, dev_pairs) -> dict:
-    """The dev gate, on process 0 (every process gets the score): STS-B dev in eval mode and fp32,
-    one encoding: {"stsb_dev": Spearman x 100 (-inf if undefined), "align", "uniform"}."""
-    measures = {"stsb_dev": math.nan}
-    if distributed.rank() == 0:
-        for m in modules:
-            m.eval()
-        sentences = [s for p in dev_pairs for s in p[:2]]
-        table = encode_unique(encode, sentences, desc="dev gate: STS-B dev")
-        score = spearman(dev_pairs, lambda sentences: np.stack([table[t] for t in sentences]))
-        measures = {"stsb_dev": score, **align_uniform(dev_pairs, table)}
-        if not math.isfinite(measures["stsb_dev"]):  # constant embeddings have no Spearman
-            distributed.log("note: the STS-B dev score is undefined (constant embeddings: a "
-                            "collapsed or degenerate model); it counts as the worst score")
-            measures["stsb_dev"] = -math.inf
-        for m in modules:
-            m.train()
-    measures["stsb_dev"] = distributed.broadcast_float(measures["stsb_dev"])
-    return measures

@@ -10,9 +10,9 @@
 - Alignment and uniformity (Wang & Isola 2020, SimCSE Section 2 / Figure 2) with --align_uniform, on the STS-B
   dev split: the split the training runs' dev gate already reads, so the test split stays untouched.
 
-Usable on its own with any `encode(list[str]) -> np.ndarray`. The metric itself (Spearman of the cosines, l_align
-and l_uniform, each distinct sentence encoded once) and the poolers are common.py's, which the training runs' dev
-gate uses too; plumbing/ gives the one-line errors, the hub download of senteval.tar, atomic JSON and progress.
+Usable on its own with any `encode(list[str]) -> np.ndarray`. The metric (Spearman of the cosines, l_align and
+l_uniform, each distinct sentence encoded once) is the one the training runs' dev gate uses too; the poolers are
+common.py's; plumbing/ gives the one-line errors, the hub download of senteval.tar, atomic JSON and progress.
 
     python eval_sts.py --model_name_or_path runs/simcse/best --pooler cls_before_pooler
     python eval_sts.py --model_name_or_path ../shared/models/all-MiniLM-L6-v2 --pooler avg \\
@@ -25,10 +25,12 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+from scipy.stats import spearmanr
 
 import common
 import plumbing
-from plumbing import files, hub
+from plumbing import files, hub, progress
 
 STS_SUBSETS = {
     "STS12": ["MSRpar", "MSRvid", "SMTeuroparl", "surprise.OnWN", "surprise.SMTnews"],
@@ -43,11 +45,19 @@ DEV_TASKS = ["STSBenchmark", "SICKRelatedness"]
 
 # -------------------------------------------------------------------------------------------- loading
 def load_encode(name_or_path: str, pooler: str, device):
-    """encode(list[str]) of a saved model (local directory or hub id) with one of SimCSE's poolers, eval mode; a
-    linear projection saved beside the model (SSCL Table 5's output dimension) follows the pooler."""
+    """encode(list[str]) of a saved model (local directory or hub id) with one of SimCSE's poolers, eval mode; "cls"
+    is a run's trained MLP head on the last [CLS] where one is saved beside the model, else the model's pooler layer.
+    A linear projection saved beside the model (SSCL Table 5's output dimension) follows the pooler."""
     tokenizer, backbone = hub.load_pretrained(name_or_path)
-    encode = common.model_encode(backbone.to(device).eval(), None, tokenizer, pooler, device)
-    projection = files.load_projection(name_or_path)
+    head = None
+    if pooler == "cls":
+        linear = files.load_linear(name_or_path, files.HEAD_FILE)
+        head = None if linear is None else torch.nn.Sequential(linear, torch.nn.Tanh()).to(device)
+        if head is None and getattr(backbone, "pooler", None) is None:
+            raise plumbing.UsageError(f"--pooler cls: {name_or_path} has no pooler layer and no trained MLP head "
+                                      f"({files.HEAD_FILE}); use --pooler cls_before_pooler")
+    encode = common.model_encode(backbone.to(device).eval(), head, tokenizer, pooler, device)
+    projection = files.load_linear(name_or_path, files.PROJECTION_FILE)
     return encode if projection is None else common.project(encode, projection.to(device))
 
 
@@ -93,6 +103,43 @@ def load_pairs(senteval_dir, task: str, split: str = "test") -> list[tuple[str, 
     return pairs
 
 
+# -------------------------------------------------------------------------------------------- metric
+def encode_unique(encode, sentences, batch_size: int = 128, desc: str = "encoding") -> dict:
+    """{sentence: vector}: each distinct sentence once, length-sorted batches, the longest first."""
+    unique = sorted(set(sentences), key=lambda s: (len(s), s))
+    table = {}
+    with progress.Progress(len(unique), desc, unit="sentence") as bar:
+        for i in reversed(range(0, len(unique), batch_size)):
+            table.update(zip(unique[i:i + batch_size], encode(unique[i:i + batch_size])))
+            bar.update(len(unique[i:i + batch_size]))
+    return table
+
+
+def unit_rows(a: np.ndarray) -> np.ndarray:
+    """Each row divided by its norm (a zero row stays zero)."""
+    return a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+
+
+def spearman(pairs, embed) -> float:
+    """Spearman x 100 (two decimals) of the pairs' cosines (embed(list[str]) -> np.ndarray) against their gold scores,
+    as SentEval's STS."""
+    left, right, gold = zip(*pairs)
+    cosine = (unit_rows(embed(list(left))) * unit_rows(embed(list(right)))).sum(axis=1)
+    return round(float(spearmanr(cosine, np.array(gold)).correlation) * 100, 2)
+
+
+def alignment_uniformity(pairs, table: dict) -> dict:
+    """l_align / l_uniform (Wang & Isola 2020, SimCSE Eq. 2-3) on unit vectors, four decimals: the pairs with gold
+    score > 4 as positives, every distinct sentence of `table` as the data."""
+    def unit(rows):  # in fp64
+        return unit_rows(np.asarray(rows, dtype=np.float64))
+    x, y = (unit([table[p[i]] for p in pairs if p[2] > 4.0]) for i in (0, 1))
+    data = unit(list(table.values()))
+    exponent = -2.0 * np.maximum(2.0 - 2.0 * data @ data.T, 0.0)[np.triu_indices(len(data), k=1)]
+    uniform = np.log(np.mean(np.exp(exponent - exponent.max()))) + exponent.max()
+    return {"align": round(float(np.mean(np.sum((x - y) ** 2, axis=1))), 4), "uniform": round(float(uniform), 4)}
+
+
 # ---------------------------------------------------------------------------------------- evaluation
 def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: int = 128,
              fast: bool = True, desc: str | None = None) -> dict:
@@ -109,7 +156,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
     pairs = {task: load_pairs(senteval_dir, task, "dev" if mode == "dev" else "test") for task in tasks}
 
     if fast:
-        table = common.encode_unique(encode, [s for task_pairs in pairs.values() for p in task_pairs for s in p[:2]],
+        table = encode_unique(encode, [s for task_pairs in pairs.values() for p in task_pairs for s in p[:2]],
                               batch_size, desc or f"STS {mode}: encoding")
 
         def embed(sentences):
@@ -118,7 +165,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
         def embed(sentences):
             return np.concatenate([encode(sentences[i:i + batch_size]) for i in range(0, len(sentences), batch_size)])
 
-    scores = {task: common.spearman(task_pairs, embed) for task, task_pairs in pairs.items()}
+    scores = {task: spearman(task_pairs, embed) for task, task_pairs in pairs.items()}
     scores["avg"] = round(sum(scores[t] for t in tasks) / len(tasks), 2)
     return scores
 
@@ -126,7 +173,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
 def align_uniform(encode, senteval_dir, batch_size: int = 128, desc: str = "alignment/uniformity") -> dict:
     """SimCSE's alignment/uniformity: STS-B dev pairs with gold score > 4 as positives, all its sentences as data."""
     pairs = load_pairs(senteval_dir, "STSBenchmark", "dev")
-    return common.align_uniform(pairs, common.encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size,
+    return alignment_uniformity(pairs, encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size,
                                                             desc))
 
 

@@ -18,7 +18,7 @@ and the folds are scikit-learn's StratifiedKFold(shuffle=True, random_state=1111
 is speed: every classifier of a task phase (for MR: 10 outer folds x 4 L2 values x 10 inner folds = 400) trains
 at once as one batched model, a (models x D x classes) weight tensor updated with a per-model mask for the
 models whose batch or epoch is over, and each distinct sentence is encoded once, length-sorted.
-A leaf evaluator: it imports eval_sts.py (model loading) and common.py (poolers, encoding), no training loop.
+A leaf evaluator: it imports eval_sts.py (model loading, encoding) and common.py (the poolers), no training loop.
 
     python eval_transfer.py --model_name_or_path ../shared/models/all-MiniLM-L6-v2 --pooler cls_before_pooler \\
         --senteval_dir ../shared/data/senteval
@@ -304,7 +304,7 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
     data = {task: load_task(senteval_dir, task) for task in tasks}
     sentences = [s for splits in data.values() for xs, _ in splits.values() for x in xs
                  for s in (x if isinstance(x, tuple) else (x,))]
-    table = common.encode_unique(encode, sentences, batch_size, "transfer: encoding")
+    table = eval_sts.encode_unique(encode, sentences, batch_size, "transfer: encoding")
 
     def features(xs):
         if isinstance(xs[0], tuple):

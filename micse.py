@@ -205,8 +205,10 @@ def main(argv=None):
     device = run.device
 
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
-        examples, train_file, subset = data.training_examples(args)  # the authors' subset if any
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
+        # what this run needs of the encoder, else one line before any work; the mask it takes
+        prebuilt_mask = run.check_encoder(backbone, tokenizer, attentions=True)
+        examples, train_file, subset = data.training_examples(args)  # the authors' subset if any
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     num_layers = backbone.config.num_hidden_layers
@@ -225,7 +227,7 @@ def main(argv=None):
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    model = common.Encoder(backbone, head)  # what trains, one module (DDP's)
+    model = common.Encoder(backbone, head, prebuilt_mask=prebuilt_mask)  # what trains
     params = [p for p in model.parameters() if p.requires_grad]
     forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
@@ -235,9 +237,10 @@ def main(argv=None):
     # online head. It needs no attention weights, so it runs SDPA attention.
     momentum_backbone = copy.deepcopy(backbone).requires_grad_(False) if args.queue_size else None
     if momentum_backbone is not None:
-        momentum_backbone.set_attn_implementation("sdpa")
+        if momentum_backbone._supports_sdpa:  # DeBERTa and MPNet have eager attention only
+            momentum_backbone.set_attn_implementation("sdpa")
         common.set_dropout(momentum_backbone, args.momentum_dropout)
-        momentum_forward = common.Encoder(momentum_backbone)  # the same 4-D mask, outside DDP
+        momentum_forward = common.Encoder(momentum_backbone, prebuilt_mask=prebuilt_mask)  # no DDP
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
@@ -253,9 +256,6 @@ def main(argv=None):
             views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two views
             with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
                 outputs = forward(**views, output_hidden_states=True, output_attentions=True)
-            if not outputs.attentions or outputs.attentions[0] is None:
-                raise RuntimeError("no attention weights: load the encoder with "
-                                   "attn_implementation='eager'")
             z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
             z1, z2 = z.chunk(2)
             z1, z2 = distributed.gather(z1), distributed.gather(z2)

@@ -61,7 +61,7 @@ import transformers
 import common
 import data
 import plumbing
-from plumbing import distributed, hub, options
+from plumbing import backbones, distributed, hub, options
 from plumbing.run import Run
 
 # The paper's settings, one row a condition (parse_args picks the rows; flags the user gives win).
@@ -150,23 +150,26 @@ def masked_lm_loss(prediction_scores, labels) -> torch.Tensor:
 
 def keep_first_layers(backbone, k: int) -> None:
     """The encoder's first k transformer layers only (SSCL Table 1's shallower SimCSE)."""
-    if k > len(backbone.encoder.layer):
-        raise plumbing.UsageError(f"--num_layers {k}: the encoder has only "
-                                  f"{len(backbone.encoder.layer)} layers")
-    backbone.encoder.layer = backbone.encoder.layer[:k]
+    layers = backbones.layer_list(backbone)  # BERT's encoder.layer, DistilBERT's, ModernBERT's
+    if k > len(layers):
+        raise plumbing.UsageError(f"--num_layers {k}: the encoder has only {len(layers)} layers")
+    del layers[k:]
     backbone.config.num_hidden_layers = k
+    if isinstance(getattr(backbone.config, "layer_types", None), list):  # ModernBERT's
+        backbone.config.layer_types = backbone.config.layer_types[:k]
 
 
 def mlm_head(backbone, name_or_path: str) -> torch.nn.Module:
-    """The released code's MLM head: RoBERTa's pretrained lm_head (its decoder's bias tied to its
-    `bias`, as transformers ties them on loading); for BERT a fresh BertLMPredictionHead (the
-    checkpoint's cls.predictions does not load into BertForCL's lm_head), initialised as BertForCL's
-    init_weights did under transformers 4.2: weights normal(0, initializer_range), biases zero, the
-    decoder's bias tied to the head's zero `bias` (transformers 5 builds it with PyTorch's uniform
-    init and an untied decoder bias, which left `bias` unused)."""
-    if backbone.config.model_type == "roberta":
-        return hub.load_pretrained(name_or_path,
-                                        auto_class=transformers.AutoModelForMaskedLM)[1].lm_head
+    """The released code's MLM head: RoBERTa's (and XLM-R's) pretrained lm_head (its decoder's bias
+    tied to its `bias`, as transformers ties them on loading); for BERT a fresh
+    BertLMPredictionHead (the checkpoint's cls.predictions does not load into BertForCL's lm_head),
+    initialised as BertForCL's init_weights did under transformers 4.2: weights normal(0,
+    initializer_range), biases zero, the decoder's bias tied to the head's zero `bias`
+    (transformers 5 builds it with PyTorch's uniform init and an untied decoder bias, which left
+    `bias` unused)."""
+    if backbone.config.model_type in ("roberta", "xlm-roberta"):
+        masked_lm_class = transformers.AutoModelForMaskedLM
+        return hub.load_pretrained(name_or_path, auto_class=masked_lm_class)[1].lm_head
     from transformers.models.bert.modeling_bert import BertLMPredictionHead
     head = BertLMPredictionHead(backbone.config)
     for linear in (head.transform.dense, head.decoder):
@@ -207,10 +210,13 @@ def main(argv=None):
     # negatives), tokenised once; a batch is then only gathered and padded to its longest row.
     default_file = "nli_for_simcse.csv" if args.supervised else "wiki1m_for_simcse.txt"
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
+        tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
+        # what this run needs of the encoder, else one line before any work; the mask it takes
+        prebuilt_mask = run.check_encoder(backbone, tokenizer, layers=bool(args.num_layers),
+                                          mlm_head=args.do_mlm)
         examples, train_file, subset = data.training_examples(
             args, default_file, triplets=args.supervised, hard_negatives=not args.no_hard_negatives,
             neutral=args.neutral_hard_negatives)
-        tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     loader = data.make_loader(corpus, args, device)
@@ -228,7 +234,7 @@ def main(argv=None):
         lm_head = mlm_head(backbone, args.model_name_or_path).to(device).train()
         mlm_generator = torch.Generator(device).manual_seed(args.seed + distributed.rank())
         special_ids = torch.tensor(tokenizer.all_special_ids, device=device)
-    model = common.Encoder(backbone, head, lm_head)  # what trains, one module (DDP's)
+    model = common.Encoder(backbone, head, lm_head, prebuilt_mask=prebuilt_mask)  # what trains
     params = [p for p in model.parameters() if p.requires_grad]
     forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)

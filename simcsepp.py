@@ -119,21 +119,23 @@ def dcl_loss(z1, z2, temp: float = 5.0) -> torch.Tensor:
 
 @contextlib.contextmanager
 def dropout_off(module: nn.Module):
-    """Every nn.Dropout of `module` off for one pass, then each one's mode and rate restored.
+    """Every dropout of `module` off for one pass, then each one's mode and rate restored.
 
     eval() alone is not enough in transformers 5: BERT applies attention dropout under the attention
-    module's own training flag with rate `dropout.p`, so the rate is zeroed as well.
+    module's own training flag with rate `dropout.p`, so the rates are zeroed as well (ModernBERT's
+    attention keeps its own rate: common.dropout_slots).
     """
-    saved = [(m, m.training, m.p) for m in module.modules() if isinstance(m, nn.Dropout)]
-    for m, _, _ in saved:
-        m.eval()
-        m.p = 0.0
+    saved = [(m, slot, m.training, getattr(m, slot)) for m, slot in common.dropout_slots(module)]
+    for m, slot, _, _ in saved:
+        if isinstance(m, nn.Dropout):
+            m.eval()
+        setattr(m, slot, 0.0)
     try:
         yield
     finally:
-        for m, training, p in saved:
+        for m, slot, training, rate in saved:
             m.train(training)
-            m.p = p
+            setattr(m, slot, rate)
 
 
 def main(argv=None):
@@ -142,8 +144,10 @@ def main(argv=None):
     device = run.device
 
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
-        examples, train_file, subset = data.training_examples(args)
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
+        # what this run needs of the encoder, else one line before any work; the mask it takes
+        prebuilt_mask = run.check_encoder(backbone, tokenizer)
+        examples, train_file, subset = data.training_examples(args)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     loader = data.make_loader(corpus, args, device)
@@ -154,7 +158,7 @@ def main(argv=None):
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    model = common.Encoder(backbone, head)  # what trains, one module (DDP's)
+    model = common.Encoder(backbone, head, prebuilt_mask=prebuilt_mask)  # what trains
     params = [p for p in model.parameters() if p.requires_grad]
     forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)

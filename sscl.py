@@ -157,8 +157,10 @@ def main(argv=None):
     device = run.device
 
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
-        examples, train_file, subset = data.training_examples(args)
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
+        # a hidden state a layer (the negatives), else one line before any work; the mask it takes
+        prebuilt_mask = run.check_encoder(backbone, tokenizer)  # (plumbing/backbones.py)
+        examples, train_file, subset = data.training_examples(args)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     loader = data.make_loader(corpus, args, device)
@@ -174,7 +176,7 @@ def main(argv=None):
     if args.output_dim:  # Table 5: a linear projection after the pooler, at evaluation too
         projection = torch.nn.Linear(backbone.config.hidden_size, args.output_dim).to(device)
         encode = common.project(encode, projection)
-    model = common.Encoder(backbone, head, projection)  # what trains, one module (DDP's)
+    model = common.Encoder(backbone, head, projection, prebuilt_mask=prebuilt_mask)  # what trains
     params = [p for p in model.parameters() if p.requires_grad]
     forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)

@@ -157,8 +157,10 @@ def main(argv=None):
     device = run.device
 
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
-        examples, train_file, subset = data.training_examples(args)
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
+        # what this run needs of the encoder, else one line before any work; the mask it takes
+        prebuilt_mask = run.check_encoder(backbone, tokenizer)
+        examples, train_file, subset = data.training_examples(args)
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     hidden = backbone.config.hidden_size
@@ -177,7 +179,7 @@ def main(argv=None):
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = WhitenedHead(hidden, args.num_groups, backbone.config.initializer_range).to(device)
-    model = common.Encoder(backbone, head)  # what trains, one module (DDP's)
+    model = common.Encoder(backbone, head, prebuilt_mask=prebuilt_mask)  # what trains
     params = [p for p in model.parameters() if p.requires_grad]
     forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)

@@ -205,6 +205,7 @@ def main(argv=None):
     # Data: the pairs (x_i, x_i+), built once, laid out as (all anchors, all positives) per batch.
     examples, train_file, _ = data.training_examples(args)
     tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
+    prebuilt_mask = run.check_encoder(backbone, tokenizer)  # else one line; the mask it takes
     anchors, positives = make_pairs(args, list(examples["text"]), device)
     pairs = datasets.Dataset.from_dict({"sent0": anchors, "sent1": positives})
     corpus = data.TokenizedCorpus(pairs, tokenizer, args.max_seq_length)
@@ -220,8 +221,9 @@ def main(argv=None):
         positive_encoder, positive_head = copy.deepcopy(backbone), copy.deepcopy(head)
     params = list({id(p): p for m in (backbone, head, positive_encoder, positive_head)
                    for p in m.parameters()}.values())
-    # the encoders' forward with a prebuilt 4-D attention mask (common.Encoder: no host sync)
-    forward, positive_forward = common.Encoder(backbone), common.Encoder(positive_encoder)
+    # the encoders' forward, with a prebuilt 4-D attention mask where the model takes it
+    forward = common.Encoder(backbone, prebuilt_mask=prebuilt_mask)
+    positive_forward = common.Encoder(positive_encoder, prebuilt_mask=prebuilt_mask)
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)

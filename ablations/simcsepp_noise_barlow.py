@@ -115,6 +115,7 @@ def main(argv=None):
 
     examples, train_file, subset = data.training_examples(args)
     tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
+    prebuilt_mask = run.check_encoder(backbone, tokenizer)  # else one line; the mask it takes
     corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
@@ -123,7 +124,7 @@ def main(argv=None):
     common.set_dropout(backbone, args.dropout)
     head = common.MLPHead(backbone.config).to(device)
     params = list(backbone.parameters()) + list(head.parameters())
-    forward = common.Encoder(backbone)  # a prebuilt 4-D attention mask: no host sync
+    forward = common.Encoder(backbone, prebuilt_mask=prebuilt_mask)  # 4-D mask where it may
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)

@@ -115,6 +115,7 @@ def main(argv=None):
 
     examples, train_file, subset = data.training_examples(args)
     tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
+    prebuilt_mask = run.check_encoder(backbone, tokenizer)  # else one line; the mask it takes
     corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
     hidden = backbone.config.hidden_size
     group_width = whitenedcse.group_width(args, hidden)  # --num_groups checked for every kind
@@ -133,7 +134,7 @@ def main(argv=None):
     else:  # group whitening, shuffled (WhitenedCSE) or not
         head = whitenedcse.WhitenedHead(hidden, args.num_groups, init_std).to(device)
     params = list(backbone.parameters()) + list(head.parameters())
-    forward = common.Encoder(backbone)  # a prebuilt 4-D attention mask: no host sync
+    forward = common.Encoder(backbone, prebuilt_mask=prebuilt_mask)  # 4-D mask where it may
     eval_pooler = "cls_before_pooler"
     generator = torch.Generator(device).manual_seed(args.seed)  # the channel shuffles
     encode = common.model_encode(backbone, None, tokenizer, eval_pooler, device)

@@ -4,8 +4,10 @@ cleanrl_utils/).
 
 - This module: one-line errors (`UsageError`, the `cli` wrapper: exit status 2, never a traceback, `Parser`), the
   range, device and file checks.
-- hub.py: files and models from the Hugging Face Hub or a local path, an offline machine told which flag to use,
-  `senteval.tar` unpacked once.
+- hub.py: files and models from the Hugging Face Hub or a local path, an offline machine told which flag to use, a
+  damaged model folder named, `senteval.tar` unpacked once.
+- backbones.py: what a method needs of the encoder it is given, checked when it is loaded: a bidirectional encoder,
+  the attention mask it reads as its own, dropout, and what a flag needs (docs/backbones.md).
 - files.py: atomic JSON (NaN written as null), two-rename folder swaps, the checkpoint's extra files (a projection,
   the sentence-transformers metadata), TensorBoard scalars, figures.
 - progress.py: progress bars on a terminal, plain lines in a log file.

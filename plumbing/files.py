@@ -89,23 +89,24 @@ def save_figure(fig, path: Path) -> None:
 
 
 PROJECTION_FILE = "projection.safetensors"  # a linear layer after the pooler (sscl.py --output_dim)
+HEAD_FILE = "mlp_head.safetensors"  # SimCSE's trained MLP head, for the "cls" pooler of any backbone
 
 
-def save_projection(out_dir: Path, projection: torch.nn.Linear) -> None:
+def save_linear(out_dir: Path, name: str, linear: torch.nn.Linear) -> None:
+    """A linear layer's weight and bias, beside a saved model (PROJECTION_FILE, HEAD_FILE)."""
     from safetensors.torch import save_file
-    save_file({k: v.detach().cpu().contiguous() for k, v in projection.state_dict().items()},
-              str(Path(out_dir) / PROJECTION_FILE))
+    save_file({k: v.detach().cpu().contiguous() for k, v in linear.state_dict().items()}, str(Path(out_dir) / name))
 
-def load_projection(name_or_path: str) -> torch.nn.Linear | None:
-    """The projection saved beside a local model, or None."""
-    path = Path(name_or_path) / PROJECTION_FILE
+def load_linear(name_or_path: str, name: str) -> torch.nn.Linear | None:
+    """The linear layer saved beside a local model under `name`, or None."""
+    path = Path(name_or_path) / name
     if not path.is_file():
         return None
     from safetensors.torch import load_file
     weights = load_file(str(path))
-    projection = torch.nn.Linear(weights["weight"].shape[1], weights["weight"].shape[0])
-    projection.load_state_dict(weights)
-    return projection
+    linear = torch.nn.Linear(weights["weight"].shape[1], weights["weight"].shape[0])
+    linear.load_state_dict(weights)
+    return linear
 
 def write_sentence_transformers_config(out_dir: Path, pooler: str, hidden_size: int, head=None) -> None:
     """modules.json + 1_Pooling (+ 2_Dense for the "cls" pooler) so SentenceTransformer(dir) matches eval_sts."""

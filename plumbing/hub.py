@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from plumbing import UsageError
+from plumbing import UsageError, backbones
 
 SIMCSE_DATA_REPO = "princeton-nlp/datasets-for-simcse"
 LOCAL_FLAGS = "--model_name_or_path, --train_file and --senteval_dir"
@@ -54,14 +54,51 @@ def looks_local(name: str) -> bool:
     parent = Path(name).expanduser().parent
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or (parent != Path(".") and parent.is_dir())
 
+# What a local model folder needs besides config.json: weights, and a tokenizer's vocabulary (transformers 5 builds an
+# empty tokenizer, every word [UNK], from a folder that has none of these)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model", "spm.model",
+                   "tokenizer.model")
+
+
+def check_model_folder(path: Path, flag: str) -> None:
+    """A local model folder's files, each read before transformers loads it: config.json, the weights (each
+    safetensors file's header against its size: a truncated copy is found here) and the tokenizer's vocabulary; one
+    line naming the file that is missing or damaged."""
+    import json
+    shown = f"{flag} {path}"
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{shown} is a folder but not a model (it has no config.json)")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{shown}: config.json cannot be read ({type(err).__name__}); copy the model again") from None
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise UsageError(f"{shown} has no weights ({' or '.join(WEIGHT_FILES[::2])}); copy the model again")
+    from safetensors import safe_open
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), "pt"):
+                pass
+        except Exception as err:  # safetensors' own error class: a truncated or damaged file
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+            raise UsageError(f"{shown}: {weights.name} is truncated or damaged ({reason}); copy it again") from None
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise UsageError(f"{shown} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); save the "
+                         "tokenizer beside the model")
+
+
 def load_pretrained(name_or_path: str, attn_implementation: str | None = None, auto_class=None,
                     flag: str = "--model_name_or_path"):
     """(tokenizer, model) with AutoModel (or `auto_class`, e.g. AutoModelForMaskedLM): a local directory, a cached
     hub copy, else a download.
 
-    Offline and not cached is one clear error naming `flag`, the option that gave the model.
+    Offline and not cached is one clear error naming `flag`, the option that gave the model; so is a local folder
+    with a missing or damaged file, and a model that is not a bidirectional encoder (read from its config, before
+    its weights).
     """
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoTokenizer
     from transformers.utils import logging as tf_logging
     from huggingface_hub.utils import logging as hub_logging
     hub_logging.set_verbosity_error()
@@ -69,10 +106,12 @@ def load_pretrained(name_or_path: str, attn_implementation: str | None = None, a
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
 
     def load(local_files_only):
+        config = AutoConfig.from_pretrained(name_or_path, local_files_only=local_files_only)
+        backbones.refuse_non_encoder(config, name_or_path, flag)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)
         # transformers 5 keeps a checkpoint's own dtype; fp32 here: evaluation in fp32, fp32 master weights
         return tokenizer, (auto_class or AutoModel).from_pretrained(
-            name_or_path, local_files_only=local_files_only, dtype=torch.float32, **kwargs)
+            name_or_path, config=config, local_files_only=local_files_only, dtype=torch.float32, **kwargs)
 
     path = Path(name_or_path).expanduser()
     if not path.exists() and looks_local(name_or_path):  # e.g. runs/simcse/best before the run wrote it
@@ -81,8 +120,7 @@ def load_pretrained(name_or_path: str, attn_implementation: str | None = None, a
         if path.exists():
             if not path.is_dir():
                 raise UsageError(f"{flag} {name_or_path} is a file; give the model's directory")
-            if not (path / "config.json").is_file():
-                raise UsageError(f"{flag} {name_or_path} is a folder but not a model (it has no config.json)")
+            check_model_folder(path, flag)
             return load(local_files_only=True)
         verbosity = tf_logging.get_verbosity()
         tf_logging.set_verbosity_error()

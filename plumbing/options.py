@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import plumbing
-from plumbing import hub, resume
+from plumbing import backbones, hub, resume
 
 
 def add_run_flags(parser) -> None:
@@ -114,8 +114,11 @@ HUB_BACKBONES = {"bert-base-uncased": "bert-base", "bert-base-cased": "bert-base
 
 
 def backbone(name_or_path: str) -> tuple[str | None, str]:
-    """(bert-base, bert-large, roberta-base, roberta-large or None, what its config says)."""
+    """(bert-base, bert-large, roberta-base, roberta-large or None, what its config says); a config that is not a
+    bidirectional encoder's is refused here, before any work."""
     config = hub.local_config(name_or_path)
+    if config is not None:
+        backbones.refuse_non_encoder(config, name_or_path)
     if config is None:
         kind = HUB_BACKBONES.get(name_or_path.split("/")[-1])
         return kind, "not read yet" if kind is None else f"{kind} (the hub's config)"

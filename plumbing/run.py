@@ -26,6 +26,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 
@@ -33,7 +34,7 @@ import common
 import data
 import eval_sts
 import plumbing
-from plumbing import distributed, files, options, progress, resume, syncs
+from plumbing import backbones, distributed, files, options, progress, resume, syncs
 
 
 class History:
@@ -85,6 +86,17 @@ class Run:
         self.args, self.resumable = args, resumable
         self.device = distributed.init(device)
         self.best_dev, self.best_step, self.gate_step = -math.inf, None, None
+        self.encoder_notes = []  # check_encoder's
+
+    def check_encoder(self, backbone, tokenizer, attentions: bool = False, layers: bool = False,
+                      mlm_head: bool = False) -> bool:
+        """What the method needs of the loaded encoder, before any training (plumbing/backbones.py): one line where it
+        cannot work (attention weights, a layer list, an MLM head); --dropout 0.1 for a model without dropout. Whether
+        a training pass may give it the prebuilt 4-D mask (common.Encoder's prebuilt_mask); the run summary says."""
+        prebuilt, self.encoder_notes = backbones.check(
+            backbone, tokenizer, self.args, lambda mask: common.attention_mask_4d(
+                mask, backbone.config._attn_implementation), attentions, layers, mlm_head)
+        return prebuilt
 
     def start(self, loader, total_steps: int, encode, modules, train_file, subset, **state) -> None:
         """Before the first step: SentEval's files read (process 0 first: senteval.tar), the run's summary, the
@@ -98,7 +110,7 @@ class Run:
         self.modules = [m for m in modules if m is not None]  # switched to eval mode at the dev gates
         self.state, self.scheduler = state, state["scheduler"]
         self.data = {"train_file": train_file, "micse_subset": subset, "num_train_examples": len(loader.dataset)}
-        self.summary = summary(args, self.data, len(loader), total_steps, self.device)
+        self.summary = summary(args, self.data, len(loader), total_steps, self.device, self.encoder_notes)
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         self.stop = distributed.StopSignal()
         saved = resume.restore(args, state, loader, self.device) if args.resume else resume.new_run()
@@ -127,10 +139,10 @@ class Run:
         self.bar.update()  # a clock read
 
     def dev_gate(self, step: int) -> float:
-        """STS-B dev at a dev gate (common.dev_measures: eval mode, fp32, one encoding, with l_align / l_uniform),
+        """STS-B dev at a dev gate (dev_measures: eval mode, fp32, one encoding, with l_align / l_uniform),
         after the steps so far are done (their time is the training time): the score."""
         self._read()
-        self.measures, self.gate_step = common.dev_measures(self.modules, self.encode, self.dev_pairs), step
+        self.measures, self.gate_step = dev_measures(self.modules, self.encode, self.dev_pairs), step
         return self.measures["stsb_dev"]
 
     def save_best(self, step: int, backbone, head, tokenizer, eval_pooler: str, projection=None) -> None:
@@ -171,7 +183,7 @@ class Run:
             message += f"  STS-B dev {self.measures['stsb_dev']:.2f}  best {self.best_dev:.2f} " \
                        f"(step {self.best_step})"
         elif align_step:  # STS-B dev encoded between the gates, for the trajectory's l_align / l_uniform
-            point.update(common.dev_measures(self.modules, self.encode, self.dev_pairs), gate=False)
+            point.update(dev_measures(self.modules, self.encode, self.dev_pairs), gate=False)
         self.history.record(point)
         if self.resumable and (gate or stopping or every_save):  # written whole or not at all
             loop = {"best_dev": self.best_dev, "best_step": self.best_step, "train_time": self.train_time}
@@ -256,11 +268,33 @@ class Run:
         return results
 
 
+def dev_measures(modules, encode, dev_pairs) -> dict:
+    """The dev gate, on process 0 (every process gets the score): STS-B dev in eval mode and fp32, one encoding (the
+    metric of eval_sts.py): {"stsb_dev": Spearman x 100 (-inf if undefined), "align", "uniform"}."""
+    measures = {"stsb_dev": math.nan}
+    if distributed.rank() == 0:
+        for m in modules:
+            m.eval()
+        sentences = [s for p in dev_pairs for s in p[:2]]
+        table = eval_sts.encode_unique(encode, sentences, desc="dev gate: STS-B dev")
+        score = eval_sts.spearman(dev_pairs, lambda sentences: np.stack([table[t] for t in sentences]))
+        measures = {"stsb_dev": score, **eval_sts.alignment_uniformity(dev_pairs, table)}
+        if not math.isfinite(measures["stsb_dev"]):  # constant embeddings have no Spearman
+            distributed.log("note: the STS-B dev score is undefined (constant embeddings: a collapsed or degenerate "
+                            "model); it counts as the worst score")
+            measures["stsb_dev"] = -math.inf
+        for m in modules:
+            m.train()
+    measures["stsb_dev"] = distributed.broadcast_float(measures["stsb_dev"])
+    return measures
+
+
 def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projection=None) -> None:
     """<out_dir>/best (process 0): save_pretrained + tokenizer + sentence-transformers metadata, written beside it and
-    swapped in only when complete. The MLP head goes into BERT's pooler weights (as SimCSE's simcse_to_huggingface.py
-    does), so `eval_sts.py --pooler cls` on the checkpoint is the head. A projection (nn.Linear after the pooler) is
-    saved beside it, and eval_sts.load_encode applies it."""
+    swapped in only when complete. Evaluated with the "cls" pooler, the MLP head is saved beside it (files.HEAD_FILE,
+    which `eval_sts.py --pooler cls` applies to the last [CLS] on any backbone) and, where the backbone has BERT's
+    pooler, into its weights too (as SimCSE's simcse_to_huggingface.py does). A projection (nn.Linear after the
+    pooler) is saved beside it, and eval_sts.load_encode applies it."""
     if distributed.rank() == 0:
         target, tmp = Path(out_dir) / "best", Path(out_dir) / "best.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -269,8 +303,10 @@ def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projec
             state.update({"pooler.dense.weight": head[0].weight, "pooler.dense.bias": head[0].bias})
         backbone.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
+        if eval_pooler == "cls" and isinstance(head, common.MLPHead):
+            files.save_linear(tmp, files.HEAD_FILE, head[0])
         if projection is not None:
-            files.save_projection(tmp, projection)
+            files.save_linear(tmp, files.PROJECTION_FILE, projection)
         else:  # sentence-transformers' modules do not hold the projection
             files.write_sentence_transformers_config(tmp, eval_pooler, backbone.config.hidden_size,
                                                      head if eval_pooler == "cls" else None)
@@ -291,9 +327,10 @@ def progress_line(step: int, total_steps: int, losses: list, train_time: float) 
     return f"step {step}/{total_steps}  loss {losses[-1]:.4f}  {rate:.2f} steps/s{left}"
 
 
-def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device) -> dict:
+def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device, encoder_notes=()) -> dict:
     """What this run is, printed before training and kept in results.json: the presets and their source, the data,
-    the model, device and precision, the schedule, the output folder."""
+    the model and what its check found (the attention and its mask, dropout), device and precision, the schedule, the
+    output folder."""
     num, subset, train_file = corpus["num_train_examples"], corpus["micse_subset"], corpus["train_file"]
     if subset:
         text = f"miCSE's released subset {subset}: {num:,} examples (Table 2's data)"
@@ -318,6 +355,7 @@ def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device) 
     result = {"presets": presets, "backbone": model, "data": text,
               "model": f"{args.model_name_or_path}, trained with pooler {args.pooler}, evaluated with "
                        f"{common.eval_pooler(args)}",
+              **({"encoder": "; ".join(encoder_notes)} if encoder_notes else {}),
               "device": f"{device} x {distributed.world_size()}, precision {args.precision}{compiled}",
               "schedule": f"{total_steps:,} steps ({steps_per_epoch:,} an epoch), batch {args.batch_size}, lr "
                           f"{args.lr:g}, STS-B dev every {args.eval_steps} steps; the ETA comes with the first log "

@@ -21,11 +21,11 @@ from conftest import ROOT, gates, smoke_args, write_nli, write_tiny_model
 DRIVER = '''
 import atexit, json, sys
 sys.path[:0] = [{root!r}, {tests!r}]
-import common, importlib, plumbing
-from plumbing import distributed
+import importlib, plumbing
+from plumbing import distributed, run
 from test_distributed import recording_dev_measures
 script, out, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-common.dev_measures = recording_dev_measures(common.dev_measures, out)
+run.dev_measures = recording_dev_measures(run.dev_measures, out)
 seen = {{"ddp_forwards": 0, "stop_flag_exchanges": 0}}
 
 class CountingDDP(distributed.DistributedDataParallel):
@@ -80,15 +80,16 @@ PASSES = {"simcsepp": 2, "simcse-sup-mlm": 2}  # DDP forward passes a step (SimC
 
 @pytest.fixture(scope="module")
 def no_dropout_model(tmp_path_factory):
+    """A model without dropout, trained with --dropout 0 (a run gives a model without any dropout SimCSE's 0.1)."""
     return write_tiny_model(tmp_path_factory.mktemp("tiny_no_dropout"), dropout=0.0)
 
 
 def run_in_this_process(script, args, out, monkeypatch):
     """The one-process reference: the method's main() here, behind the same recording dev gate as DRIVER's."""
     import importlib
-    import common
+    from plumbing import run
     out.mkdir(parents=True)
-    monkeypatch.setattr(common, "dev_measures", recording_dev_measures(common.dev_measures, out))
+    monkeypatch.setattr(run, "dev_measures", recording_dev_measures(run.dev_measures, out))
     importlib.import_module(script).main([*map(str, args), "--output_dir", str(out), "--overwrite_output_dir"])
     return out
 
@@ -112,7 +113,7 @@ def test_two_processes_train_like_one(case, no_dropout_model, corpus, senteval_d
     script = case.split("-")[0]
     data = write_nli(tmp_path / "nli.csv") if "--supervised" in METHOD_FLAGS[case] else corpus
     args = smoke_args(no_dropout_model, data, senteval_dir, "unused")[:-4]  # without --output_dir and --device
-    args += ["--device", DEVICE, "--max_steps", 4, "--eval_steps", 2, "--batch_size", 8, "--no_test_eval",
+    args += ["--dropout", 0, "--device", DEVICE, "--max_steps", 4, "--eval_steps", 2, "--batch_size", 8, "--no_test_eval",
              "--logging_steps", 2, *METHOD_FLAGS[case]]  # argparse: the last occurrence of a flag wins
     if case == "whitenedcse":
         import whitenedcse

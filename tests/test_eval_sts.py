@@ -169,11 +169,11 @@ def numpy_align_uniform(x, y, data):
 
 
 def align_uniform_of(positives, data):
-    """common.align_uniform on vectors: the (x, y) rows of `positives` as pairs above 4, `data` more table rows."""
+    """eval_sts.alignment_uniformity on vectors: the (x, y) rows of `positives` as pairs above 4, `data` more table rows."""
     table = {f"d{i}": v for i, v in enumerate(data)}
     table.update({f"x{i}": x for i, (x, _) in enumerate(positives)})
     table.update({f"y{i}": y for i, (_, y) in enumerate(positives)})
-    got = common.align_uniform([(f"x{i}", f"y{i}", 5.0) for i in range(len(positives))], table)
+    got = eval_sts.alignment_uniformity([(f"x{i}", f"y{i}", 5.0) for i in range(len(positives))], table)
     return got["align"], got["uniform"], np.stack(list(table.values()))
 
 
@@ -181,14 +181,14 @@ def test_align_uniform_hand_checked_points():
     # Orthogonal unit vectors: ||a - b||^2 = 2 for every pair, so l_uniform = log e^-4 = -4; identical positives
     # align perfectly (0); opposite positives have ||a - b||^2 = 4.
     e = np.eye(3)
-    assert common.align_uniform([(f"d{i}", f"d{i}", 5.0) for i in range(3)], dict(zip(["d0", "d1", "d2"], e))) == \
+    assert eval_sts.alignment_uniformity([(f"d{i}", f"d{i}", 5.0) for i in range(3)], dict(zip(["d0", "d1", "d2"], e))) == \
         {"align": 0.0, "uniform": -4.0}
     assert align_uniform_of(list(zip(e, -e)), [])[0] == pytest.approx(4.0)
     # Two identical points and one orthogonal: pairs (0,1) distance 0, (0,2) and (1,2) distance 2.
     data = dict(zip(["a", "b", "c"], np.array([[1.0, 0.0], [2.0, 0.0], [0.0, 3.0]])))  # normalised inside
-    assert common.align_uniform([("a", "a", 5.0)], data)["uniform"] == pytest.approx(
+    assert eval_sts.alignment_uniformity([("a", "a", 5.0)], data)["uniform"] == pytest.approx(
         np.log((1 + 2 * np.exp(-4)) / 3), abs=5e-5)
-    assert common.align_uniform([("a", "c", 3.0), ("a", "b", 4.5)], data)["align"] == 0.0  # only gold > 4
+    assert eval_sts.alignment_uniformity([("a", "c", 3.0), ("a", "b", 4.5)], data)["align"] == 0.0  # only gold > 4
 
 
 def test_align_uniform_matches_numpy_on_random_embeddings():

@@ -243,11 +243,13 @@ def test_eager_attention_returns_weights_and_sdpa_does_not(tiny_model):
         assert not attentions or attentions[0] is None
 
 
-def test_step_without_attentions_is_an_error_not_a_silent_zero(tiny_model, corpus, senteval_dir, tmp_path,
-                                                                monkeypatch):
-    monkeypatch.setattr(micse, "ATTN_IMPLEMENTATION", "sdpa")
-    with pytest.raises(RuntimeError, match="eager"):
+def test_an_encoder_without_attentions_is_refused_before_any_work_not_a_silent_zero(tiny_model, corpus,
+                                                                                      senteval_dir, tmp_path,
+                                                                                      monkeypatch):
+    monkeypatch.setattr(micse, "ATTN_IMPLEMENTATION", "sdpa")  # transformers 5's SDPA returns no weights
+    with pytest.raises(plumbing.UsageError, match="miCSE needs attention weights"):
         micse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
 
 
 def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
@@ -263,9 +265,9 @@ def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
                              "--pooler", "cls_before_pooler") == results["test"]
 
 
-def test_released_subset_offline_names_the_file_and_the_flag(tmp_path):
+def test_released_subset_offline_names_the_file_and_the_flag(tiny_model, tmp_path):
     proc = run_script("micse.py", "--fraction", "0.01", "--seed", "48", "--output_dir", tmp_path / "o",
-                      env_extra={"HF_HOME": str(tmp_path / "hf")})
+                      "--model_name_or_path", tiny_model, env_extra={"HF_HOME": str(tmp_path / "hf")})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()
     assert len(line) == 1 and "wiki_subset_1M_001.00percent_seed48.txt" in line[0] and "--train_file" in line[0]

@@ -110,14 +110,16 @@ def test_a_run_in_a_log_file_has_the_summary_plain_progress_and_no_redraws(tiny_
     assert lines[0] == "simcse" and lines[1].startswith("  presets   none")
     assert lines[2] == "  backbone  bert, 32 wide, 2 layers: no preset for this backbone, the BERT-base settings"
     assert lines[3] == f"  data      100 examples, a 0.5 subset of {corpus} drawn with --seed 42"
-    assert lines[5] == "  device    cpu x 1, precision fp32"
-    assert lines[6].startswith("  schedule  4 steps (13 an epoch), batch 8")
+    assert lines[5] == "  encoder   sdpa attention, a prebuilt 4-D mask (no host check)"
+    assert lines[6] == "  device    cpu x 1, precision fp32"
+    assert lines[7].startswith("  schedule  4 steps (13 an epoch), batch 8")
     assert "step 0/4  STS-B dev" in proc.stdout and "loss nan" not in proc.stdout
     for phase in ("training: 1/4 steps", "dev gate: STS-B dev: ", "STS test: encoding: ", "alignment/uniformity: "):
         assert phase in proc.stdout, phase
     assert "ETA" in next(line for line in lines if line.startswith("step 2/4"))
     results = json.loads((out / "results.json").read_text())
-    assert set(results["summary"]) == {"presets", "backbone", "data", "model", "device", "schedule", "output"}
+    assert set(results["summary"]) == {"presets", "backbone", "data", "model", "encoder", "device", "schedule",
+                                       "output"}
     assert results["summary"]["data"] == lines[3].split(None, 1)[1] and results["args"]["presets"] is None
     assert results["args"]["backbone"] is None
 

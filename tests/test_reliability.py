@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common
+import eval_sts
 import plumbing
 from plumbing import hub, run
 from conftest import ROOT, gates, run_script, smoke_args
@@ -243,7 +244,7 @@ def test_an_undefined_dev_score_counts_as_the_worst_and_results_stay_valid_json(
     """Constant embeddings (a collapsed model) have no Spearman: the step-0 model is still saved, the log says why,
     and results.json holds null, not a bare NaN."""
     import simcse
-    monkeypatch.setattr(common, "spearman", lambda pairs, embed: float("nan"))  # the gate's Spearman
+    monkeypatch.setattr(eval_sts, "spearman", lambda pairs, embed: float("nan"))  # the gate's Spearman
     out = tmp_path / "run"
     simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval")])
     assert "the STS-B dev score is undefined" in capsys.readouterr().out

@@ -145,7 +145,14 @@ def test_eval_sts_is_the_protocol():
     assert not imports(ROOT / "eval_sts.py") & {"socket", "tarfile", "json", "huggingface_hub", "safetensors", "urllib"}
     defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
     assert not defined & {"Parser", "UsageError", "cli", "write_json", "hub_file", "load_pretrained", "pool",
-                          "spearman", "encode_unique", "write_sentence_transformers_config"}
+                          "write_sentence_transformers_config"}
+    assert {"spearman", "encode_unique", "alignment_uniformity"} <= defined  # the metric the dev gate uses too
+
+
+def test_common_is_the_ground_floor_and_imports_nothing_of_the_suite():
+    """A copied common.py works on its own; the layers above import it, never the other way round."""
+    suite = {path.stem for path in ROOT.glob("*.py")} | {"plumbing", "tools", "ablations"}
+    assert not imports(ROOT / "common.py") & suite
 
 
 def test_the_readme_is_a_guide_of_250_lines_with_docs_beside_it():

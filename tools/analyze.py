@@ -99,7 +99,7 @@ def similarity_groups(cosines, gold) -> list[dict]:
 def stsb_embeddings(encode, senteval_dir, split: str = "test"):
     """(pairs, {sentence: vector}) of STS-B `split`, each distinct sentence encoded once."""
     pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", split)
-    return pairs, common.encode_unique(encode, [s for p in pairs for s in p[:2]], desc=f"STS-B {split}")
+    return pairs, eval_sts.encode_unique(encode, [s for p in pairs for s in p[:2]], desc=f"STS-B {split}")
 
 
 def measure_spectrum(encode, senteval_dir, split: str = "test") -> dict:
@@ -268,6 +268,9 @@ def main(argv=None) -> None:
             raise plumbing.UsageError(f"{args.analysis} needs models: --model_name_or_path A B ... or runs' "
                                       "results.json files")
         labels = check_labels(args.labels, [label for label, _, _ in found])
+        for _, path, _ in found:  # every local model's files read before the first is measured
+            if Path(path).is_dir():
+                hub.check_model_folder(Path(path), "--model_name_or_path")
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=["STSBenchmark"])
         device = plumbing.resolve_device(args.device)
         measured = {}
