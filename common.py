@@ -9,7 +9,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 
-POOLERS = ("cls", "cls_before_pooler", "avg", "avg_top2", "avg_first_last")
+# avg_first_last averages the first transformer layer with the last (SimCSE's code); the SimCSE++,
+# SSCL and miCSE code, forked before SimCSE fixed it, averages the embedding output instead:
+# avg_embeddings_last.
+POOLERS = ("cls", "cls_before_pooler", "avg", "avg_top2", "avg_first_last", "avg_embeddings_last")
 # (flag, type, default, help): unsupervised SimCSE, BERT-base (Table A.1); a method's presets come
 # on top, the user's flags win. --pooler, --precision, the run's flags: plumbing/options.py.
 FLAGS = [
@@ -42,7 +45,8 @@ def pool(hidden_states, attention_mask, pooler: str, pooler_output=None) -> torc
         return hidden_states[-1][:, 0]
     layer = {"avg": lambda: hidden_states[-1],
              "avg_top2": lambda: (hidden_states[-2] + hidden_states[-1]) / 2.0,
-             "avg_first_last": lambda: (hidden_states[1] + hidden_states[-1]) / 2.0}[pooler]()
+             "avg_first_last": lambda: (hidden_states[1] + hidden_states[-1]) / 2.0,
+             "avg_embeddings_last": lambda: (hidden_states[0] + hidden_states[-1]) / 2.0}[pooler]()
     mask = attention_mask.unsqueeze(-1).float()
     return (layer.float() * mask).sum(1) / mask.sum(1)
 

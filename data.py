@@ -134,9 +134,10 @@ class TokenizedCorpus:
     """Every example tokenised once (datasets' batched `map`, cached as SimCSE's train.py does), its
     token ids kept in one flat array with each sequence's offsets. `collate(rows)` gathers those
     rows and pads them to their longest; a triplet's sequences are laid out column-major (all sent0,
-    then all sent1, then all hard_neg)."""
+    then all sent1, then all hard_neg). With `example_ids`, a batch also holds the rows' indices."""
 
-    def __init__(self, examples, tokenizer, max_length: int, pad_to_multiple_of: int = 1):
+    def __init__(self, examples, tokenizer, max_length: int, pad_to_multiple_of: int = 1,
+                 example_ids: bool = False):
         columns = examples.column_names  # ["text"] or ["sent0", "sent1", "hard_neg"]
 
         def tokenize(batch):
@@ -157,6 +158,7 @@ class TokenizedCorpus:
         self.pad_id, self.multiple = tokenizer.pad_token_id, pad_to_multiple_of
         self.left = tokenizer.padding_side == "left"
         self.with_token_types = "token_type_ids" in tokenizer.model_input_names
+        self.example_ids = example_ids  # each batch also says which examples it holds
 
     def __len__(self):
         return (len(self.offsets) - 1) // self.num_columns
@@ -176,6 +178,8 @@ class TokenizedCorpus:
                  "attention_mask": torch.from_numpy(valid.astype(np.int64))}
         if self.with_token_types:
             batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
+        if self.example_ids:
+            batch["example_ids"] = torch.tensor(rows, dtype=torch.long)
         return batch
 
 

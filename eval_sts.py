@@ -61,6 +61,15 @@ def load_encode(name_or_path: str, pooler: str, device):
     return encode if projection is None else common.project(encode, projection.to(device))
 
 
+def checkpoint_pooler(name_or_path: str, pooler: str | None) -> str:
+    """--pooler, else the one a training run recorded beside its checkpoint, else cls_before_pooler; a note when the
+    given one is not the recorded one."""
+    recorded = files.recorded_pooler(name_or_path)
+    if pooler is not None and recorded is not None and pooler != recorded:
+        print(f"note: {name_or_path} was evaluated with --pooler {recorded} by the run that trained it")
+    return pooler or recorded or "cls_before_pooler"
+
+
 # ---------------------------------------------------------------------------------------------- data
 def _normalise(sentence: str) -> str:
     return " ".join(sentence.split())
@@ -205,9 +214,11 @@ def resolve_senteval_dir(senteval_dir: str | None, check=()) -> Path:
 def main(argv=None) -> None:
     parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", required=True, help="Hugging Face model id or local directory")
-    parser.add_argument("--pooler", default="cls_before_pooler", choices=common.POOLERS,
-                        help="cls = BERT's pooler output (a SimCSE checkpoint's MLP); cls_before_pooler = last "
-                             "[CLS]; avg, avg_top2, avg_first_last = masked means")
+    parser.add_argument("--pooler", default=None, choices=common.POOLERS,
+                        help="cls = a run's MLP head (else BERT's pooler output); cls_before_pooler = last [CLS]; "
+                             "avg, avg_top2, avg_first_last (layer 1 + last), avg_embeddings_last (the embedding "
+                             "output + last, SimCSE++'s, SSCL's and miCSE's first-last) = masked means; default: "
+                             "the pooler a run recorded in its checkpoint, else cls_before_pooler")
     parser.add_argument("--senteval_dir", default=None, help="SentEval data folder (default: HF senteval.tar)")
     parser.add_argument("--mode", default="test", choices=["test", "dev"], help="test: 7 tasks; dev: STS-B/SICK-R dev")
     parser.add_argument("--tasks", nargs="+", default=None, choices=TASKS, help="subset of tasks")
@@ -222,6 +233,7 @@ def main(argv=None) -> None:
     device = plumbing.resolve_device(args.device)
 
     senteval_dir = resolve_senteval_dir(args.senteval_dir)
+    args.pooler = checkpoint_pooler(args.model_name_or_path, args.pooler)
     encode = load_encode(args.model_name_or_path, args.pooler, device)
     start = time.perf_counter()
     scores = evaluate(encode, senteval_dir, args.tasks, args.mode, args.batch_size)

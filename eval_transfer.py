@@ -334,7 +334,8 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
 def main(argv=None) -> None:
     parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", required=True, help="Hugging Face model id or local directory")
-    parser.add_argument("--pooler", default="cls_before_pooler", choices=common.POOLERS, help="as in eval_sts.py")
+    parser.add_argument("--pooler", default=None, choices=common.POOLERS,
+                        help="as in eval_sts.py (default: the checkpoint's recorded pooler, else cls_before_pooler)")
     parser.add_argument("--senteval_dir", default=None, help="SentEval data folder (default: HF senteval.tar)")
     parser.add_argument("--mode", default="test", choices=list(MODES), help="test: SimCSE's setting; fasttest: "
                         "SentEval's prototyping setting")
@@ -347,6 +348,7 @@ def main(argv=None) -> None:
     plumbing.check_json_path(args.json)
     device = plumbing.resolve_device(args.device)
     senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir)
+    args.pooler = eval_sts.checkpoint_pooler(args.model_name_or_path, args.pooler)
     encode = eval_sts.load_encode(args.model_name_or_path, args.pooler, device)
     encoding_s = [0.0]
 

@@ -96,6 +96,8 @@ def parse_args(argv=None):
     note = "" if nearest == known.fraction else \
         f", the nearest to --fraction {known.fraction:g} in PRESETS"
     args = options.parse(parser, argv, PRESETS, lambda known, backbone: [nearest], note)
+    if args.pooler == "avg_first_last":  # the released code's first-last average: hidden_states[0]
+        args.pooler = "avg_embeddings_last"
     for name, accepted in (("ami_lambda", ">= 0"), ("queue_size", ">= 0 (0 disables the queue)")):
         plumbing.check_range(args, name, lambda v: v >= 0, accepted)
     plumbing.check_range(args, "ami_samples", lambda v: v >= 2, "at least 2 entries per tile")
@@ -155,16 +157,21 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     log1, log2 = centred_logs(tiles1), centred_logs(tiles2)
     rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)
     # Code over paper: Algorithm 1 drops Eq. 4's log; the released code keeps it (and scales).
+    # Released code: rho = +-1 takes log(0), a NaN it replaces by 100; clamped here (docs/fidelity.md)
     mutual_information = -0.5 * torch.log(1 - (rho ** 2).clamp(max=1 - 1e-6))
     mean_mi = torch.where(used, mutual_information, 0.0).sum() / used.sum()
     loss = -mean_mi * (valid_fraction ** 2 + 1e-6)
     return torch.where(k >= 2, loss, 0.0)  # fewer than 2 samples carry no correlation
 
 
-def moco_info_nce(z1, z2, queue, temp: float = 0.05) -> torch.Tensor:
+def moco_info_nce(z1, z2, queue, temp: float = 0.05, own_keys=None) -> torch.Tensor:
     """InfoNCE with in-batch and queued negatives (Eq. 2): CE over [s(z1, z2) | s(z1, queue)],
-    target i."""
+    target i. `own_keys` (N, Q), True where a queued key is anchor i's own sentence from an earlier
+    step: left out, since a sentence is no negative of itself (a small subset repeats within the
+    queue; the paper is silent, the released code has no queue)."""
     logits = torch.cat([common.cos_sim(z1, z2), common.cos_sim(z1, queue)], dim=1) / temp
+    if own_keys is not None:  # none in the in-batch block
+        logits = logits.masked_fill(F.pad(own_keys, (len(z2), 0)), -torch.inf)
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
 
 
@@ -176,21 +183,24 @@ def ema_update(target: torch.nn.Module, source: torch.nn.Module, momentum: float
 
 
 class EmbeddingQueue:
-    """A bounded FIFO of embeddings: the newest `size` rows are kept."""
+    """A bounded FIFO of embeddings and the ids of their sentences: the newest `size` rows."""
 
     def __init__(self, size: int, dim: int, device=None):
         self.size = size
         self.tensor = torch.empty(0, dim, device=device)
+        self.ids = torch.empty(0, dtype=torch.long, device=device)
 
-    def push(self, embeddings: torch.Tensor) -> None:
+    def push(self, embeddings: torch.Tensor, ids: torch.Tensor) -> None:
         if self.size:
             self.tensor = torch.cat([self.tensor, embeddings.detach().float()])[-self.size:]
+            self.ids = torch.cat([self.ids, ids])[-self.size:]
 
     def state_dict(self) -> dict:  # --resume
-        return {"tensor": self.tensor}
+        return {"tensor": self.tensor, "ids": self.ids}
 
     def load_state_dict(self, state: dict) -> None:
         self.tensor = state["tensor"].to(self.tensor.device)
+        self.ids = state.get("ids", torch.full((len(self.tensor),), -1)).to(self.ids.device)
 
 
 def default_ami_layers(num_layers: int) -> tuple[int, int]:
@@ -210,7 +220,8 @@ def main(argv=None):
         prebuilt_mask = run.check_encoder(backbone, tokenizer, attentions=True)
         examples, train_file, subset = data.training_examples(args)  # the authors' subset if any
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
-        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
+        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple,
+                                      example_ids=True)  # which sentence each row is: the queue's
     num_layers = backbone.config.num_hidden_layers
     default_min, default_max = default_ami_layers(num_layers)
     args.ami_min_layer = default_min if args.ami_min_layer is None else args.ami_min_layer
@@ -253,6 +264,7 @@ def main(argv=None):
     for step in run.steps():  # step 0 only evaluates the initial model
         if step > 0:
             batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            sentence_ids = distributed.gather(batch.pop("example_ids"))  # the global batch's
             views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two views
             with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
                 outputs = forward(**views, output_hidden_states=True, output_attentions=True)
@@ -260,8 +272,9 @@ def main(argv=None):
             z1, z2 = z.chunk(2)
             z1, z2 = distributed.gather(z1), distributed.gather(z2)
             # --no_negatives (Table 4): the positive pairs alone, no in-batch or queued negatives
+            # a sentence seen in an earlier step is no negative of itself: its own keys left out
             loss = common.positive_only_loss(z1, z2, args.temp) if args.no_negatives else \
-                moco_info_nce(z1, z2, queue.tensor, args.temp)
+                moco_info_nce(z1, z2, queue.tensor, args.temp, queue.ids == sentence_ids[:, None])
             # AMI's layers only, stacked (N, K, H, n, n), in fp32; per sample, so it stays local.
             attentions = torch.stack(outputs.attentions[ami_min:ami_max], 1).float()
             attn1, attn2 = attentions.chunk(2)
@@ -283,7 +296,7 @@ def main(argv=None):
                         outputs_momentum = momentum_forward(**batch, output_hidden_states=True)
                     keys = common.embed(outputs_momentum.hidden_states, batch["attention_mask"],
                                         args.pooler, head)
-                queue.push(distributed.gather(keys))  # the same queue on every process
+                queue.push(distributed.gather(keys), sentence_ids)  # the same on every process
             run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
         if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves

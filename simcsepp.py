@@ -10,7 +10,7 @@ Headline (Table 3, BERT-base, 7-task STS average): SimCSE 76.25 -> SimCSE++ 78.0
 77.13, DCL alone 77.40).
 
     python simcsepp.py                                  # m 0.9, DCL weight 0.1, DCL temperature 5
-    python simcsepp.py --no_off_dropout                 # Table 3 "+DCL" row
+    python simcsepp.py --no_off_dropout --m 1           # Table 3 "+DCL" row: SimCSE + DCL
     python simcsepp.py --dcl_weight 0                   # Table 3 "+Off-Info" row
     python simcsepp.py --dcl_only                       # Table 4 "+DCL(wiki)": DCL alone
     python simcsepp.py --no_off_dropout --m 1 --dcl_temp 10  # models_vicreg.py's DCL SimCSE
@@ -57,8 +57,8 @@ from plumbing.run import Run
 PRESETS = {
     "bert-large": ({"lr": 8e-6}, "SimCSE++ Section 5.1, large models"),
     "roberta-large": ({"lr": 8e-6}, "SimCSE++ Section 5.1, large models"),
-    # Table 4's row: BERT first-last avg. + DCL(wiki, tau_DCL = 0.05)
-    "dcl_only": ({"pooler": "avg_first_last", "dcl_temp": 0.05}, "SimCSE++ Table 4"),
+    # Table 4's row: BERT first-last avg. + DCL(wiki, tau_DCL = 0.05), first-last as the code has it
+    "dcl_only": ({"pooler": "avg_embeddings_last", "dcl_temp": 0.05}, "SimCSE++ Table 4"),
 }
 
 
@@ -72,13 +72,16 @@ def parse_args(argv=None):
     g.add_argument("--dcl_temp", type=float, default=5.0,
                    help="DCL temperature (Table 5's best: 5; the released models_vicreg.py: 10)")
     g.add_argument("--no_off_dropout", action="store_true",
-                   help="negatives from the dropout views s(z1_i, z2_j), no third pass "
-                        "(Table 3 '+DCL' row)")
+                   help="negatives from the dropout views s(z1_i, z2_j), no third pass; m still "
+                        "scales the positive: Table 3's '+DCL' row is --no_off_dropout --m 1")
     g.add_argument("--dcl_only", action="store_true",
                    help="Table 4: DCL alone as the objective (no InfoNCE); sets --pooler "
-                        "avg_first_last and --dcl_temp 0.05 unless given")
+                        "avg_embeddings_last (the released first-last average) and --dcl_temp "
+                        "0.05 unless given")
     args = options.parse(parser, argv, PRESETS, lambda known, backbone: (
         ["dcl_only"] if known.dcl_only else []) + [backbone])
+    if args.pooler == "avg_first_last":  # the released code's first-last average: hidden_states[0]
+        args.pooler = "avg_embeddings_last"
     plumbing.check_range(args, "m", lambda v: v > 0, "a positive weight")
     plumbing.check_range(args, "dcl_weight", lambda v: v >= 0, ">= 0 (0 disables DCL)")
     plumbing.check_range(args, "dcl_temp", lambda v: v > 0, "a positive temperature")
@@ -185,7 +188,8 @@ def main(argv=None):
                 z_dropout_off = common.embed(outputs_off.hidden_states, batch["attention_mask"],
                                              args.pooler, head)
                 z_dropout_off = distributed.gather(z_dropout_off)
-            # DCL's per-dimension statistics are the global batch's (gathered)
+            # DCL's statistics are the global batch's (the released code under torchrun divides C by
+            # the local batch size: docs/fidelity.md)
             if args.dcl_only:  # Table 4: DCL alone
                 loss = dcl_loss(z1, z2, args.dcl_temp)
             else:

@@ -84,6 +84,9 @@ def parse_args(argv=None):
         parser.error("SSCL trains with --pooler cls or avg (Section 4.2)")
     plumbing.check_range(args, "neg_layers", lambda v: v >= 0, "a non-negative number of layers")
     plumbing.check_range(args, "output_dim", lambda v: v >= 1, "a positive dimension")
+    if args.output_dim and args.pooler == "cls" and args.mlp_only_train:  # train = evaluate input
+        parser.error("--output_dim with --pooler cls trains the projection on the MLP head's output, "
+                     "which --mlp_only_train drops at evaluation: add --no-mlp_only_train")
     return args
 
 
@@ -207,6 +210,7 @@ def main(argv=None):
             z1, z2 = (z, z) if args.no_dropout_positive else z.chunk(2)
             # Code over paper: both views' layers (2N a layer); the paper adds N (--layer_negatives)
             views_used = 2 if args.layer_negatives == "both" else 1
+            # Released code under torchrun: each process's own layer negatives; gathered here
             layer_negatives = [tuple(distributed.gather(n) for n in layer[:views_used])
                                for layer in reps]
             z1, z2 = distributed.gather(z1), distributed.gather(z2)

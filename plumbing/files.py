@@ -90,6 +90,17 @@ def save_figure(fig, path: Path) -> None:
 
 PROJECTION_FILE = "projection.safetensors"  # a linear layer after the pooler (sscl.py --output_dim)
 HEAD_FILE = "mlp_head.safetensors"  # SimCSE's trained MLP head, for the "cls" pooler of any backbone
+EVAL_POOLER_FILE = "eval_pooler.json"  # the pooler a run evaluated its checkpoint with
+
+
+def recorded_pooler(name_or_path: str) -> str | None:
+    """The evaluation pooler a run recorded beside its checkpoint (EVAL_POOLER_FILE), or None."""
+    path = Path(name_or_path) / EVAL_POOLER_FILE
+    try:
+        return json.loads(path.read_text())["pooler"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
 
 
 def save_linear(out_dir: Path, name: str, linear: torch.nn.Linear) -> None:

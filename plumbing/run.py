@@ -294,7 +294,8 @@ def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projec
     swapped in only when complete. Evaluated with the "cls" pooler, the MLP head is saved beside it (files.HEAD_FILE,
     which `eval_sts.py --pooler cls` applies to the last [CLS] on any backbone) and, where the backbone has BERT's
     pooler, into its weights too (as SimCSE's simcse_to_huggingface.py does). A projection (nn.Linear after the
-    pooler) is saved beside it, and eval_sts.load_encode applies it."""
+    pooler) is saved beside it, and eval_sts.load_encode applies it. The evaluation pooler is recorded
+    (files.EVAL_POOLER_FILE), so that eval_sts.py evaluates the checkpoint as the run did."""
     if distributed.rank() == 0:
         target, tmp = Path(out_dir) / "best", Path(out_dir) / "best.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -303,6 +304,7 @@ def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projec
             state.update({"pooler.dense.weight": head[0].weight, "pooler.dense.bias": head[0].bias})
         backbone.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
+        files.write_json(tmp / files.EVAL_POOLER_FILE, {"pooler": eval_pooler})  # eval_sts's default
         if eval_pooler == "cls" and isinstance(head, common.MLPHead):
             files.save_linear(tmp, files.HEAD_FILE, head[0])
         if projection is not None:

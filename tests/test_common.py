@@ -62,13 +62,15 @@ def test_info_nce_gradcheck():
 def test_poolers_on_hand_built_hidden_states():
     # 2 sentences, 3 positions, the second sentence padded after one token; hidden states of 3 "layers".
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    emb = torch.zeros(2, 3, 2)
+    emb = torch.tensor([[[2., 0.], [2., 0.], [2., 0.]], [[6., 0.], [1., 1.], [1., 1.]]])
     first = torch.tensor([[[1., 0.], [3., 0.], [5., 0.]], [[2., 2.], [9., 9.], [9., 9.]]])
     last = torch.tensor([[[0., 1.], [0., 3.], [0., 8.]], [[4., 4.], [7., 7.], [7., 7.]]])
     hidden = (emb, first, last)
     assert torch.allclose(common.pool(hidden, mask, "cls_before_pooler"), torch.tensor([[0., 1.], [4., 4.]]))
     assert torch.allclose(common.pool(hidden, mask, "avg"), torch.tensor([[0., 4.], [4., 4.]]))
     assert torch.allclose(common.pool(hidden, mask, "avg_first_last"), torch.tensor([[1.5, 2.0], [3., 3.]]))
+    # SimCSE++'s, SSCL's and miCSE's released first-last average: the embedding output and the last layer
+    assert torch.allclose(common.pool(hidden, mask, "avg_embeddings_last"), torch.tensor([[1., 2.], [5., 2.]]))
     assert torch.allclose(common.pool(hidden, mask, "avg_top2"), torch.tensor([[1.5, 2.0], [3., 3.]]))
     pooler_output = torch.randn(2, 2)
     assert common.pool(hidden, mask, "cls", pooler_output) is pooler_output

@@ -147,12 +147,13 @@ def test_odd_layer_range_is_an_error():
         micse.ami_loss(random_attention(), random_attention(), 0, 3)
 
 
-def loop_moco(z1, z2, queue, temp):
+def loop_moco(z1, z2, queue, temp, own=None):
     def cos(a, b):
         return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
     total = 0.0
     for i in range(len(z1)):
-        logits = [cos(z1[i], z2[j]) / temp for j in range(len(z2))] + [cos(z1[i], q) / temp for q in queue]
+        logits = [cos(z1[i], z2[j]) / temp for j in range(len(z2))] + \
+            [cos(z1[i], q) / temp for k, q in enumerate(queue) if own is None or not own[i][k]]
         total += -logits[i] + math.log(sum(math.exp(l) for l in logits))
     return total / len(z1)
 
@@ -163,15 +164,41 @@ def test_moco_info_nce_matches_loop_and_empty_queue_is_info_nce():
     assert micse.moco_info_nce(z1, z2, queue, 0.05).item() == pytest.approx(
         loop_moco(z1.double().numpy(), z2.double().numpy(), queue.double().numpy(), 0.05), rel=1e-5)
     assert torch.equal(micse.moco_info_nce(z1, z2, torch.empty(0, 4), 0.05), common.info_nce(z1, z2, 0.05))
+    own = torch.rand(5, 7, generator=g) < 0.3  # an anchor's own sentence among the queued keys: left out
+    assert own.any() and micse.moco_info_nce(z1, z2, queue, 0.05, own).item() == pytest.approx(
+        loop_moco(z1.double().numpy(), z2.double().numpy(), queue.double().numpy(), 0.05, own.tolist()), rel=1e-5)
+    assert torch.equal(micse.moco_info_nce(z1, z2, queue, 0.05, torch.zeros(5, 7, dtype=torch.bool)),
+                       micse.moco_info_nce(z1, z2, queue, 0.05))
+
+
+def test_the_queue_never_gives_an_anchor_its_own_sentence(tiny_model, senteval_dir, tmp_path, monkeypatch):
+    """24 sentences, batch 8, a queue of 16: from the second epoch on, anchors meet their own earlier keys. The
+    mask the loop passes is what the batches' rows say (an independent record: the collated rows)."""
+    import data
+    corpus = tmp_path / "small.txt"
+    corpus.write_text("\n".join(f"sentence number {i} of the park" for i in range(24)) + "\n")
+    batches, calls = [], []
+    collate, loss = data.TokenizedCorpus.collate, micse.moco_info_nce
+    monkeypatch.setattr(data.TokenizedCorpus, "collate", lambda self, rows: batches.append(list(rows))
+                        or collate(self, rows))
+    monkeypatch.setattr(micse, "moco_info_nce", lambda *a: calls.append(a[4].clone()) or loss(*a))
+    micse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "o", "--max_steps", 6,
+                                           "--eval_steps", 6, "--queue_size", 16, "--no_test_eval")])
+    seen = []
+    for rows, own in zip(batches, calls):
+        queued = seen[-16:]
+        assert own.tolist() == [[row == q for q in queued] for row in rows]
+        seen += rows
+    assert sum(own.sum().item() for own in calls) > 0  # the case happened
 
 
 def test_queue_is_fifo_and_bounded():
     queue = micse.EmbeddingQueue(size=5, dim=2)
     for start in (0, 3, 6):
-        queue.push(torch.arange(start, start + 3, dtype=torch.float).repeat(2, 1).T)
-    assert queue.tensor[:, 0].tolist() == [4.0, 5.0, 6.0, 7.0, 8.0]
+        queue.push(torch.arange(start, start + 3, dtype=torch.float).repeat(2, 1).T, torch.arange(start, start + 3))
+    assert queue.tensor[:, 0].tolist() == [4.0, 5.0, 6.0, 7.0, 8.0] and queue.ids.tolist() == [4, 5, 6, 7, 8]
     disabled = micse.EmbeddingQueue(size=0, dim=2)
-    disabled.push(torch.ones(3, 2))
+    disabled.push(torch.ones(3, 2), torch.arange(3))
     assert disabled.tensor.shape == (0, 2)
 
 

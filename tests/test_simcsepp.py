@@ -123,3 +123,25 @@ def test_dcl_at_temperature_10_is_the_released_models_vicreg_term():
     cov = bn(z1).T @ bn(z2) / 16 / 10
     released = (-torch.diagonal(cov) + torch.logsumexp(cov, dim=-1)).mean()
     torch.testing.assert_close(simcsepp.dcl_loss(z1, z2, 10.0), released, rtol=1e-6, atol=1e-6)
+
+
+def test_first_last_average_is_the_released_codes_and_travels_with_best(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                       capsys):
+    """SimCSE++'s (and miCSE's) released avg_first_last averages hidden_states[0], the embedding output
+    (avg_embeddings_last; SimCSE's own averages layer 1): trained so (Table 4's --dcl_only), recorded in results.json
+    and best/, and eval_sts.py evaluates best/ with it by default."""
+    import micse
+    model = ["--model_name_or_path", str(tiny_model)]
+    assert simcsepp.parse_args(model + ["--dcl_only"]).pooler == "avg_embeddings_last"
+    assert simcsepp.parse_args(model + ["--pooler", "avg_first_last"]).pooler == "avg_embeddings_last"
+    assert micse.parse_args(model + ["--pooler", "avg_first_last"]).pooler == "avg_embeddings_last"
+    out = tmp_path / "run"
+    simcsepp.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--dcl_only", "--max_steps", 2)])
+    results = json.loads((out / "results.json").read_text())
+    assert results["eval_pooler"] == "avg_embeddings_last"
+    assert json.loads((out / "best" / "eval_pooler.json").read_text()) == {"pooler": "avg_embeddings_last"}
+    best = ["--model_name_or_path", out / "best", "--senteval_dir", senteval_dir, "--device", "cpu"]
+    assert in_process_scores(eval_sts, *best) == results["test"]
+    capsys.readouterr()
+    assert in_process_scores(eval_sts, *best, "--pooler", "avg_first_last") != results["test"]
+    assert "was evaluated with --pooler avg_embeddings_last" in capsys.readouterr().out

@@ -107,3 +107,21 @@ def test_smoke_run_with_oversmoothing_report(tiny_model, corpus, senteval_dir, t
     for when in ("before", "after"):
         assert list(results["setsim"][when]) == ["1-2"]  # the tiny model has 2 layers
         assert -1.0 <= results["setsim"][when]["1-2"] <= 1.0
+
+
+def test_a_projection_is_trained_and_evaluated_on_the_same_input(tiny_model, corpus, senteval_dir, tmp_path):
+    """--output_dim with --pooler cls trains the projection on the MLP head's output: evaluated on it too
+    (--no-mlp_only_train, the head saved in best/), or refused in one line."""
+    from conftest import cli_in_process
+    out = tmp_path / "run"
+    code, err = cli_in_process(sscl, *smoke_args(tiny_model, corpus, senteval_dir, out, "--pooler", "cls",
+                                                 "--output_dim", 8))
+    assert code == 2 and "--no-mlp_only_train" in err and len(err.strip().splitlines()) == 1 and not out.exists()
+    sscl.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--pooler", "cls", "--output_dim", 8,
+                                          "--no-mlp_only_train", "--neg_layers", 1, "--max_steps", 2)])
+    results = json.loads((out / "results.json").read_text())
+    assert results["eval_pooler"] == "cls" and (out / "best" / "mlp_head.safetensors").is_file()
+    encode = eval_sts.load_encode(str(out / "best"), "cls", torch.device("cpu"))
+    assert encode(["a man runs"]).shape == (1, 8)
+    assert in_process_scores(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
+                             "--device", "cpu") == results["test"]
