@@ -157,7 +157,7 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     log1, log2 = centred_logs(tiles1), centred_logs(tiles2)
     rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)
     # Code over paper: Algorithm 1 drops Eq. 4's log; the released code keeps it (and scales).
-    # Released code: rho = +-1 takes log(0), a NaN it replaces by 100; clamped here (docs/fidelity.md)
+    # Released code: rho = +-1 takes log(0), a NaN it replaces by 100; clamped here (fidelity.md)
     mutual_information = -0.5 * torch.log(1 - (rho ** 2).clamp(max=1 - 1e-6))
     mean_mi = torch.where(used, mutual_information, 0.0).sum() / used.sum()
     loss = -mean_mi * (valid_fraction ** 2 + 1e-6)

@@ -84,9 +84,9 @@ def parse_args(argv=None):
         parser.error("SSCL trains with --pooler cls or avg (Section 4.2)")
     plumbing.check_range(args, "neg_layers", lambda v: v >= 0, "a non-negative number of layers")
     plumbing.check_range(args, "output_dim", lambda v: v >= 1, "a positive dimension")
-    if args.output_dim and args.pooler == "cls" and args.mlp_only_train:  # train = evaluate input
-        parser.error("--output_dim with --pooler cls trains the projection on the MLP head's output, "
-                     "which --mlp_only_train drops at evaluation: add --no-mlp_only_train")
+    if args.output_dim and args.pooler == "cls" and args.mlp_only_train:  # train on what evaluates
+        parser.error("--output_dim with --pooler cls trains the projection on the MLP head's "
+                     "output, which --mlp_only_train drops at evaluation: add --no-mlp_only_train")
     return args
 
 

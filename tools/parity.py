@@ -1,0 +1,823 @@
+"""The suite against the authors' released code, run side by side: one training step of each method in both, on the
+same tiny random model, the same batch and the same dropout masks, with the loss and every parameter's gradient
+compared; then the losses alone on identical embeddings or attention maps (the random parts with identical draws),
+and each repository's evaluation poolers against eval_sts.py's.
+
+    python tools/parity.py --released DIR             # DIR holds the five clones under their GitHub names:
+                                                      # SimCSE, SimCSE-plus-plus, SSCL, WhitenedCSE, acl2023-micse
+    python tools/parity.py --simcse PATH --micse PATH # or one flag a repository; the others are skipped
+    python tools/parity.py --released DIR --json parity.json --only simcse micse
+
+No released code is copied into this repository: the tool reads it from your clones (git clone
+https://github.com/princeton-nlp/SimCSE and so on), and each adaptation it needs under today's torch and transformers
+is applied at run time and printed, one line each. miCSE's code also needs `pip install einops`.
+
+How the two sides meet:
+- Weights: the released model class (BertForCL, RobertaForCL) is built on a tiny config and its weights are copied
+  into the suite's backbone and heads; gradients are compared parameter by parameter under the released names.
+- Batch: the released code takes (sentences, views, tokens) and flattens it sentence-major (s0 v0, s0 v1, s1 v0, ...);
+  the suite repeats the batch view-major (all v0, then all v1). Both get the same token ids.
+- Dropout masks (MatchedDropout): torch.nn.functional.dropout is replaced, for the two steps only, by one whose mask
+  for a row depends on (the call's place in the encoder pass, the row's sentence and view), not on the position in
+  the random stream; each side says its rows' (sentence, view) before its pass. Attention is eager on both sides, so
+  the attention-probability dropout goes through it too.
+- Random draws: WhitenedCSE's permutations and miCSE's samples are drawn once and given to both sides.
+
+Exit status 0 when every comparison is within --tolerance or is a documented deviation (DEVIATIONS, with its reason),
+1 otherwise. docs/fidelity.md holds a dated output and what each deviation means.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import hashlib
+import importlib.util
+import io
+import json
+import sys
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the suite's modules
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+
+import common  # noqa: E402
+import eval_sts  # noqa: E402
+import micse  # noqa: E402
+import plumbing  # noqa: E402
+import simcsepp  # noqa: E402
+import sscl  # noqa: E402
+import whitenedcse  # noqa: E402
+from plumbing import files  # noqa: E402
+
+# repository key -> (its GitHub name, the file that tells a clone of it)
+REPOSITORIES = {"simcse": ("princeton-nlp/SimCSE", "simcse/models.py"),
+                "simcsepp": ("Jiahao004/SimCSE-plus-plus", "simcse/models_re.py"),
+                "sscl": ("nuochenpku/SSCL", "sscl/models.py"),
+                "whitenedcse": ("SupstarZh/WhitenedCSE", "whitenedcse/shuffled_group_whitening.py"),
+                "micse": ("SAP-samples/acl2023-micse", "model/models.py")}
+# Comparisons whose difference is documented (docs/fidelity.md): name -> why
+DEVIATIONS = {
+    "whitenedcse bert: step (released row layout)":
+        "the released head whitens contiguous thirds of the sentence-major batch (each third mixes views), the "
+        "suite each view; with the rows laid out per view the whitening is the same (the rows below)",
+    "micse bert: loss alone, rho = 1 (identical views)":
+        "the released code takes log(0) = NaN and replaces the AMI term by the constant 100; the suite clamps rho^2 "
+        "at 1 - 1e-6 (a finite term); neither has a gradient there",
+    "sscl eval: avg_first_last / eval_sts avg_first_last":
+        "the forks average hidden_states[0] (the embedding output): eval_sts's avg_embeddings_last (next row)",
+    "simcsepp eval: avg_first_last / eval_sts avg_first_last":
+        "the forks average hidden_states[0] (the embedding output): eval_sts's avg_embeddings_last (next row)",
+    "micse eval: avg_first_last / eval_sts avg_first_last":
+        "the forks average hidden_states[0] (the embedding output): eval_sts's avg_embeddings_last (next row)",
+}
+ADAPTED: list[str] = []  # the adaptations applied, in order
+
+
+# ------------------------------------------------------------------------------------------ the released code
+def adapt(repository: str, why: str) -> None:
+    line = f"adaptation [{repository}]: {why}"
+    if line not in ADAPTED:
+        ADAPTED.append(line)
+        print(line)
+
+
+def stub(name: str, **attributes) -> types.ModuleType:
+    """A stand-in module for a dependency the comparison does not exercise (wandb's logging, SentEval)."""
+    module = types.ModuleType(name)
+    module.__dict__.update(attributes)
+    return module
+
+
+def load_released(repository: str, clone: Path, relative: str, patches=(), stubs=None) -> types.ModuleType:
+    """A module of a clone, executed from its source with `patches` (old text, new text, why) applied and `stubs` in
+    sys.modules while it imports; registered under a private name."""
+    path = clone / relative
+    source = path.read_text()
+    for old, new, why in patches:
+        if old not in source:
+            raise plumbing.UsageError(f"{path}: the text an adaptation replaces is not there ({old[:40]!r}); is "
+                                      "this clone at another commit?")
+        source = source.replace(old, new)
+        adapt(repository, f"{relative}: {why}")
+    name = f"released_{repository}_{relative.replace('/', '_').removesuffix('.py')}"
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    saved = {key: sys.modules.get(key) for key in (stubs or {})}
+    sys.modules.update(stubs or {})
+    sys.path.insert(0, str(clone))
+    try:
+        exec(compile(source, str(path), "exec"), module.__dict__)
+    finally:
+        sys.path.remove(str(clone))
+        for key, value in saved.items():
+            if value is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = value
+    sys.modules[name] = module
+    return module
+
+
+def model_args(**overrides) -> types.SimpleNamespace:
+    """The released ModelArguments a cl_forward reads (train.py's defaults), with `overrides`."""
+    values = dict(pooler_type="cls", temp=0.05, hard_negative_weight=0.0, do_mlm=False, mlm_weight=0.1,
+                  mlp_only_train=True, pos_ratio=1.0, hard_negative_layers=2, do_neg=True, style="miCSE",
+                  min_layer=0, max_layer=2, diag_only=False)
+    values.update(overrides)
+    return types.SimpleNamespace(**values)
+
+
+# -------------------------------------------------------------------------------------------- the tiny models
+def tiny_config(kind: str, hidden: int = 32, layers: int = 3):
+    common_settings = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                           intermediate_size=2 * hidden, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    if kind == "bert":
+        config = transformers.BertConfig(vocab_size=60, max_position_embeddings=40, **common_settings)
+    else:  # RoBERTa: padding id 1, positions after it
+        config = transformers.RobertaConfig(vocab_size=60, max_position_embeddings=42, pad_token_id=1,
+                                            bos_token_id=0, eos_token_id=2, type_vocab_size=1, **common_settings)
+    config._attn_implementation = "eager"  # attention dropout through F.dropout, attention weights returned
+    return config
+
+
+def token_batch(kind: str, config, sentences: int, seed: int = 0) -> dict:
+    """`sentences` rows of random token ids between [CLS]/<s> and [SEP]/</s>, of different lengths, padded."""
+    g = torch.Generator().manual_seed(seed)
+    first, last, pad = (101 % config.vocab_size, 102 % config.vocab_size, 0) if kind == "bert" else (0, 2, 1)
+    lengths = torch.randint(4, 12, (sentences,), generator=g).tolist()
+    width = max(lengths)
+    ids = torch.full((sentences, width), pad, dtype=torch.long)
+    mask = torch.zeros(sentences, width, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.cat([torch.tensor([first]), torch.randint(5, config.vocab_size, (n - 2,), generator=g),
+                                torch.tensor([last])])
+        mask[i, :n] = 1
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if kind == "bert":
+        batch["token_type_ids"] = torch.zeros_like(ids)
+    return batch
+
+
+def released_inputs(columns: list[dict]) -> dict:
+    """The released layout, (sentences, views or columns, tokens), from one batch a column."""
+    return {key: torch.stack([c[key] for c in columns], dim=1) for key in columns[0]}
+
+
+def suite_parts(released, kind: str, pooler_head: bool = True):
+    """The suite's backbone (no pooler layer: BertForCL has none) and MLP head with the released model's weights."""
+    config = copy.deepcopy(released.config)
+    backbone = (transformers.BertModel if kind == "bert" else transformers.RobertaModel)(config,
+                                                                                          add_pooling_layer=False)
+    backbone.load_state_dict(getattr(released, kind).state_dict())
+    head = None
+    if pooler_head and hasattr(released, "mlp") and hasattr(released.mlp, "dense"):
+        head = common.MLPHead(config)
+        head[0].load_state_dict(released.mlp.dense.state_dict())
+    return backbone.train(), head
+
+
+def suite_gradients(kind: str, backbone, **named) -> dict:
+    """The suite's gradients under the released names: <kind>.<parameter>, and each head's."""
+    grads = {f"{kind}.{n}": p.grad for n, p in backbone.named_parameters()}
+    for prefix, module in named.items():
+        if module is not None:
+            grads.update({f"{prefix}.{n}": p.grad for n, p in module.named_parameters()})
+    return grads
+
+
+# ----------------------------------------------------------------------------------------- matched dropout
+class MatchedDropout:
+    """Dropout whose mask for a row depends on (the call's place in the encoder pass, the row's key), so that two
+    implementations laying out the same rows differently draw the same masks. `expect(keys, ...)`: the rows' keys of
+    the next encoder passes, in order (None for a pass without dropout). A pass whose nn.Dropout modules are all in
+    eval mode draws none (transformers 5 applies BERT's attention dropout under the attention module's flag: such a
+    pass, the released SimCSE++ dropout-off pass, is then dropout-free as it was under transformers 4)."""
+
+    def __init__(self, seed: int = 0):
+        self.seed, self.passes, self.keys, self.call, self.off = seed, [], None, 0, False
+
+    def expect(self, *passes) -> None:
+        self.passes = list(passes)
+
+    def start_pass(self, module, args, kwargs):
+        self.keys = self.passes.pop(0) if self.passes else None
+        self.call = 0
+        self.off = not any(m.training for m in module.modules() if isinstance(m, nn.Dropout))
+
+    def dropout(self, input, p=0.5, training=True, inplace=False):
+        if not training or p == 0.0 or self.off:
+            return input
+        if self.keys is None or len(self.keys) != len(input):
+            raise RuntimeError("a dropout call outside a pass whose rows are known")
+        masks = []
+        for key in self.keys:
+            digest = hashlib.sha256(f"{self.seed}:{self.call}:{key}".encode()).digest()
+            g = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+            masks.append(torch.rand(input.shape[1:], generator=g) >= p)
+        self.call += 1
+        return input * torch.stack(masks).to(input.dtype) / (1 - p)
+
+    @contextlib.contextmanager
+    def on(self, *encoders):
+        hooks = [e.register_forward_pre_hook(self.start_pass, with_kwargs=True) for e in encoders]
+        real = F.dropout
+        F.dropout = self.dropout
+        try:
+            yield self
+        finally:
+            F.dropout = real
+            for h in hooks:
+                h.remove()
+
+
+def sentence_major(sentences: int, views: int) -> list[int]:
+    """Row keys (sentence * views + view) of the released layout: s0 v0, s0 v1, s1 v0, ..."""
+    return list(range(sentences * views))
+
+
+def view_major(sentences: int, views: int) -> list[int]:
+    """Row keys of the suite's layout: all sentences of view 0, then of view 1, ..."""
+    return [(r % sentences) * views + r // sentences for r in range(sentences * views)]
+
+
+# ------------------------------------------------------------------------------------------------ comparing
+def difference(a, b) -> tuple[float, float]:
+    """(largest absolute difference, that over the largest magnitude); a missing gradient counts as zeros."""
+    if a is None and b is None:
+        return 0.0, 0.0
+    a = torch.zeros_like(b) if a is None else a.detach().double()
+    b = torch.zeros_like(a) if b is None else b.detach().double()
+    absolute = (a - b).abs().max().item() if a.numel() else 0.0
+    scale = max(a.abs().max().item(), b.abs().max().item(), 1e-30) if a.numel() else 1.0
+    return absolute, absolute / scale
+
+
+def row(name: str, loss_a, loss_b, grads_a=None, grads_b=None) -> dict:
+    """One comparison: the loss, and the worst parameter (or input) gradient."""
+    loss_abs, loss_rel = difference(torch.as_tensor(loss_a), torch.as_tensor(loss_b))
+    worst = ("-", 0.0, 0.0)
+    for key in sorted(set(grads_a or {}) | set(grads_b or {})):
+        absolute, relative = difference((grads_a or {}).get(key), (grads_b or {}).get(key))
+        if absolute > worst[1]:
+            worst = (key, absolute, relative)
+    return {"name": name, "loss_released": float(loss_a), "loss_suite": float(loss_b), "loss_abs": loss_abs,
+            "loss_rel": loss_rel, "grad_worst": worst[0], "grad_abs": worst[1], "grad_rel": worst[2],
+            "gradients": len(set(grads_a or {}) | set(grads_b or {}))}
+
+
+def released_step(model, inputs: dict, dropout: MatchedDropout, *passes):
+    """The released model's loss on `inputs` and its gradients, with matched dropout."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    encoder = getattr(model, "bert", None) or getattr(model, "roberta")
+    with dropout.on(encoder):
+        dropout.expect(*passes)
+        loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def suite_step(backbone, passes: list, step) -> torch.Tensor:
+    """`step()` (the suite's forward passes and loss) with matched dropout; backward; the loss."""
+    dropout = MatchedDropout()
+    with dropout.on(backbone):
+        dropout.expect(*passes)
+        loss = step()
+    loss.backward()
+    return loss.detach()
+
+
+class FakeEncoder(nn.Module):
+    """An encoder returning given outputs, one a call: the released cl_forward's loss on identical embeddings."""
+
+    def __init__(self, *outputs):
+        super().__init__()
+        self.outputs = list(outputs)
+
+    def forward(self, *args, **kwargs):
+        return self.outputs.pop(0)
+
+
+def outputs(last, hidden_states=None, attentions=None):
+    return transformers.modeling_outputs.BaseModelOutputWithPoolingAndCrossAttentions(
+        last_hidden_state=last, hidden_states=hidden_states, attentions=attentions, pooler_output=None)
+
+
+# ---------------------------------------------------------------------------------------------- each method
+N = 6  # sentences in the batch
+
+
+POST_INIT = ("    cls.init_weights()", "    cls.post_init()",
+             "cl_init's init_weights() -> post_init() (transformers 5 sets up a model's tied-weight map there)")
+
+
+def simcse_rows(clone: Path) -> list[dict]:
+    module = load_released("simcse", clone, "simcse/models.py", [POST_INIT])
+    rows = []
+    for kind in ("bert", "roberta"):
+        config = tiny_config(kind)
+        for label, pooler, supervised in (("unsupervised, cls", "cls", False), ("supervised, cls", "cls", True),
+                                          ("unsupervised, avg_first_last", "avg_first_last", False)):
+            torch.manual_seed(1)
+            cls = module.BertForCL if kind == "bert" else module.RobertaForCL
+            released = cls(config, model_args=model_args(pooler_type=pooler, hard_negative_weight=0.5 * supervised))
+            columns = [token_batch(kind, config, N, seed) for seed in ((0, 1, 2) if supervised else (0, 0))]
+            views = len(columns)
+            loss_r, grads_r = released_step(released, released_inputs(columns), MatchedDropout(),
+                                            sentence_major(N, views))
+            backbone, head = suite_parts(released, kind, pooler == "cls")
+            model = common.Encoder(backbone, head)
+            stacked = {k: torch.cat([c[k] for c in columns]) for k in columns[0]}
+
+            def step():
+                out = model(**stacked, output_hidden_states=True)
+                z = common.embed(out.hidden_states, stacked["attention_mask"], pooler, head)
+                parts = z.chunk(views)
+                hard = torch.cat(parts[2:]) if supervised else None
+                return common.info_nce(parts[0], parts[1], 0.05, hard, 0.5 * supervised)
+            loss_s = suite_step(backbone, [view_major(N, views)], step)
+            rows.append(row(f"simcse {kind}: step, {label}", loss_r, loss_s, grads_r,
+                            suite_gradients(kind, backbone, **{"mlp.dense": head and head[0]})))
+    # the loss alone on identical embeddings (cls_before_pooler: the embedding is the given [CLS])
+    z = torch.randn(N * 3, 5, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    released = module.BertForCL(tiny_config("bert"), model_args=model_args(pooler_type="cls_before_pooler",
+                                                                             hard_negative_weight=0.5))
+    flat = z.view(N, 3, 5, 8).reshape(N * 3, 5, 8)  # sentence-major, as the released flattening
+    mask = torch.ones(N, 3, 5, dtype=torch.long)
+    loss_r = module.cl_forward(released, FakeEncoder(outputs(flat)), input_ids=mask, attention_mask=mask).loss
+    grad_r, = torch.autograd.grad(loss_r, z)
+    cls_tokens = z[:, 0].view(N, 3, 8)
+    loss_s = common.info_nce(cls_tokens[:, 0], cls_tokens[:, 1], 0.05, cls_tokens[:, 2], 0.5)
+    grad_s, = torch.autograd.grad(loss_s, z)
+    rows.append(row("simcse: loss alone, hard negatives weighted", loss_r, loss_s, {"z": grad_r}, {"z": grad_s}))
+    return rows
+
+
+def simcsepp_rows(clone: Path) -> list[dict]:
+    """models_re.py: off-dropout InfoNCE (pos_ratio is m); models_vicreg.py: InfoNCE + 0.1 DCL at tau 10, the only
+    DCL the repository runs (simcsepp.py --no_off_dropout --m 1 --dcl_temp 10), also with its first-last average."""
+    rows = []
+    for file, label, pooler, flags in (
+            ("simcse/models_re.py", "off-dropout InfoNCE, m 0.9", "cls", dict(m=0.9, off=True, dcl=0.0)),
+            ("simcse/models_vicreg.py", "InfoNCE + DCL tau 10", "cls", dict(m=1.0, off=False, dcl=0.1)),
+            ("simcse/models_vicreg.py", "DCL, avg_first_last", "avg_first_last",
+             dict(m=1.0, off=False, dcl=0.1))):
+        module = load_released("simcsepp", clone, file, [POST_INIT])
+        for kind in ("bert", "roberta"):
+            config = tiny_config(kind)
+            torch.manual_seed(1)
+            cls = module.BertForCL if kind == "bert" else module.RobertaForCL
+            released = cls(config, model_args=model_args(pooler_type=pooler, pos_ratio=flags["m"]))
+            batch = token_batch(kind, config, N)
+            loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
+                                            sentence_major(N, 2), None)
+            backbone, head = suite_parts(released, kind, pooler == "cls")
+            model = common.Encoder(backbone, head)
+            suite_pooler = "avg_embeddings_last" if pooler == "avg_first_last" else pooler  # simcsepp.parse_args
+
+            def step():
+                views = common.repeat_views(batch, 2)
+                out = model(**views, output_hidden_states=True)
+                z1, z2 = common.embed(out.hidden_states, views["attention_mask"], suite_pooler, head).chunk(2)
+                z_off = None
+                if flags["off"]:
+                    with simcsepp.dropout_off(backbone):
+                        out_off = model(**batch, output_hidden_states=True)
+                    z_off = common.embed(out_off.hidden_states, batch["attention_mask"], suite_pooler, head)
+                loss = simcsepp.off_dropout_info_nce(z1, z2, z_off, 0.05, flags["m"])
+                return loss + flags["dcl"] * simcsepp.dcl_loss(z1, z2, 10.0) if flags["dcl"] else loss
+            loss_s = suite_step(backbone, [view_major(N, 2), None], step)
+            rows.append(row(f"simcsepp {kind}: step, {label} ({file.split('/')[-1]})", loss_r, loss_s,
+                            grads_r, suite_gradients(kind, backbone, **{"mlp.dense": head and head[0]})))
+    return rows
+
+
+def sscl_rows(clone: Path) -> list[dict]:
+    module = load_released("sscl", clone, "sscl/models.py", [POST_INIT])
+    rows = []
+    for kind in ("bert", "roberta"):
+        for pooler in ("avg", "cls"):
+            config = tiny_config(kind)
+            torch.manual_seed(1)
+            cls = module.BertForCL if kind == "bert" else module.RobertaForCL
+            released = cls(config, model_args=model_args(pooler_type=pooler, hard_negative_layers=2, do_neg=True))
+            batch = token_batch(kind, config, N)
+            loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
+                                            sentence_major(N, 2))
+            backbone, head = suite_parts(released, kind, pooler == "cls")
+            model = common.Encoder(backbone, head)
+            layers = sscl.negative_layers(config.num_hidden_layers, 2)
+
+            def step():
+                views = common.repeat_views(batch, 2)
+                out = model(**views, output_hidden_states=True)
+                z1, z2 = common.embed(out.hidden_states, views["attention_mask"], pooler, head).chunk(2)
+                negatives = sscl.layer_representations(out.hidden_states, views["attention_mask"], layers, pooler,
+                                                       head)
+                return sscl.sscl_loss(z1, z2, negatives, 0.05)
+            loss_s = suite_step(backbone, [view_major(N, 2)], step)
+            rows.append(row(f"sscl {kind}: step, {pooler}, layers L-1, L-2", loss_r, loss_s, grads_r,
+                            suite_gradients(kind, backbone, **{"mlp.dense": head and head[0]})))
+    return rows
+
+
+@contextlib.contextmanager
+def given_permutations(perms: list):
+    """torch.randperm returns `perms`, one a call (the released head draws its shuffles from the global stream)."""
+    real, queue = torch.randperm, list(perms)
+    torch.randperm = lambda *args, **kwargs: queue.pop(0).clone()
+    try:
+        yield
+    finally:
+        torch.randperm = real
+
+
+def whitenedcse_rows(clone: Path) -> list[dict]:
+    """The released models.py does not parse and imports two modules the repository lacks; its head's whitening calls
+    torch.symeig, removed from PyTorch. Adapted, it runs: the full step (its row layout whitens mixed views: a
+    documented deviation), the head on rows laid out per view, and the loss alone."""
+    sgw_patches = [("S, U = torch.symeig(covs.to(linalg_device), eigenvectors=True, upper=True)",
+                    "S, U = torch.linalg.eigh(covs.to(linalg_device), UPLO='U')",
+                    "torch.symeig (removed in PyTorch 2) -> torch.linalg.eigh on the same triangle")]
+    package = stub("whitenedcse")
+    package.__path__ = []
+    sgw = load_released("whitenedcse", clone, "whitenedcse/shuffled_group_whitening.py", sgw_patches)
+    stubs = {"whitenedcse": package, "whitenedcse.shuffled_group_whitening": sgw,
+             "whitenedcse.whiten_norm": stub("whitenedcse.whiten_norm"),
+             "whitenedcse.whitening": stub("whitenedcse.whitening")}
+    patches = [("ShuffledGroupWhitening(config.hidden_size, num_groups=128, config.num_pos)",
+                "ShuffledGroupWhitening(config.hidden_size, 128, config.num_pos)",
+                "a positional argument after a keyword one (a SyntaxError): num_groups=128 passed by position"),
+               POST_INIT]
+    adapt("whitenedcse", "whitenedcse/models.py: imports whiten_norm.py and whitening.py, which the repository lacks "
+                         "(only their .pyc): empty stand-ins")
+    module = load_released("whitenedcse", clone, "whitenedcse/models.py", patches, stubs)
+    config = tiny_config("bert", hidden=256, layers=2)  # the released head's 128 groups: 2 channels each
+    config.num_pos = 3
+    torch.manual_seed(1)
+    released = module.BertForCL(config, model_args=model_args(pooler_type="cls"))
+    batch = token_batch("bert", config, N)
+    perms = [torch.randperm(256, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    with given_permutations(perms):
+        loss_r, grads_r = released_step(released, released_inputs([batch] * 3), MatchedDropout(),
+                                        sentence_major(N, 3))
+    backbone, _ = suite_parts(released, "bert", False)
+    head = whitenedcse.WhitenedHead(256, 128)
+    head.linear.load_state_dict(released.mlp.dense.state_dict())
+    model = common.Encoder(backbone, head)
+
+    def step():
+        out = model(**common.repeat_views(batch, 3))
+        views = [head(cls, perm) for cls, perm in zip(out.last_hidden_state[:, 0].float().chunk(3), perms)]
+        return whitenedcse.multi_positive_info_nce(views, 0.05)
+    loss_s = suite_step(backbone, [view_major(N, 3)], step)
+    rows = [row("whitenedcse bert: step (released row layout)", loss_r, loss_s, grads_r,
+                suite_gradients("bert", backbone, **{"mlp.dense": head.linear}))]
+    # the head alone on [CLS] features laid out per view (all view 0, then 1, then 2): the released thirds are views
+    features = torch.randn(N * 3, 256, generator=torch.Generator().manual_seed(4), dtype=torch.float32)
+    x_r, x_s = features.clone().requires_grad_(True), features.clone().requires_grad_(True)
+    released.zero_grad(set_to_none=True)
+    head.zero_grad(set_to_none=True)  # both heads took gradients in the training steps above
+    with given_permutations(perms):
+        out_r = released.mlp(x_r)
+    out_s = torch.cat([head(v, p) for v, p in zip(x_s.chunk(3), perms)])
+    weights = torch.randn_like(out_r)
+    (out_r * weights).sum().backward()
+    (out_s * weights).sum().backward()
+    rows.append(row("whitenedcse: the head on rows laid out per view", (out_r * weights).sum(),
+                    (out_s * weights).sum(), {"x": x_r.grad, "mlp.dense.weight": released.mlp.dense.weight.grad},
+                    {"x": x_s.grad, "mlp.dense.weight": head.linear.weight.grad}))
+    # the loss alone on identical views (the head replaced by the identity)
+    released.mlp = nn.Identity()
+    z = torch.randn(N * 3, 4, 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    mask = torch.ones(N, 3, 4, dtype=torch.long)
+    loss_r = module.cl_forward(released, FakeEncoder(outputs(z)), input_ids=mask, attention_mask=mask).loss
+    grad_r, = torch.autograd.grad(loss_r, z)
+    views = z[:, 0].view(N, 3, 16)
+    loss_s = whitenedcse.multi_positive_info_nce([views[:, 0], views[:, 1], views[:, 2]], 0.05)
+    grad_s, = torch.autograd.grad(loss_s, z)
+    rows.append(row("whitenedcse: loss alone, 3 positives", loss_r, loss_s, {"z": grad_r}, {"z": grad_s}))
+    return rows
+
+
+def ami_tiles(attentions: torch.Tensor, layers: int) -> torch.Tensor:
+    """(N, K, H, n, n) -> (N * H * 2, K/2 * n * n): a tile per sample, head and layer parity, as both codes form
+    them (the released einops pattern "(h i) (j m) k t z -> (h k m) i (j t z)")."""
+    n_batch, _, heads = attentions.shape[:3]
+    per_parity = [attentions[:, parity:layers:2].transpose(1, 2).reshape(n_batch, heads, -1) for parity in (0, 1)]
+    return torch.stack(per_parity, dim=2).reshape(n_batch * heads * 2, -1)
+
+
+@contextlib.contextmanager
+def given_samples(attn1, attn2, layers: int, num_samples: int, generator: torch.Generator):
+    """torch.multinomial returns, for each tile the released code keeps, the entries the suite's ami_loss samples
+    with `generator` (uniform without replacement, as multinomial over the 0/1 mask): one draw for both."""
+    tiles1, tiles2 = ami_tiles(attn1, layers), ami_tiles(attn2, layers)
+    valid = (tiles1 > 0) & (tiles2 > 0)
+    keys = torch.rand(valid.shape, generator=copy.deepcopy(generator))
+    order = keys.masked_fill(~valid, -1.0).topk(min(num_samples, valid.shape[1]), dim=1).indices
+    counts = valid.sum(1)
+    kept = counts >= num_samples if (counts >= num_samples).any() else torch.ones_like(counts, dtype=torch.bool)
+    real = torch.multinomial
+
+    def multinomial(weights, samples, *args, **kwargs):
+        return order[kept][:, :samples].clone()
+    torch.multinomial = multinomial
+    try:
+        yield
+    finally:
+        torch.multinomial = real
+
+
+def micse_rows(clone: Path) -> list[dict]:
+    patches = [(".cuda()", ".to(cls.device)", "tensor.cuda() (the NaN and no-sample branches) -> the model's device"),
+               POST_INIT]
+    adapt("micse", "model/models.py: wandb's logging is a stand-in that records nothing")
+    plumbing.check_installed(True, "einops", "miCSE's released code")
+    module = load_released("micse", clone, "model/models.py", patches,
+                           {"wandb": stub("wandb", log=lambda *a, **k: None)})
+    rows, ami_lambda = [], 1e-2  # a weight large enough that the AMI term shows in the loss
+    for kind in ("bert", "roberta"):
+        config = tiny_config(kind, layers=4)
+        config.task_alpha, config.task_lambda = 1.0, ami_lambda
+        torch.manual_seed(1)
+        cls = module.BertForCL if kind == "bert" else module.RobertaForCL
+        released = cls(config, model_args=model_args(style="miCSE", min_layer=0, max_layer=4))
+        batch = token_batch(kind, config, N)
+        backbone, head = suite_parts(released, kind, True)
+        model = common.Encoder(backbone, head)
+        # the attention maps both sides will see, for the shared draw of AMI's samples
+        probe = MatchedDropout()
+        with torch.no_grad(), probe.on(backbone):
+            probe.expect(view_major(N, 2))
+            attentions = torch.stack(model(**common.repeat_views(batch, 2), output_attentions=True).attentions, 1)
+        attn1, attn2 = attentions.float().chunk(2)
+        generator = torch.Generator().manual_seed(7)
+        with given_samples(attn1, attn2, 4, 150, generator):
+            loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
+                                            sentence_major(N, 2))
+
+        def step():
+            views = common.repeat_views(batch, 2)
+            out = model(**views, output_hidden_states=True, output_attentions=True)
+            z1, z2 = common.embed(out.hidden_states, views["attention_mask"], "cls", head).chunk(2)
+            a1, a2 = torch.stack(out.attentions, 1).float().chunk(2)
+            loss = micse.moco_info_nce(z1, z2, torch.empty(0, z1.shape[1]), 0.05)
+            return loss + ami_lambda * micse.ami_loss(a1, a2, 0, 4, 150, generator)
+        loss_s = suite_step(backbone, [view_major(N, 2)], step)
+        rows.append(row(f"micse {kind}: step, InfoNCE + AMI (layers 0:4, no queue)", loss_r, loss_s,
+                        grads_r, suite_gradients(kind, backbone, **{"mlp.dense": head[0]})))
+    # the loss alone on identical attention maps and embeddings; then both views' maps identical (rho = 1)
+    released = module.BertForCL(tiny_config("bert", layers=4), model_args=model_args(
+        style="miCSE", min_layer=0, max_layer=4, pooler_type="cls_before_pooler"))
+    released.config.task_alpha, released.config.task_lambda = 1.0, ami_lambda
+    g = torch.Generator().manual_seed(8)
+    for label, same in (("loss alone", False), ("loss alone, rho = 1 (identical views)", True)):
+        z = torch.randn(N * 2, 9, 16, generator=g, requires_grad=True)
+        scores = torch.randn(N, 2, 4, 4, 9, 9, generator=g)
+        scores[:, :, :, :, :, 7:] = -torch.inf  # two padding columns
+        if same:
+            scores[:, 1] = scores[:, 0]
+        maps = scores.softmax(-1).reshape(N * 2, 4, 4, 9, 9).requires_grad_(True)  # sentence-major rows
+        mask = torch.ones(N, 2, 9, dtype=torch.long)
+        generator = torch.Generator().manual_seed(9)
+        a1, a2 = maps.view(N, 2, 4, 4, 9, 9).unbind(1)
+        with given_samples(a1.detach(), a2.detach(), 4, 150, generator):
+            loss_r = module.cl_forward(released, FakeEncoder(outputs(z, attentions=tuple(maps.unbind(1)))),
+                                       input_ids=mask, attention_mask=mask).loss
+        grads_r = dict(zip(("z", "attentions"), torch.autograd.grad(loss_r, [z, maps], allow_unused=True)))
+        pairs = z[:, 0].view(N, 2, 16)
+        loss_s = micse.moco_info_nce(pairs[:, 0], pairs[:, 1], torch.empty(0, 16), 0.05) + \
+            ami_lambda * micse.ami_loss(a1, a2, 0, 4, 150, generator)
+        grads_s = dict(zip(("z", "attentions"), torch.autograd.grad(loss_s, [z, maps], allow_unused=True)))
+        rows.append(row(f"micse bert: {label}", loss_r, loss_s, grads_r, grads_s))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------- evaluation poolers
+SENTENCES = ["the cat sat on the mat", "a man is playing a guitar", "two dogs run in the park near the river",
+             "she reads", "the old man and the sea"]
+
+
+def tiny_checkpoint(folder: Path) -> Path:
+    """A random BERT with its pooler layer and a WordPiece tokenizer over SENTENCES' words, saved."""
+    words = sorted({w for s in SENTENCES for w in s.split()})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    transformers.BertTokenizerFast(vocab=str(folder / "vocab.txt")).save_pretrained(folder)
+    config = tiny_config("bert")
+    config.vocab_size = len(words) + 5
+    torch.manual_seed(2)
+    transformers.BertModel(config).save_pretrained(folder)
+    return folder
+
+
+EVALUATION_PATCHES = [("tokenizer.batch_encode_plus(", "tokenizer(",
+                       "tokenizer.batch_encode_plus (removed in transformers 5) -> tokenizer(...), the same encoding")]
+
+
+class Captured(Exception):
+    """Raised by the stand-in SentEval once it has the batcher's embeddings."""
+
+
+def evaluation_embeddings(repository: str, clone: Path, checkpoint: Path, pooler: str) -> np.ndarray:
+    """The embeddings of SENTENCES by the repository's evaluation.py batcher with `pooler`, SentEval replaced by a
+    stand-in that calls the batcher once."""
+    captured = {}
+
+    class SE:
+        def __init__(self, params, batcher, prepare):
+            self.params, self.batcher = params, batcher
+
+        def eval(self, task):
+            captured["embeddings"] = np.asarray(self.batcher(self.params, [s.split() for s in SENTENCES]))
+            raise Captured
+
+    engine = stub("senteval.engine", SE=SE)
+    stubs = {"senteval": stub("senteval", engine=engine), "senteval.engine": engine,
+             "wandb": stub("wandb", init=lambda *a, **k: types.SimpleNamespace(log=lambda *a, **k: None),
+                           log=lambda *a, **k: None)}
+    for name in ("prettytable", "xlrd", "openpyxl"):
+        if importlib.util.find_spec(name) is None:
+            stubs[name] = stub(name, PrettyTable=object, Workbook=object)
+    adapt(repository, "evaluation.py: SentEval (and wandb, and prettytable/xlrd/openpyxl where not installed) are "
+                      "stand-ins; the batcher's embeddings of a few sentences are read")
+    source = (clone / "evaluation.py").read_text()
+    patches = [(old, new, why) for old, new, why in EVALUATION_PATCHES if old in source]
+    module = load_released(repository, clone, "evaluation.py", patches, stubs)
+    argv = sys.argv
+    sys.argv = ["evaluation.py", "--model_name_or_path", str(checkpoint), "--pooler", pooler, "--mode", "test",
+                "--task_set", "sts"]
+    saved = {key: sys.modules.get(key) for key in stubs}
+    sys.modules.update(stubs)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            module.main()
+    except Captured:
+        pass
+    finally:
+        sys.argv = argv
+        for key, value in saved.items():
+            if value is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = value
+    return captured["embeddings"]
+
+
+def evaluation_rows(repository: str, clone: Path, checkpoint: Path) -> list[dict]:
+    """Each pooler of the repository's evaluation.py against eval_sts.py's: the same name, and for the forks'
+    avg_first_last also avg_embeddings_last (their hidden_states[0])."""
+    rows, forked = [], repository in ("simcsepp", "sscl", "micse")  # forked before SimCSE's fix
+    for pooler in ("cls", "cls_before_pooler", "avg", "avg_top2", "avg_first_last"):
+        released = evaluation_embeddings(repository, clone, checkpoint, pooler)
+        suite_poolers = [pooler] + (["avg_embeddings_last"] if pooler == "avg_first_last" and forked else [])
+        for suite_pooler in suite_poolers:
+            with contextlib.redirect_stdout(io.StringIO()):
+                ours = eval_sts.load_encode(str(checkpoint), suite_pooler, torch.device("cpu"))(SENTENCES)
+            rows.append(row(f"{repository} eval: {pooler} / eval_sts {suite_pooler}", torch.as_tensor(0.0),
+                            torch.as_tensor(0.0), {"embeddings": torch.as_tensor(released)},
+                            {"embeddings": torch.as_tensor(ours)}))
+    return rows
+
+
+# ---------------------------------------------------------------------------------- the machinery's own check
+REFERENCE_INFO_NCE = common.info_nce  # the suite's loss as this module was imported: the self-check's "released"
+
+
+class SuiteInReleasedLayout(nn.Module):
+    """Unsupervised SimCSE as the suite computes it, behind the released interface: (sentences, views, tokens) in,
+    `.loss` out, its encoder under the name <kind> and its head's Linear as mlp.dense. Its rows go to the encoder
+    view-major, as the suite's; the comparison with the suite (`--self`) must then give exactly 0, whatever the
+    layouts, masks, weight copies and gradient names the tool handles on the way."""
+
+    def __init__(self, config, kind: str):
+        super().__init__()
+        self.config, self.kind = config, kind
+        model_class = transformers.BertModel if kind == "bert" else transformers.RobertaModel
+        setattr(self, kind, model_class(config, add_pooling_layer=False))
+        self.mlp = nn.Module()
+        self.mlp.dense = common.MLPHead(config)[0]
+
+    def forward(self, **inputs):
+        sentences, views = inputs["input_ids"].shape[:2]
+        order = torch.tensor([s * views + v for v in range(views) for s in range(sentences)])
+        flat = {k: t.reshape(sentences * views, -1)[order] for k, t in inputs.items()}
+        head = nn.Sequential(self.mlp.dense, nn.Tanh())
+        out = common.Encoder(getattr(self, self.kind), head)(**flat, output_hidden_states=True)
+        z1, z2 = common.embed(out.hidden_states, flat["attention_mask"], "cls", head).chunk(views)
+        return types.SimpleNamespace(loss=REFERENCE_INFO_NCE(z1, z2, 0.05))
+
+
+def self_rows() -> list[dict]:
+    """The suite against itself through the tool's machinery (weights, layouts, matched dropout, gradient names):
+    exactly 0 unless the suite's loss changed since this module was imported."""
+    rows = []
+    for kind in ("bert", "roberta"):
+        config = tiny_config(kind)
+        torch.manual_seed(1)
+        released = SuiteInReleasedLayout(config, kind)
+        batch = token_batch(kind, config, N)
+        loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
+                                        view_major(N, 2))
+        backbone, head = suite_parts(released, kind)
+        model = common.Encoder(backbone, head)
+
+        def step():
+            views = common.repeat_views(batch, 2)
+            out = model(**views, output_hidden_states=True)
+            z1, z2 = common.embed(out.hidden_states, views["attention_mask"], "cls", head).chunk(2)
+            return common.info_nce(z1, z2, 0.05)
+        loss_s = suite_step(backbone, [view_major(N, 2)], step)
+        rows.append(row(f"self {kind}: step, unsupervised SimCSE", loss_r, loss_s, grads_r,
+                        suite_gradients(kind, backbone, **{"mlp.dense": head[0]})))
+    return rows
+
+
+METHODS = {"simcse": simcse_rows, "simcsepp": simcsepp_rows, "sscl": sscl_rows, "whitenedcse": whitenedcse_rows,
+           "micse": micse_rows}
+
+
+# ------------------------------------------------------------------------------------------------ the report
+def status(result: dict, tolerance: float) -> str:
+    within = result["loss_rel"] <= tolerance and result["grad_rel"] <= tolerance
+    if result["name"] in DEVIATIONS:
+        return "documented" if not within else "ok (documented deviation gone?)"
+    return "ok" if within else "DIFFERS"
+
+
+def table(results: list[dict], tolerance: float) -> str:
+    """The comparisons as a Markdown table (the worst gradient's name is in --json)."""
+    lines = ["| comparison | loss (released) | loss rel. diff. | gradients | worst rel. diff. | status |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['name']} | {r['loss_released']:.6f} | {r['loss_rel']:.1e} | {r['gradients']} | "
+                     f"{r['grad_rel']:.1e} | {status(r, tolerance)} |")
+    return "\n".join(lines)
+
+
+def clones(args) -> dict[str, Path]:
+    """The clone of each repository asked for: --<key> PATH, else --released DIR/<GitHub name>; checked to hold the
+    repository's telling file."""
+    found = {}
+    for key, (github, telling) in REPOSITORIES.items():
+        path = getattr(args, key) or (Path(args.released) / github.split("/")[1] if args.released else None)
+        if path is None or (args.only and key not in args.only):
+            continue
+        path = Path(path)
+        if not (path / telling).is_file():
+            raise plumbing.UsageError(f"{path} is not a clone of {github} (it has no {telling}): git clone "
+                                      f"https://github.com/{github} {path}")
+        found[key] = path
+    if not found:
+        raise plumbing.UsageError("no released code given: --released DIR (holding the clones) or --simcse PATH, ...")
+    return found
+
+
+def main(argv=None) -> int:
+    parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--released", default=None, help="a folder holding the five clones under their GitHub names")
+    for key, (github, _) in REPOSITORIES.items():
+        parser.add_argument(f"--{key}", default=None, help=f"a clone of {github}")
+    parser.add_argument("--only", nargs="+", choices=list(REPOSITORIES), default=None, help="these repositories")
+    parser.add_argument("--self", dest="self_check", action="store_true",
+                        help="no released code: the suite against itself through this tool's machinery, exactly 0")
+    parser.add_argument("--tolerance", type=float, default=1e-5, help="largest relative difference that agrees")
+    parser.add_argument("--json", default=None, help="also write the comparisons to this JSON file")
+    args = parser.parse_args(argv)
+    plumbing.check_json_path(args.json)
+    found = {} if args.self_check else clones(args)
+    torch.set_num_threads(1)  # the same kernels, the same rounding, from one run to the next
+    results = self_rows() if args.self_check else []
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = tiny_checkpoint(Path(tmp) / "checkpoint")
+        for key, path in found.items():
+            results += METHODS[key](path)
+            results += evaluation_rows(key, path, checkpoint)
+    print()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, tolerance {args.tolerance:g} "
+          "(relative to the largest magnitude)")
+    print(table(results, args.tolerance))
+    failed = [r["name"] for r in results if status(r, args.tolerance) == "DIFFERS"]
+    for name in (r["name"] for r in results if r["name"] in DEVIATIONS):
+        print(f"documented: {name}: {DEVIATIONS[name]}")
+    if args.json:
+        files.write_json(Path(args.json), {"torch": torch.__version__, "transformers": transformers.__version__,
+                                           "tolerance": args.tolerance, "adaptations": ADAPTED,
+                                           "comparisons": results})
+    print(f"{len(results)} comparisons: {len(failed)} differ beyond the tolerance and are not documented"
+          + (f" ({'; '.join(failed)})" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    plumbing.cli(lambda: sys.exit(main()))
