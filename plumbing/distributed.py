@@ -40,7 +40,18 @@ def init(device: torch.device) -> torch.device:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart == "0":
+        dist.init_process_group(backend)
+    else:  # torchrun --max_restarts: the agent's store outlives the failed attempt, whose addresses the new
+        # processes would read and try (a refused connection or a hang): this attempt's keys get a prefix of their own
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=not agent_store and rank == 0)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"restart{restart}", store), rank=rank,
+                                world_size=world)
     _RANK, _WORLD = dist.get_rank(), dist.get_world_size()
     _HOST_GROUP = dist.new_group(backend="gloo") if device.type == "cuda" else None
     return device

@@ -23,9 +23,17 @@ def add_run_flags(parser) -> None:
     g.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in --output_dir from its last/ (the same "
                         "arguments), to exactly the result of an uninterrupted run")
+    g.add_argument("--auto_resume", action="store_true",
+                   help="the same command starts the run or, when --output_dir holds its last/, resumes "
+                        "it (a requeued SLURM job, torchrun --max_restarts); a run stopped before its "
+                        "first save starts again")
     g.add_argument("--save_steps", type=int, default=None,
-                   help="also save last/ every this many steps (saved at every dev gate and on "
+                   help="also save last/ every this many steps (see --save_minutes; always on "
                         "Ctrl-C / SIGTERM)")
+    g.add_argument("--save_minutes", type=float, default=10.0,
+                   help="save last/ (and write best/) at the first dev gate after this many minutes of "
+                        "training since the last save; 0: at every dev gate. A SIGKILL loses what "
+                        "came after the last save")
     g.add_argument("--keep_last", action="store_true",
                    help="keep last/ when the run completes (the weights, twice their size of "
                         "optimiser state, the RNG streams)")
@@ -72,7 +80,8 @@ def parser(doc: str, method: str) -> plumbing.Parser:
                    help="with --pooler cls, evaluate [CLS] before the MLP (unsupervised SimCSE)")
     g.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                    help="the encoder's forward pass: auto = bf16 on a CUDA GPU that has it, else "
-                        "fp16 with a GradScaler, fp32 on CPU; losses are always fp32")
+                        "fp16 with a GradScaler, fp32 on CPU (where bf16 and fp16 are for testing "
+                        "their paths); losses are always fp32")
     add_run_flags(p)
     p.set_defaults(method=method, presets=None, backbone=None, backbone_config=None)
     return p
@@ -130,7 +139,7 @@ def backbone(name_or_path: str) -> tuple[str | None, str]:
 def refuse_method_only_flags(args) -> None:
     """The ablation scripts' run flags: one process, no last/, no --compile, the end without transfer tasks; a
     method file's flags given to them are one line, not ignored."""
-    plumbing.refuse_flags(args, ("resume", "save_steps", "keep_last", "compile", "eval_transfer",
+    plumbing.refuse_flags(args, ("resume", "auto_resume", "save_steps", "keep_last", "compile", "eval_transfer",
                                  "align_uniform_steps"), "not in the ablation scripts (method files have them)")
 
 
@@ -144,7 +153,7 @@ def check_args(args) -> torch.device:
     for name in ("lr", "temp", "epochs", "eval_steps", "logging_steps", "align_uniform_steps", "save_steps",
                  "count_host_syncs"):
         check(args, name, lambda v: v > 0, "a positive number")
-    for name in ("max_steps", "warmup_steps", "max_grad_norm", "num_workers"):
+    for name in ("max_steps", "warmup_steps", "max_grad_norm", "num_workers", "save_minutes"):
         check(args, name, lambda v: v >= 0, "a non-negative number")
     check(args, "dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
     args.logging_steps = args.logging_steps or args.eval_steps
@@ -158,10 +167,16 @@ def check_args(args) -> torch.device:
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise plumbing.UsageError(f"--output_dir {out} is a file; give a folder")
-    holds_a_run = any((out / name).exists() for name in ("results.json", "best", "tb", "last"))
-    if args.resume and args.overwrite_output_dir:
+    holds_a_run = any((out / name).exists() for name in ("results.json", "best", "tb", "last", "last.old",
+                                                         resume.STARTED))
+    if (args.resume or args.auto_resume) and args.overwrite_output_dir:
         raise plumbing.UsageError("--resume continues the run in --output_dir and --overwrite_output_dir replaces "
                                   "it: give one of them")
+    if args.auto_resume and not args.resume:  # resume when there is a last/; else start (again)
+        args.resume = resume.folder(out) is not None
+        if not args.resume and holds_a_run:
+            resume.check_restart(args)  # the same run, stopped before its first save: it starts again
+            return device
     if args.resume:
         resume.check(args)  # a last/ to resume from, and the run's own arguments
     elif holds_a_run and not args.overwrite_output_dir:
@@ -178,9 +193,7 @@ def resolve_precision(precision: str, device: torch.device) -> str:
         return ("bf16" if bf16_ok else "fp16") if cuda else "fp32"
     if precision == "bf16" and not bf16_ok:
         raise plumbing.UsageError("--precision bf16: this GPU has no bf16; use --precision fp16 (or auto)")
-    if precision == "fp16" and not cuda:
-        raise plumbing.UsageError("--precision fp16 needs a CUDA device; on CPU use --precision bf16 or fp32")
-    return precision
+    return precision  # bf16 and fp16 on a CPU: for testing their paths (torch runs both there, slowly)
 
 
 def deterministic_algorithms() -> None:

@@ -30,16 +30,17 @@ import torch
 import plumbing
 from plumbing import distributed, files
 
+STARTED = "started.json"  # written when a run starts: its arguments (--auto_resume knows its own run by them)
 # Flags that do not change a run's numbers: they may differ when it is resumed.
-FREE_FLAGS = {"resume", "overwrite_output_dir", "keep_last", "save_steps", "eval_transfer", "num_workers",
-              "report_to", "logging_steps", "align_uniform_steps", "no_test_eval", "output_dir", "count_host_syncs",
-              "presets", "backbone_config"}  # the last two are derived from the others
+FREE_FLAGS = {"resume", "auto_resume", "overwrite_output_dir", "keep_last", "save_steps", "save_minutes",
+              "eval_transfer", "num_workers", "report_to", "logging_steps", "align_uniform_steps", "no_test_eval",
+              "output_dir", "count_host_syncs", "presets", "backbone_config"}  # the last two derive from the others
 
 
 def new_run() -> dict:
     """The record of a run that starts at step 0."""
     return {"next_step": 0, "best_dev": -math.inf, "best_step": None, "train_time": 0.0, "losses": [],
-            "grad_norms": [], "trajectory": [], "resumptions": []}
+            "grad_norms": [], "trajectory": [], "resumptions": [], "skipped": []}
 
 
 def folder(output_dir) -> Path | None:
@@ -51,13 +52,62 @@ def folder(output_dir) -> Path | None:
 
 
 def check(args) -> None:
-    """--resume, before any work: a last/ to resume from, and the resumed run's arguments (those known so far;
+    """--resume, before any work: a last/ to resume from, whole, and the resumed run's arguments (those known so far;
     `restore` compares the rest)."""
     last = folder(args.output_dir)
     if last is None:
-        raise plumbing.UsageError(f"--resume: {args.output_dir} has no last/ to resume from (a run writes it at "
-                                  "its first dev gate and deletes it when it completes, unless --keep_last)")
-    compare(vars(args), json.loads((last / "run.json").read_text())["args"], last, skip_unset=True)
+        raise plumbing.UsageError(f"--resume: {args.output_dir} has no last/ to resume from (a run writes it at a "
+                                  "dev gate after --save_minutes of training, every --save_steps and on a signal, "
+                                  "and deletes it when it completes, unless --keep_last)")
+    compare(vars(args), read_run(last)["args"], last, skip_unset=True)
+    for name in ["state.pt", *(p.name for p in sorted(last.glob("rng_rank*.pt")))]:
+        readable(last / name)
+
+
+def damaged(path: Path, why: str) -> plumbing.UsageError:
+    return plumbing.UsageError(f"--resume: {path} cannot be read ({why}): the run cannot continue from it; start "
+                               "it again with --overwrite_output_dir, or copy a whole last/ of it back")
+
+
+def read_run(last: Path) -> dict:
+    """last/run.json, or one line naming it."""
+    try:
+        return json.loads((last / "run.json").read_text())
+    except (OSError, ValueError) as err:
+        raise damaged(last / "run.json", type(err).__name__) from None
+
+
+def readable(path: Path) -> None:
+    """A file torch.save wrote (a zip archive) that is whole: its directory, written last, is there."""
+    import zipfile
+    if not path.is_file():
+        raise damaged(path, "missing")
+    if not zipfile.is_zipfile(path):
+        raise damaged(path, "truncated or not a torch.save file")
+
+
+def load(path: Path, device=None):
+    try:
+        return torch.load(path, map_location=device, weights_only=False)
+    except Exception as err:  # a damaged archive: zipfile's, pickle's or torch's error
+        raise damaged(path, type(err).__name__) from None
+
+
+def check_restart(args) -> None:
+    """--auto_resume without a last/: the folder holds this same run stopped before its first save (its started.json
+    has these arguments and there is no results.json), which starts again; anything else is one line."""
+    out = Path(args.output_dir)
+    if (out / "results.json").exists():
+        raise plumbing.UsageError(f"--auto_resume: {out} holds a completed run (results.json, no last/); give "
+                                  "another --output_dir, or --overwrite_output_dir to replace it")
+    try:
+        started = json.loads((out / STARTED).read_text())["args"]
+    except (OSError, ValueError, KeyError):
+        raise plumbing.UsageError(f"--auto_resume: {out} holds a run but no {STARTED} saying which; give another "
+                                  "--output_dir, or --overwrite_output_dir to replace it") from None
+    compare(vars(args), started, out / STARTED, skip_unset=True)
+    distributed.log(f"--auto_resume: {out} has no last/ yet (the run stopped before its first save): starting "
+                    "it again")
 
 
 def compare(current: dict, saved: dict, last: Path, skip_unset: bool = False) -> None:
@@ -87,7 +137,8 @@ def save(args, step: int, run_state: dict, loader, history, loop: dict) -> None:
         state = {name: obj.state_dict() for name, obj in run_state.items()
                  if obj is not None and not isinstance(obj, torch.Generator)}
         state["record"] = {**loop, "losses": history.losses, "grad_norms": history.grad_norms,
-                           "trajectory": history.trajectory, "resumptions": history.resumptions}
+                           "trajectory": history.trajectory, "resumptions": history.resumptions,
+                           "skipped": history.skipped}
         torch.save(state, tmp / "state.pt")
         per_epoch = len(loader)
         files.write_json(tmp / "run.json", {"args": vars(args), "step": step, "epoch": step // per_epoch,
@@ -100,17 +151,17 @@ def restore(args, run_state: dict, loader, device) -> dict:
     """last/ into `run_state` on every process, the batch sampler moved to where the run stopped, and the RNG
     streams last of all; the loop's record, with "next_step"."""
     last = folder(args.output_dir)
-    run = json.loads((last / "run.json").read_text())
+    run = read_run(last)
     compare(vars(args), run["args"], last)  # now with what the method filled in (miCSE's AMI layers)
     if run["world_size"] != distributed.world_size():
         raise plumbing.UsageError(f"--resume: the run in {last} had {run['world_size']} process(es), this one "
                                   f"has {distributed.world_size()}; resume it with as many")
-    state = torch.load(last / "state.pt", map_location=device, weights_only=False)
+    state = load(last / "state.pt", device)
     for name, obj in run_state.items():
         if obj is not None and not isinstance(obj, torch.Generator) and state[name]:
             obj.load_state_dict(state[name])  # an empty state is a disabled GradScaler's
     loader.batch_sampler.epoch, loader.batch_sampler.skip = run["epoch"], run["position"]
-    per_process = torch.load(last / f"rng_rank{distributed.rank()}.pt", weights_only=False)
+    per_process = load(last / f"rng_rank{distributed.rank()}.pt")
     for name, generator_state in per_process["generators"].items():
         run_state[name].set_state(generator_state)
     set_rng_state(per_process["rng"])

@@ -19,6 +19,7 @@ the run), and the record that becomes results.json.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import resource
@@ -37,33 +38,47 @@ import plumbing
 from plumbing import backbones, distributed, files, options, progress, resume, syncs
 
 
+FP16_SKIP_LIMIT = 25  # fp16: this many skipped steps in a row stop the run (the scale has fallen 2^25-fold)
+
+
 class History:
     """What the loop measures: each step's loss and gradient norm (`add`: kept on the device until `read`, one host
     sync at a log step), the trajectory (`record`: a row at each log, dev and --align_uniform_steps step), and their
     TensorBoard scalars (--report_to). `saved`: resume.new_run() or the record of the run being resumed."""
 
-    def __init__(self, saved: dict, writer=None):
+    def __init__(self, saved: dict, writer=None, fp16: bool = False):
         self.losses, self.grad_norms = list(saved["losses"]), list(saved["grad_norms"])
         self.trajectory, self.resumptions = list(saved["trajectory"]), list(saved["resumptions"])
-        self.pending, self.writer = [], writer
+        self.skipped = list(saved.get("skipped", []))  # fp16: steps whose update the GradScaler skipped
+        self.pending, self.writer, self.fp16 = [], writer, fp16
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.pending.append(torch.stack([loss.detach().float(), grad_norm.float()]))
 
     def read(self) -> None:
         """The pending steps' values as floats: one host sync. The first NaN or inf loss stops the run with its
-        step."""
+        step; under fp16 a step whose loss or gradients are not finite is one the GradScaler skipped (`skipped`), and
+        the run stops when the FP16_SKIP_LIMIT latest steps were all skipped."""
         if not self.pending:
             return
         values = torch.stack(self.pending).tolist()
         self.pending.clear()
         for step, (loss, grad_norm) in enumerate(values, start=len(self.losses) + 1):
-            if not math.isfinite(loss):
+            if self.fp16 and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                self.skipped.append(step)
+            elif not math.isfinite(loss):
                 raise plumbing.UsageError(f"the loss became {loss} at step {step}: the run diverged (a lower --lr "
                                           "may help)")
             self.losses.append(loss)
             self.grad_norms.append(grad_norm)
             files.add_scalars(self.writer, step, {"train/loss": loss, "train/grad_norm": grad_norm})
+        last = len(self.losses)
+        if self.fp16 and last >= FP16_SKIP_LIMIT and self.skipped[-FP16_SKIP_LIMIT:] == list(
+                range(last - FP16_SKIP_LIMIT + 1, last + 1)):
+            raise plumbing.UsageError(f"the {FP16_SKIP_LIMIT} steps up to step {last} were all skipped: their loss "
+                                      "or gradients were not finite under fp16, whatever the GradScaler's scale; "
+                                      "fp16's range is the likely cause (try --precision bf16), else divergence "
+                                      "(a lower --lr)")
 
     def record(self, point: dict) -> None:
         """A trajectory row: {"step", "train_time_s", "lr"} and, where STS-B dev was encoded, {"stsb_dev", "align",
@@ -114,11 +129,17 @@ class Run:
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         self.stop = distributed.StopSignal()
         saved = resume.restore(args, state, loader, self.device) if args.resume else resume.new_run()
+        if not args.resume and distributed.rank() == 0:  # which run this folder holds (--auto_resume reads it)
+            files.write_json(Path(args.output_dir) / resume.STARTED, {"args": vars(args)})
         self.best_dev, self.best_step, self.train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
-        self.next_step = saved["next_step"]
+        self.next_step, self.saved_at = saved["next_step"], self.train_time  # the training time at the last save
+        self.best_copy = None  # the best model so far, on the host, until it is written to best/ (flush_best)
+        self.checkpoint_time = {"best_copies": 0, "best_copy_s": 0.0, "best_writes": 0, "best_write_s": 0.0,
+                                "last_writes": 0, "last_write_s": 0.0}
         self.history = History(saved, files.tensorboard(args.report_to, Path(args.output_dir) / "tb",
                                                         distributed.rank() == 0,
-                                                        saved["next_step"] if args.resume else None))
+                                                        saved["next_step"] if args.resume else None),
+                               fp16=args.precision == "fp16")
         self.bar = progress.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
                                      initial=len(self.history.losses))
 
@@ -146,9 +167,28 @@ class Run:
         return self.measures["stsb_dev"]
 
     def save_best(self, step: int, backbone, head, tokenizer, eval_pooler: str, projection=None) -> None:
-        """The model of this dev gate is the best so far: its score and step kept, best/ written (save_checkpoint)."""
+        """The model of this dev gate is the best so far: its score and step kept, and a copy of it (BestCopy); best/
+        is written from it when last/ is saved, when a signal stops the run and at the end (flush_best), so that a
+        run whose dev score keeps improving writes it once."""
         self.best_dev, self.best_step = self.measures["stsb_dev"], step
-        save_checkpoint(self.args.output_dir, backbone, head, tokenizer, eval_pooler, projection)
+        if distributed.rank() == 0:
+            start = time.perf_counter()
+            self.best_copy = BestCopy(backbone, head, tokenizer, eval_pooler, projection)
+            self.checkpoint_time["best_copies"] += 1
+            self.checkpoint_time["best_copy_s"] += time.perf_counter() - start
+        self.best_pending = True
+
+    def flush_best(self) -> None:
+        """best/ written from the host copy, if a newer one is there (every process takes part: a barrier)."""
+        if not getattr(self, "best_pending", False):
+            return
+        start = time.perf_counter()
+        if self.best_copy is not None:  # process 0
+            self.best_copy.write(self.args.output_dir)
+        distributed.barrier()
+        self.best_pending = False
+        self.checkpoint_time["best_writes"] += 1
+        self.checkpoint_time["best_write_s"] += time.perf_counter() - start
 
     def sentences(self, task: str, split: str = "test") -> list[str]:
         """The distinct sentences of a SentEval task's split, sorted (SSCL's SetSim reads STS-B test's)."""
@@ -169,13 +209,15 @@ class Run:
         args = self.args
         gate = self.gate_step == step
         align_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
-        every_save = bool(args.save_steps) and step % args.save_steps == 0
+        every_save = bool(args.save_steps) and step > 0 and step % args.save_steps == 0
         log_step = gate or align_step or every_save or step % args.logging_steps == 0
         stopping = self.stop.requested(share=log_step)  # several processes agree at log steps only
         if not (log_step or stopping):
             return False
         self._read()
         message = progress_line(step, self.total_steps, self.history.losses, self.train_time)
+        if self.history.skipped:  # fp16
+            message += f"  skipped {len(self.history.skipped)} (fp16 overflow; the GradScaler lowers its scale)"
         # lr: what the scheduler set for the next step (as the HF Trainer logs it)
         point = {"step": step, "train_time_s": round(self.train_time, 3), "lr": self.scheduler.get_last_lr()[0]}
         if gate:
@@ -185,9 +227,18 @@ class Run:
         elif align_step:  # STS-B dev encoded between the gates, for the trajectory's l_align / l_uniform
             point.update(dev_measures(self.modules, self.encode, self.dev_pairs), gate=False)
         self.history.record(point)
-        if self.resumable and (gate or stopping or every_save):  # written whole or not at all
+        # last/ at a dev gate once --save_minutes of training have passed since the last save (the processes agree)
+        due = gate and self.train_time - self.saved_at >= 60 * args.save_minutes
+        due = distributed.broadcast_float(float(due)) > 0 if gate else False
+        if stopping or (self.resumable and (due or every_save)):
+            self.flush_best()  # best/ and last/'s record agree
+        if self.resumable and (due or stopping or every_save):  # written whole or not at all
+            start = time.perf_counter()
             loop = {"best_dev": self.best_dev, "best_step": self.best_step, "train_time": self.train_time}
             resume.save(args, step, self.state, self.loader, self.history, loop)
+            self.saved_at = self.train_time
+            self.checkpoint_time["last_writes"] += 1
+            self.checkpoint_time["last_write_s"] += time.perf_counter() - start
         distributed.log(message)
         losses = self.history.losses
         self.bar.set_postfix(loss=losses[-1] if losses else None, best_dev=self.best_dev)
@@ -201,6 +252,7 @@ class Run:
         process 0 the run's record, then best/ reloaded as eval_sts.py loads it and evaluated: the 7 STS test tasks
         (SimCSE's Table 5 protocol), l_align / l_uniform of it and of the pretrained model, --eval_transfer. A signal
         during it stops it, and results.json records that. None on the other processes."""
+        self.flush_best()
         distributed.shutdown()
         if distributed.rank() != 0:
             return None
@@ -254,7 +306,10 @@ class Run:
                    "best_dev_stsb": self.best_dev, "best_step": self.best_step,
                    "steps": len(history.losses), "train_loss": history.losses, "grad_norm": history.grad_norms,
                    "trajectory": history.trajectory, "resumptions": history.resumptions,
+                   "skipped_steps": history.skipped,
                    "train_time_s": round(self.train_time, 2),
+                   "checkpoint_time_s": {k: round(v, 3) if isinstance(v, float) else v
+                                         for k, v in self.checkpoint_time.items()},
                    "steps_per_second": round(len(history.losses) / self.train_time, 3) if self.train_time else 0.0,
                    "peak_memory_mb": round(peak / 2**20, 1),
                    "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
@@ -289,7 +344,24 @@ def dev_measures(modules, encode, dev_pairs) -> dict:
     return measures
 
 
-def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projection=None) -> None:
+class BestCopy:
+    """A model to write to best/ later: a copy of its weights on the training device (on a GPU a copy at memory
+    speed, well under a millisecond for BERT-base, where a write takes a second), the training model left as it is;
+    `write` puts it in best/."""
+
+    def __init__(self, backbone, head, tokenizer, eval_pooler: str, projection=None):
+        self.backbone, self.tokenizer, self.eval_pooler = backbone, tokenizer, eval_pooler
+        self.state = {k: v.detach().clone() for k, v in backbone.state_dict().items()}
+        self.head = copy.deepcopy(head) if head is not None else None
+        self.projection = copy.deepcopy(projection) if projection is not None else None
+
+    def write(self, out_dir) -> None:
+        save_checkpoint(out_dir, self.backbone, self.head, self.tokenizer, self.eval_pooler, self.projection,
+                        state=self.state, barrier=False)
+
+
+def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projection=None, state=None,
+                    barrier: bool = True) -> None:
     """<out_dir>/best (process 0): save_pretrained + tokenizer + sentence-transformers metadata, written beside it and
     swapped in only when complete. Evaluated with the "cls" pooler, the MLP head is saved beside it (files.HEAD_FILE,
     which `eval_sts.py --pooler cls` applies to the last [CLS] on any backbone) and, where the backbone has BERT's
@@ -299,7 +371,7 @@ def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projec
     if distributed.rank() == 0:
         target, tmp = Path(out_dir) / "best", Path(out_dir) / "best.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        state = backbone.state_dict()  # the training model itself stays untouched
+        state = dict(state if state is not None else backbone.state_dict())  # the model itself stays untouched
         if isinstance(head, common.MLPHead) and "pooler.dense.weight" in state:
             state.update({"pooler.dense.weight": head[0].weight, "pooler.dense.bias": head[0].bias})
         backbone.save_pretrained(tmp, state_dict=state)
@@ -317,7 +389,8 @@ def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projec
         for path in tmp.rglob("*"):  # save_pretrained writes the weights through a 0600 temporary file
             path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
         files.swap_in(tmp, target)  # a kill leaves the previous best whole (best.old at worst)
-    distributed.barrier()
+    if barrier:
+        distributed.barrier()
 
 
 def progress_line(step: int, total_steps: int, losses: list, train_time: float) -> str:

@@ -144,6 +144,14 @@ def gates(results: dict) -> list[list]:
     return [[row["step"], row["stsb_dev"]] for row in results["trajectory"] if row.get("gate")]
 
 
+# A checkpoint whose STS cosines spread (the average pooler of the tiny model after a few steps at a large lr: 0.89 to
+# 0.97; its [CLS] gives cosines within 3e-6 of 1, with ties, whose Spearman moves by 1 between fp32 and fp64), and the
+# largest difference of its two-decimal STS scores between two devices: tests/test_eval_sts.py measures it on CPU
+# (fp32 against fp64), tests/test_cuda.py holds CUDA against CPU to it.
+SPREAD_FLAGS = ["--pooler", "avg", "--lr", "1e-3"]
+DEVICE_SCORE_TOLERANCE = 0.02
+
+
 def smoke_args(tiny_model, corpus, senteval_dir, out, *extra):
     return ["--model_name_or_path", tiny_model, "--train_file", corpus, "--senteval_dir", senteval_dir,
             "--max_steps", 4, "--eval_steps", 2, "--batch_size", 8, "--output_dir", out, "--device", "cpu", *extra]

@@ -230,3 +230,23 @@ def test_malformed_senteval_data_is_one_line_naming_file_and_line(tiny_model, se
 def test_bad_evaluator_arguments_are_one_line(tiny_model, senteval_dir, tmp_path, extra, needle):
     code, stderr = cli_in_process(eval_sts, "--model_name_or_path", tiny_model, "--senteval_dir", senteval_dir, *extra)
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and needle in stderr, stderr
+
+
+def test_a_checkpoint_whose_cosines_spread_scores_the_same_in_fp32_and_fp64(tiny_model, corpus, senteval_dir,
+                                                                            tmp_path):
+    """The tolerance tests/test_cuda.py holds CUDA against CPU to, measured here: the checkpoint of SPREAD_FLAGS
+    scored in fp32 and in fp64 (a larger change of the arithmetic than CUDA's kernels make)."""
+    import simcse
+    from conftest import DEVICE_SCORE_TOLERANCE, SPREAD_FLAGS, smoke_args
+    from plumbing import hub
+    out = tmp_path / "run"
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval", *SPREAD_FLAGS)])
+    fp32 = eval_sts.load_encode(str(out / "best"), "avg", "cpu")
+    tokenizer, backbone = hub.load_pretrained(str(out / "best"))
+    fp64 = common.model_encode(backbone.double().eval(), None, tokenizer, "avg", "cpu")
+    pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", "test")
+    a, b = (fp32([p[i] for p in pairs]) for i in (0, 1))
+    cosines = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+    assert cosines.max() - cosines.min() > 0.05  # spread: no ties of cosines near 1
+    scores32, scores64 = eval_sts.evaluate(fp32, senteval_dir), eval_sts.evaluate(fp64, senteval_dir)
+    assert all(abs(scores32[k] - scores64[k]) <= DEVICE_SCORE_TOLERANCE for k in scores32), (scores32, scores64)

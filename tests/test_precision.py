@@ -1,5 +1,7 @@
-"""Mixed precision on CPU (--precision bf16): the encoder runs under autocast, every loss gets fp32 tensors outside
-it and equals the same loss recomputed in fp32; WhitenedCSE's whitening is fp32 even inside an autocast block."""
+"""Mixed precision on CPU (--precision bf16 and fp16, which torch runs on a CPU too): the encoder runs under autocast,
+every loss gets fp32 tensors outside it and equals the same loss recomputed in fp32; WhitenedCSE's whitening is fp32
+even inside an autocast block. fp16's GradScaler: the gradients unscaled before clipping, an overflow skips its step
+and halves the scale, the scale travels with last/, and a run stops only when every step overflows."""
 import importlib
 import json
 import sys
@@ -37,9 +39,10 @@ FLAGS = {"simcse_sup": ["--supervised"], "sscl": ["--neg_layers", "1"], "whitene
          "augmentations": ["--positive", "word_deletion", "--rate", "0.2", "--two_encoders"],
          "noise": ["--positive_noise", "add", "--negative_noise", "reduce", "--mean_passes", "2"],
          "barlow": ["--barlow", "--barlow_padding", "10"], "whitening": ["--whitening", "zca"]}
-# What a loss receives under bf16, when not the fp32 embeddings: --do_mlm's vocabulary scores come from the head run
-# under autocast, as the released code's fp16 runs did (the loss casts them to fp32 before its cross-entropy).
-INPUTS = {"masked_lm_loss": {torch.bfloat16}}
+# What a loss receives under half precision, when not the fp32 embeddings: --do_mlm's vocabulary scores come from the
+# head run under autocast, as the released code's fp16 runs did (the loss casts them to fp32 before its cross-entropy).
+INPUTS = {"masked_lm_loss": "half"}
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SCRIPTS = {"augmentations": "simcse_augmentations", "noise": "simcsepp_noise_barlow",
            "barlow": "simcsepp_noise_barlow", "whitening": "whitenedcse_whitening"}  # in ablations/
 
@@ -79,8 +82,9 @@ def recording(loss_fn, calls, device_type="cpu"):
     return wrapper
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("run", list(LOSSES))
-def test_bf16_encoder_fp32_losses(run, tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+def test_half_precision_encoder_fp32_losses(run, precision, tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
     script = SCRIPTS.get(run, run.split("_")[0])
     module = importlib.import_module(script)
     calls = {name: [] for _, name in LOSSES[run]}
@@ -99,17 +103,18 @@ def test_bf16_encoder_fp32_losses(run, tiny_model, corpus, senteval_dir, tmp_pat
 
     data = write_nli(tmp_path / "nli.csv") if run == "simcse_sup" else corpus
     out = tmp_path / "run"
-    args = smoke_args(tiny_model, data, senteval_dir, out, "--precision", "bf16", "--max_steps", 3,
+    args = smoke_args(tiny_model, data, senteval_dir, out, "--precision", precision, "--max_steps", 3,
                       "--eval_steps", 3, "--no_test_eval", *FLAGS.get(run, []))
     module.main([str(a) for a in args])
     results = json.loads((out / "results.json").read_text())
-    assert results["precision"] == "bf16" and results["args"]["precision"] == "bf16" and results["steps"] == 3
-    assert (True, torch.bfloat16) in encoder_autocast  # the training passes ran in bf16
-    assert (False, torch.bfloat16) in encoder_autocast  # the dev gate in fp32
+    assert results["precision"] == precision and results["args"]["precision"] == precision and results["steps"] == 3
+    assert (True, HALF[precision]) in encoder_autocast  # the training passes ran in half precision
+    assert any(not enabled for enabled, _ in encoder_autocast)  # the dev gate in fp32
     for name, seen in calls.items():
         assert len(seen) >= 3, name  # once a step at least (the whitening once a view)
         for call in seen:
-            assert call["dtypes"] == INPUTS.get(name, {torch.float32}) and not call["autocast"], (name, call)
+            expected = {HALF[precision]} if INPUTS.get(name) == "half" else {torch.float32}
+            assert call["dtypes"] == expected and not call["autocast"], (name, call)
             assert call["out_dtype"] == torch.float32 and call["equal"], (name, call)
 
 
@@ -127,15 +132,64 @@ def test_whitening_under_bf16_autocast_equals_fp32():
     torch.testing.assert_close(mixed, reference, atol=1e-6, rtol=1e-6)  # bf16 matmuls would be off by ~1e-2
 
 
-def test_fp16_is_refused_on_cpu_with_one_line(tiny_model, corpus, senteval_dir, tmp_path, capsys):
+def fp16_run(tiny_model, corpus, senteval_dir, out, monkeypatch, overflow_at=(), *extra):
+    """simcse.py in fp16 with an inf planted in a gradient at the steps `overflow_at`; (results, the GradScaler's
+    scale and a watched parameter after each step's update)."""
     import simcse
-    out = tmp_path / "run"
-    with pytest.raises(SystemExit) as exit_info:
-        plumbing.cli(lambda: simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out,
-                                                                   "--precision", "fp16")]))
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(lines) == 1 and "--precision fp16 needs a CUDA device" in lines[0]
-    assert not out.exists()
+    after_update = []
+    real_scaler = common.grad_scaler
+
+    def watched_scaler(device, precision):
+        scaler = real_scaler(device, precision)
+        update = scaler.update
+
+        def update_and_record(*args, **kwargs):
+            update(*args, **kwargs)
+            after_update.append((scaler.get_scale(), watched[0].detach().clone()))
+        scaler.update = update_and_record
+        return scaler
+    monkeypatch.setattr(common, "grad_scaler", watched_scaler)
+    watched, load = [], hub.load_pretrained
+
+    def load_and_plant(*args, **kwargs):
+        tokenizer, backbone = load(*args, **kwargs)
+        weight = backbone.encoder.layer[0].output.dense.weight
+        watched.append(weight)
+        steps = iter(range(1, 10_000))
+        weight.register_hook(lambda g: g * float("inf") if next(steps) in overflow_at else g)
+        return tokenizer, backbone
+    monkeypatch.setattr(hub, "load_pretrained", load_and_plant)
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--precision", "fp16",
+                                            "--no_test_eval", "--logging_steps", 1, *extra)])
+    return json.loads((out / "results.json").read_text()), after_update
+
+
+def test_fp16_unscales_before_clipping_and_an_overflow_skips_its_step_and_halves_the_scale(
+        tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    import simcse
+    results, after = fp16_run(tiny_model, corpus, senteval_dir, tmp_path / "fp16", monkeypatch, (2,),
+                              "--max_steps", 4, "--eval_steps", 4)
+    scales = [scale for scale, _ in after]
+    assert scales == [65536.0, 32768.0, 32768.0, 32768.0]  # halved by step 2's overflow, then kept
+    assert torch.equal(after[1][1], after[0][1]) and not torch.equal(after[2][1], after[1][1])  # step 2 skipped
+    assert results["skipped_steps"] == [2] and results["steps"] == 4
+    assert results["grad_norm"][1] is None  # inf: JSON has no such number
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "fp32", "--max_steps", 1,
+                                            "--eval_steps", 1, "--no_test_eval")])
+    fp32 = json.loads((tmp_path / "fp32" / "results.json").read_text())
+    # the gradients are unscaled before clipping: step 1's norm is fp32's (not 65536 times it), to fp16's rounding
+    assert results["grad_norm"][0] == pytest.approx(fp32["grad_norm"][0], rel=1e-2)
+    assert results["train_loss"][0] == pytest.approx(fp32["train_loss"][0], rel=1e-2)
+
+
+def test_fp16_stops_only_when_every_step_overflows_and_says_why(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                  monkeypatch):
+    from plumbing.run import FP16_SKIP_LIMIT
+    with pytest.raises(plumbing.UsageError, match=r"the 25 steps up to step 25 were all skipped.*try --precision "
+                                                  r"bf16"):
+        fp16_run(tiny_model, corpus, senteval_dir, tmp_path / "run", monkeypatch, range(1, 100), "--max_steps",
+                 30, "--eval_steps", 30)
+    assert FP16_SKIP_LIMIT == 25
 
 
 def test_compile_trains_through_the_compiled_encoder_with_batches_padded_to_8(tiny_model, corpus, senteval_dir,

@@ -1,4 +1,5 @@
 """--resume: a run stopped by SIGTERM and resumed (twice) ends bit-identical to the same run done straight."""
+import importlib
 import itertools
 import json
 import os
@@ -14,7 +15,8 @@ from safetensors.torch import load_file
 from plumbing import distributed
 import plumbing
 from plumbing import resume
-from conftest import ROOT, gates, smoke_args, write_nli
+from plumbing import run as run_module
+from conftest import ROOT, cli_in_process, gates, smoke_args, write_nli
 
 # 20 examples at batch 8 are 3 steps an epoch (8, 8, 4): 6 steps are two epochs. The first run is stopped at
 # step 2 (a dev gate, within epoch 0), the resumed one at step 3 (between gates, at the epoch's end).
@@ -22,14 +24,16 @@ STOPS = (2, 3)
 CASES = {"simcse": [], "simcse-sup": ["--supervised"], "simcsepp": [], "sscl": ["--neg_layers", "1"],
          "whitenedcse": ["--num_groups", "16"], "micse": ["--queue_size", "12"],
          # the MLM head and the masking generator (#30), SSCL's projection (Table 5)
-         "simcse-mlm": ["--do_mlm"], "sscl-projection": ["--neg_layers", "1", "--output_dim", "8"]}
+         "simcse-mlm": ["--do_mlm"], "sscl-projection": ["--neg_layers", "1", "--output_dim", "8"],
+         # fp16 on CPU: the GradScaler's scale and growth tracker travel with last/ (#46)
+         "simcse-fp16": ["--precision", "fp16"]}
 
 
 def case_args(case, tiny_model, corpus, senteval_dir, out, tmp_path):
     data = write_nli(tmp_path / "nli.csv", 20) if case == "simcse-sup" else corpus
     fraction = [] if case == "simcse-sup" else ["--fraction", 0.1]
     return [str(a) for a in smoke_args(tiny_model, data, senteval_dir, out, "--max_steps", 6, "--no_test_eval",
-                                       "--lr", 1e-3, *fraction, *CASES[case])]
+                                       "--lr", 1e-3, "--save_minutes", 0, *fraction, *CASES[case])]
 
 
 def sigterm_at(monkeypatch, step):
@@ -86,6 +90,8 @@ def test_a_resumed_run_is_bit_identical_to_a_straight_one(case, straight_runs, t
     interrupted = json.loads((out / "results.json").read_text())
     assert interrupted["interrupted"] is True and interrupted["steps"] == STOPS[0]
     assert json.loads((out / "last" / "run.json").read_text())["step"] == STOPS[0]
+    scaler = torch.load(out / "last" / "state.pt", weights_only=False)["scaler"]
+    assert (scaler["scale"] == 65536.0) if case == "simcse-fp16" else scaler == {}  # a disabled scaler has none
     run(script, argv + ["--resume"], monkeypatch, stop_at=STOPS[1], first_step=STOPS[0] + 1)
     assert json.loads((out / "last" / "run.json").read_text())["step"] == STOPS[1]
     run(script, argv + ["--resume"], monkeypatch)
@@ -102,6 +108,48 @@ def test_a_resumed_run_is_bit_identical_to_a_straight_one(case, straight_runs, t
             assert torch.equal(resumed_weights[name][key], straight_weights[name][key]), key
     assert resumed["resumptions"] == list(STOPS) and straight["resumptions"] == []
     assert not (out / "last").exists()  # a completed run deletes it
+
+
+def test_auto_resume_starts_resumes_and_restarts_one_command(tiny_model, corpus, senteval_dir, tmp_path,
+                                                              monkeypatch, straight_runs):
+    """--auto_resume: the first time it starts; stopped, the same command resumes (to the straight run's result);
+    a run stopped before its first save starts again; a completed run or another run's folder is one line."""
+    out = tmp_path / "run"
+    argv = case_args("simcse", tiny_model, corpus, senteval_dir, out, tmp_path) + ["--auto_resume"]
+    run("simcse", argv, monkeypatch, stop_at=STOPS[0])
+    run("simcse", argv, monkeypatch)
+    resumed, straight = outcome(out)[0], outcome(straight_runs["simcse"])[0]
+    assert resumed["train_loss"] == straight["train_loss"] and resumed["resumptions"] == [STOPS[0]]
+    with pytest.raises(plumbing.UsageError, match="holds a completed run"):
+        run("simcse", argv, monkeypatch)
+    (out / "results.json").unlink()  # as if killed before its first save: best/, tb/, started.json, no last/
+    run("simcse", argv, monkeypatch)
+    assert outcome(out)[0]["train_loss"] == straight["train_loss"] and outcome(out)[0]["resumptions"] == []
+    (out / "results.json").unlink()
+    with pytest.raises(plumbing.UsageError, match=r"--lr is 0.002 here but 0.001 in the run in .*started.json"):
+        run("simcse", argv + ["--lr", "2e-3"], monkeypatch)
+
+
+@pytest.mark.parametrize("damage", ["truncated state.pt", "unreadable run.json", "missing rng_rank0.pt"])
+def test_a_damaged_last_is_one_line_naming_the_file_and_nothing_changes(damage, tiny_model, corpus, senteval_dir,
+                                                                        tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    argv = case_args("simcse", tiny_model, corpus, senteval_dir, out, tmp_path)
+    run("simcse", argv, monkeypatch, stop_at=STOPS[0])
+    name = damage.split()[-1]
+    if damage.startswith("truncated"):
+        data = (out / "last" / name).read_bytes()
+        (out / "last" / name).write_bytes(data[:len(data) // 2])
+    elif damage.startswith("unreadable"):
+        (out / "last" / name).write_text("{")
+    else:
+        (out / "last" / name).unlink()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for extra in (["--resume"], ["--auto_resume"]):
+        code, err = cli_in_process(importlib.import_module("simcse"), *argv, *extra)
+        assert code == 2 and f"last/{name} cannot be read" in err and "--overwrite_output_dir" in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_resume_with_a_changed_lr_is_one_line_naming_it(tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
@@ -174,11 +222,15 @@ import itertools, os, signal, sys
 sys.path[:0] = [{root!r}]
 import importlib, plumbing
 from plumbing import distributed
-stop_at, argv = int(sys.argv[1]), sys.argv[2:]
+stop_at, kill_at, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 real, calls = distributed.StopSignal.requested, itertools.count()
+first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 def requested(self, *args, **kwargs):
-    if next(calls) == stop_at and distributed.rank() == 0:
+    call = next(calls)
+    if call == stop_at and distributed.rank() == 0:
         os.kill(os.getpid(), signal.SIGTERM)
+    if call == kill_at and distributed.rank() == 1 and first_attempt:  # a node lost: no handler, no save
+        os.kill(os.getpid(), signal.SIGKILL)
     return real(self, *args, **kwargs)
 distributed.StopSignal.requested = requested
 plumbing.cli(lambda: importlib.import_module("micse").main(argv))
@@ -188,16 +240,18 @@ plumbing.cli(lambda: importlib.import_module("micse").main(argv))
 def test_resume_under_torchrun(tiny_model, corpus, senteval_dir, tmp_path):
     """Two processes (gloo): process 0 gets the SIGTERM during step 3, both stop at the same step, the next log step
     (4: they agree on the stop flag at log steps only), both resume; the losses equal a straight two-process run's.
-    miCSE: per-process AMI generators and slices, and the shared queue."""
+    Then one command under torchrun --max_restarts 1 with --auto_resume: process 1 is SIGKILLed during step 3, torchrun
+    restarts both, and they continue from last/ (step 2's gate) to the same result. miCSE: per-process AMI
+    generators and slices, and the shared queue."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(root=str(ROOT)))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
 
-    def launch(out, stop_at, *extra):
+    def launch(out, stop_at, *extra, kill_at=-1, restarts=0):
         argv = case_args("micse", tiny_model, corpus, senteval_dir, out, tmp_path) + ["--device", "cpu", *extra]
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                               "2", str(driver), str(stop_at), *argv], capture_output=True, text=True, cwd=ROOT,
-                              env=env, timeout=600)
+                               "2", "--max_restarts", str(restarts), str(driver), str(stop_at), str(kill_at), *argv],
+                              capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     straight = launch(tmp_path / "straight", -1)
     assert straight.returncode == 0, straight.stderr[-3000:]
     stopped = launch(tmp_path / "resumed", 3)
@@ -209,18 +263,36 @@ def test_resume_under_torchrun(tiny_model, corpus, senteval_dir, tmp_path):
     a, b = (json.loads((tmp_path / name / "results.json").read_text()) for name in ("straight", "resumed"))
     assert a["world_size"] == b["world_size"] == 2 and b["resumptions"] == [4]
     assert a["train_loss"] == b["train_loss"] and gates(a) == gates(b)
+    restarted = launch(tmp_path / "restarted", -1, "--auto_resume", kill_at=3, restarts=1)
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    c = json.loads((tmp_path / "restarted" / "results.json").read_text())
+    assert c["resumptions"] == [2] and "exitcode: -9" in restarted.stderr  # SIGKILLed, then resumed at step 2
+    assert c["train_loss"] == a["train_loss"] and gates(c) == gates(a) and c["best_step"] == a["best_step"]
     shutil.rmtree(tmp_path / "straight")
 
 
-def test_last_is_saved_at_dev_gates_every_save_steps_and_at_a_signal(tiny_model, corpus, senteval_dir, tmp_path,
-                                                                     monkeypatch):
-    saved_at = []
-    real_save = resume.save
+def test_last_is_saved_at_dev_gates_after_save_minutes_every_save_steps_and_at_a_signal(
+        tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """--save_minutes 0: at every gate; the default (10 minutes of training): a short run saves at --save_steps and
+    at the signal only. best/ is written where last/ is (and at the end), from the host copy of the best model."""
+    saved_at, written_at = [], []
+    real_save, real_write = resume.save, run_module.BestCopy.write
     monkeypatch.setattr(resume, "save", lambda args, step, *rest: saved_at.append(step) or real_save(args, step,
                                                                                                       *rest))
+    monkeypatch.setattr(run_module.BestCopy, "write", lambda self, out: written_at.append(len(saved_at)) or
+                        real_write(self, out))
     argv = case_args("simcse", tiny_model, corpus, senteval_dir, tmp_path / "run", tmp_path)
     run("simcse", argv + ["--eval_steps", "4", "--save_steps", "3"], monkeypatch, stop_at=5)
     assert saved_at == [0, 3, 4, 5]  # gates 0 and 4, --save_steps 3, the signal at 5
+    saved_at.clear()
+    written_at.clear()
+    argv = case_args("simcse", tiny_model, corpus, senteval_dir, tmp_path / "default", tmp_path)
+    del argv[argv.index("--save_minutes"):argv.index("--save_minutes") + 2]  # the default, 10 minutes
+    run("simcse", argv + ["--eval_steps", "2", "--save_steps", "3"], monkeypatch, stop_at=5)
+    assert saved_at == [3, 5]  # gates 0, 2, 4 were within 10 minutes of training: no save there
+    assert written_at[0] == 0 and set(written_at) <= {0, 1}  # best/ just before a save of last/, when newer
+    times = json.loads((tmp_path / "default" / "results.json").read_text())["checkpoint_time_s"]
+    assert times["last_writes"] == 2 and times["best_writes"] == len(written_at) and times["best_copies"] >= 1
 
 
 def test_deterministic_sets_torch_and_cublas_and_changes_nothing_on_cpu(straight_runs, tiny_model, corpus,

@@ -32,7 +32,7 @@ def test_unsupervised_smoke_run_writes_loadable_checkpoint(tiny_model, corpus, s
     assert in_process_scores(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
                              "--pooler", "cls_before_pooler") == results["test"]
     assert json.loads((out / "best" / "1_Pooling" / "config.json").read_text())["pooling_mode_cls_token"] is True
-    assert sorted(p.name for p in out.iterdir()) == ["best", "results.json"]  # no temporary leftovers
+    assert sorted(p.name for p in out.iterdir()) == ["best", "results.json", "started.json"]  # no temporary leftovers
 
 
 def test_ten_sentences_at_batch_four_are_three_steps_an_epoch(tiny_model, senteval_dir, tmp_path):

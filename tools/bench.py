@@ -31,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modules
 
+import torch  # noqa: E402
+
 import eval_sts  # noqa: E402
 import plumbing  # noqa: E402
 from plumbing import files, hub  # noqa: E402
@@ -107,10 +109,79 @@ def bench_eval(args, device):
           f"same scores to 0.01: {all(abs(s_fast[k] - s_naive[k]) <= 0.01 for k in s_fast)}")
 
 
+# The recipes' dev gates (steps // eval_steps + 1, step 0 included) and an H100's SimCSE step (bf16, batch 64, 32
+# tokens; #46's figure): what a checkpoint policy costs against the training time.
+RECIPES = {"simcse (unsupervised)": 15_625 // 125 + 1, "simcse --supervised": 1_614 // 250 + 1,
+           "simcsepp": 15_625 // 125 + 1, "sscl": 15_625 // 125 + 1, "whitenedcse": 15_625 // 125 + 1,
+           "micse (100%)": 20_000 // 125 + 1, "micse --fraction 0.01": 7_850 // 500 + 1}
+# a device-to-device copy reads and writes each byte: at 1 TB/s of HBM (an H100 has over 3), 2 bytes moved a byte
+SIMCSE_STEPS, STEP_S, DEVICE_COPY_BYTES_PER_S = 15_625, 8.5e-3, 1e12 / 2
+
+
+def bench_saves(device, repeats: int = 3) -> dict:
+    """What saving costs for a BERT-base-sized model (random weights from BertConfig()): the copy of the best model
+    on the device (run.BestCopy), best/ written from it, last/ written (the weights, AdamW's two moments, the
+    schedule, the RNG streams: resume.save); each the median of `repeats`. Then SimCSE's recipe at STEP_S a step:
+    the old policy (best/ at every improvement, last/ at every gate) and this one (a device copy at every
+    improvement, best/ once, last/ after --save_minutes of training), both with every gate improving, the worst
+    case; the GPU's copy is estimated (DEVICE_COPY_BYTES_PER_S), the writes are this machine's."""
+    import statistics
+    import transformers
+    import common
+    from plumbing import resume, run
+    config = transformers.BertConfig()
+    torch.manual_seed(0)
+    backbone = transformers.BertModel(config).to(device)
+    head = common.MLPHead(config).to(device)
+    params = [p for p in (*backbone.parameters(), *head.parameters())]
+    optimizer, scheduler = common.make_optimizer(params, types.SimpleNamespace(lr=3e-5, warmup_steps=0), 100)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # AdamW's two moments exist
+    with tempfile.TemporaryDirectory() as tmp:
+        vocab = Path(tmp) / "vocab.txt"
+        vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a"]) + "\n")
+        tokenizer = transformers.BertTokenizerFast(vocab_file=str(vocab))
+        args = types.SimpleNamespace(output_dir=tmp)
+        state = {"backbone": backbone, "head": head, "optimizer": optimizer, "scheduler": scheduler}
+        history = types.SimpleNamespace(losses=[], grad_norms=[], trajectory=[], resumptions=[], skipped=[])
+        times = {"copy": [], "best": [], "last": []}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            best = run.BestCopy(backbone, head, tokenizer, "cls_before_pooler")
+            times["copy"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            best.write(tmp)
+            times["best"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            resume.save(args, 1, state, range(125), history, {"best_dev": 0.0, "best_step": 0, "train_time": 0.0})
+            times["last"].append(time.perf_counter() - start)
+        sizes = {name: sum(f.stat().st_size for f in (Path(tmp) / name).rglob("*") if f.is_file())
+                 for name in ("best", "last")}
+    median = {k: statistics.median(v) for k, v in times.items()}
+    weights = sum(t.numel() * t.element_size() for t in backbone.state_dict().values())
+    gates, train_s = RECIPES["simcse (unsupervised)"], SIMCSE_STEPS * STEP_S
+    old = gates * (median["best"] + median["last"])
+    new = gates * weights / DEVICE_COPY_BYTES_PER_S + median["best"]
+    print(f"saves, BERT-base-sized ({weights / 2**20:.0f} MiB of weights), {device}: device copy "
+          f"{median['copy']:.2f} s, best/ ({sizes['best'] / 2**30:.2f} GiB) {median['best']:.2f} s, last/ "
+          f"({sizes['last'] / 2**30:.2f} GiB) {median['last']:.2f} s (medians of {repeats})")
+    print("dev gates (each a possible best/ copy): " + ", ".join(f"{k} {v}" for k, v in RECIPES.items()))
+    print(f"SimCSE's recipe, {SIMCSE_STEPS} steps at {STEP_S * 1e3:.1f} ms = {train_s:.0f} s of training, every gate "
+          f"improving: best/ and last/ at every gate {old:.0f} s ({100 * old / train_s:.0f}%); a device copy at each "
+          f"gate ({2 * DEVICE_COPY_BYTES_PER_S / 1e12:.0f} TB/s) and best/ once {new:.2f} s "
+          f"({100 * new / train_s:.1f}%), no last/ within 10 minutes of training")
+    return {"seconds": median, "bytes": sizes, "weights_bytes": weights, "old_s": old, "new_s": new,
+            "train_s": train_s}
+
+
 def main(argv=None):
     parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model_name_or_path", required=True)
-    parser.add_argument("--train_file", required=True, help="sentences to draw the batches from")
+    parser.add_argument("--save_cost", action="store_true",
+                        help="only measure what saving a BERT-base-sized checkpoint costs (bench_saves)")
+    parser.add_argument("--model_name_or_path", default=None, help="the model to train (required but with "
+                                                                   "--save_cost)")
+    parser.add_argument("--train_file", default=None, help="sentences to draw the batches from")
     parser.add_argument("--senteval_dir", default=None, help="SentEval data (dev gate and evaluation timing)")
     parser.add_argument("--methods", nargs="+", default=["simcse"], help="method scripts; simcse is always included")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method")
@@ -128,6 +199,11 @@ def main(argv=None):
                         help="tasks for the evaluation timing (default: all 7)")
     parser.add_argument("--skip_eval", action="store_true", help="time training only")
     args = parser.parse_args(argv)
+    if args.save_cost:
+        bench_saves(plumbing.resolve_device(args.device))
+        return
+    if not (args.model_name_or_path and args.train_file):
+        parser.error("--model_name_or_path and --train_file are required (but with --save_cost)")
     plumbing.check_range(args, "steps", lambda v: v >= 1, "a positive integer")
     plumbing.check_range(args, "warmup", lambda v: v >= 0, "a non-negative integer")
     if args.compare_with and not (Path(args.compare_with) / "simcse.py").is_file():

@@ -795,25 +795,39 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     plumbing.check_json_path(args.json)
     found = {} if args.self_check else clones(args)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same kernels, the same rounding, from one run to the next
-    results = self_rows() if args.self_check else []
+    try:
+        with torch.random.fork_rng(devices=[]):  # the caller's random streams stay as they were
+            results = comparisons(found, args.self_check)
+    finally:
+        torch.set_num_threads(threads)
+    return report(results, args.tolerance, args.json)
+
+
+def comparisons(found: dict, self_check: bool) -> list[dict]:
     import tempfile
+    results = self_rows() if self_check else []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = tiny_checkpoint(Path(tmp) / "checkpoint")
         for key, path in found.items():
             results += METHODS[key](path)
             results += evaluation_rows(key, path, checkpoint)
+    return results
+
+
+def report(results: list[dict], tolerance: float, json_path: str | None) -> int:
+    """The table, the documented deviations, --json; 1 when a comparison differs and is not documented."""
     print()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, tolerance {args.tolerance:g} "
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, tolerance {tolerance:g} "
           "(relative to the largest magnitude)")
-    print(table(results, args.tolerance))
-    failed = [r["name"] for r in results if status(r, args.tolerance) == "DIFFERS"]
+    print(table(results, tolerance))
+    failed = [r["name"] for r in results if status(r, tolerance) == "DIFFERS"]
     for name in (r["name"] for r in results if r["name"] in DEVIATIONS):
         print(f"documented: {name}: {DEVIATIONS[name]}")
-    if args.json:
-        files.write_json(Path(args.json), {"torch": torch.__version__, "transformers": transformers.__version__,
-                                           "tolerance": args.tolerance, "adaptations": ADAPTED,
-                                           "comparisons": results})
+    if json_path:
+        files.write_json(Path(json_path), {"torch": torch.__version__, "transformers": transformers.__version__,
+                                           "tolerance": tolerance, "adaptations": ADAPTED, "comparisons": results})
     print(f"{len(results)} comparisons: {len(failed)} differ beyond the tolerance and are not documented"
           + (f" ({'; '.join(failed)})" if failed else ""))
     return 1 if failed else 0
