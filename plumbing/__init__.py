@@ -16,12 +16,14 @@ cleanrl_utils/).
   the end of a run and results.json), written once and called in one line from each loop.
 - distributed.py: torchrun's process group, DistributedDataParallel, the gather with gradients.
 - resume.py: --resume's last/ folder. syncs.py: the host-device sync counter (--count_host_syncs).
+- provenance.py: where a run came from (commit, versions, device, times) and best/'s model card with the citations.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -44,10 +46,20 @@ def cli(main) -> None:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line instead of usage + error."""
+    """argparse that reports a bad flag in one line instead of usage + error; a training script's arguments also
+    record the exact command (`command`: results.json, the model card)."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if getattr(parsed, "method", None):
+            root = Path(__file__).resolve().parents[1]
+            script = f"{parsed.method}.py" if (root / f"{parsed.method}.py").is_file() else \
+                f"ablations/{parsed.method}.py"
+            parsed.command = shlex.join(["python", script, *(sys.argv[1:] if args is None else map(str, args))])
+        return parsed
 
 
 def check_range(args, name: str, ok, accepted: str) -> None:

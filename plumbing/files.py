@@ -21,6 +21,12 @@ def _json_safe(value):
         return {k: _json_safe(v) for k, v in value.items()}
     return [_json_safe(v) for v in value] if isinstance(value, (list, tuple)) else value
 
+def write_text(path: Path, text: str) -> None:
+    """A text file written beside `path` and renamed onto it: a kill never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
 def write_json(path: Path, data: dict) -> None:
     """Write valid JSON to a temporary file beside `path`, then rename: a kill never leaves half a file."""
     text = json.dumps(_json_safe(data), indent=2, allow_nan=False)
@@ -119,10 +125,14 @@ def load_linear(name_or_path: str, name: str) -> torch.nn.Linear | None:
     linear.load_state_dict(weights)
     return linear
 
+def pooling_mode(pooler: str) -> str | None:
+    """sentence-transformers' pooling mode of a pooler, or None where it has none (the two-layer averages)."""
+    return {"cls": "cls", "cls_before_pooler": "cls", "avg": "mean"}.get(pooler)
+
 def write_sentence_transformers_config(out_dir: Path, pooler: str, hidden_size: int, head=None) -> None:
     """modules.json + 1_Pooling (+ 2_Dense for the "cls" pooler) so SentenceTransformer(dir) matches eval_sts."""
-    mode = {"cls": "cls", "cls_before_pooler": "cls", "avg": "mean"}.get(pooler)
-    if mode is None:  # avg_top2 / avg_first_last have no sentence-transformers pooling mode
+    mode = pooling_mode(pooler)
+    if mode is None:  # the two-layer averages have no sentence-transformers pooling mode
         return
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]

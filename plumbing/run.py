@@ -35,7 +35,7 @@ import common
 import data
 import eval_sts
 import plumbing
-from plumbing import backbones, distributed, files, options, progress, resume, syncs
+from plumbing import backbones, distributed, files, options, progress, provenance, resume, syncs
 
 
 FP16_SKIP_LIMIT = 25  # fp16: this many skipped steps in a row stop the run (the scale has fallen 2^25-fold)
@@ -98,7 +98,7 @@ class Run:
         if args.deterministic:
             options.deterministic_algorithms()
         transformers.set_seed(args.seed)
-        self.args, self.resumable = args, resumable
+        self.args, self.resumable, self.started = args, resumable, provenance.now()
         self.device = distributed.init(device)
         self.best_dev, self.best_step, self.gate_step = -math.inf, None, None
         self.encoder_notes = []  # check_encoder's
@@ -126,6 +126,7 @@ class Run:
         self.state, self.scheduler = state, state["scheduler"]
         self.data = {"train_file": train_file, "micse_subset": subset, "num_train_examples": len(loader.dataset)}
         self.summary = summary(args, self.data, len(loader), total_steps, self.device, self.encoder_notes)
+        self.provenance = provenance.collect(self.device, args.precision, distributed.world_size(), self.started)
         Path(args.output_dir).mkdir(parents=True, exist_ok=True)
         self.stop = distributed.StopSignal()
         saved = resume.restore(args, state, loader, self.device) if args.resume else resume.new_run()
@@ -184,11 +185,19 @@ class Run:
             return
         start = time.perf_counter()
         if self.best_copy is not None:  # process 0
-            self.best_copy.write(self.args.output_dir)
+            self.best_copy.write(self.args.output_dir, self.card())
         distributed.barrier()
         self.best_pending = False
         self.checkpoint_time["best_writes"] += 1
         self.checkpoint_time["best_write_s"] += time.perf_counter() - start
+
+    def card(self, test: dict | None = None) -> str:
+        """best/README.md: the model card (plumbing/provenance.py), with the STS test scores once they exist."""
+        copy_ = self.best_copy
+        sentence_transformers = copy_.projection is None and files.pooling_mode(copy_.eval_pooler) is not None
+        return provenance.model_card(self.args, copy_.eval_pooler, self.provenance,
+                                     {"step": self.best_step, "stsb_dev": self.best_dev, "test": test},
+                                     sentence_transformers)
 
     def sentences(self, task: str, split: str = "test") -> list[str]:
         """The distinct sentences of a SentEval task's split, sorted (SSCL's SetSim reads STS-B test's)."""
@@ -281,11 +290,15 @@ class Run:
         return results
 
     def write(self, results: dict | None) -> None:
-        """results.json (process 0), the numbers in context, last/ deleted (a completed run needs it no more,
-        unless --keep_last); then exit 130 / 143 if Ctrl-C or SIGTERM stopped the run."""
+        """results.json (process 0) with its provenance's end time, best/'s model card with the test scores, the
+        numbers in context, last/ deleted (a completed run needs it no more, unless --keep_last); then exit 130 / 143
+        if Ctrl-C or SIGTERM stopped the run."""
         if results is not None:
             out = Path(self.args.output_dir)
+            results["provenance"]["ended"] = provenance.now()
             files.write_json(out / "results.json", results)
+            if self.best_copy is not None and results.get("test"):
+                files.write_text(out / "best" / "README.md", self.card(results["test"]))
             resume.drop(self.args, results)
             distributed.log(in_context(results))
             distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
@@ -313,7 +326,7 @@ class Run:
                    "steps_per_second": round(len(history.losses) / self.train_time, 3) if self.train_time else 0.0,
                    "peak_memory_mb": round(peak / 2**20, 1),
                    "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
-                   "interrupted": self.stop.signum is not None}
+                   "interrupted": self.stop.signum is not None, "provenance": dict(self.provenance)}
         if args.count_host_syncs:
             results["host_syncs"] = syncs.WINDOW.record()
         if self.stop.signum is not None:
@@ -355,13 +368,13 @@ class BestCopy:
         self.head = copy.deepcopy(head) if head is not None else None
         self.projection = copy.deepcopy(projection) if projection is not None else None
 
-    def write(self, out_dir) -> None:
+    def write(self, out_dir, card: str | None = None) -> None:
         save_checkpoint(out_dir, self.backbone, self.head, self.tokenizer, self.eval_pooler, self.projection,
-                        state=self.state, barrier=False)
+                        state=self.state, barrier=False, card=card)
 
 
 def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projection=None, state=None,
-                    barrier: bool = True) -> None:
+                    barrier: bool = True, card: str | None = None) -> None:
     """<out_dir>/best (process 0): save_pretrained + tokenizer + sentence-transformers metadata, written beside it and
     swapped in only when complete. Evaluated with the "cls" pooler, the MLP head is saved beside it (files.HEAD_FILE,
     which `eval_sts.py --pooler cls` applies to the last [CLS] on any backbone) and, where the backbone has BERT's
@@ -377,6 +390,8 @@ def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projec
         backbone.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
         files.write_json(tmp / files.EVAL_POOLER_FILE, {"pooler": eval_pooler})  # eval_sts's default
+        if card is not None:  # README.md, what the Hub and sentence-transformers show
+            files.write_text(tmp / "README.md", card)
         if eval_pooler == "cls" and isinstance(head, common.MLPHead):
             files.save_linear(tmp, files.HEAD_FILE, head[0])
         if projection is not None:

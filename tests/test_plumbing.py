@@ -52,3 +52,28 @@ def test_a_folder_that_is_not_a_model_is_named_as_such(tmp_path):
     with pytest.raises(plumbing.UsageError, match=r"--model_name_or_path .*runs is a folder but not a model \(it has no "
                                                   r"config.json\)"):
         hub.load_pretrained(str(tmp_path / "runs"))
+
+
+def test_provenance_knows_a_checkout_its_changes_and_a_folder_that_is_not_one(tmp_path):
+    import subprocess
+    from plumbing import provenance
+    assert provenance.git_state(tmp_path) == "not a git checkout"
+    git = ["git", "-C", str(tmp_path), "-c", "user.email=a@b", "-c", "user.name=a"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f.txt").write_text("one")
+    subprocess.run([*git, "add", "f.txt"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    state = provenance.git_state(tmp_path)
+    assert len(state["commit"]) == 40 and state["uncommitted_changes"] is False
+    (tmp_path / "f.txt").write_text("two")
+    assert provenance.git_state(tmp_path)["uncommitted_changes"] is True
+
+
+def test_every_papers_bibtex_is_in_the_docs_and_the_suite_has_a_citation_file():
+    from conftest import ROOT
+    from plumbing import provenance
+    methods = (ROOT / "docs" / "methods.md").read_text()
+    for method, (title, bibtex) in provenance.PAPERS.items():
+        assert bibtex in methods, method
+    cff = (ROOT / "CITATION.cff").read_text()
+    assert cff.startswith("cff-version: 1.2.0") and "title:" in cff and "message:" in cff

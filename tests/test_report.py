@@ -172,9 +172,14 @@ def test_write_without_initial_evaluation_is_one_line_and_status_2(tmp_path, cap
 
 
 def test_committed_page_is_made_from_committed_results(tmp_path):
-    """RESULTS.md is exactly what `report.py write` makes of results/*.json: every number on it is theirs."""
-    report.write(REPO / "results", tmp_path / "RESULTS.md", plots=False)
+    """RESULTS.md, its LaTeX tables and its CSV are exactly what `report.py write` makes of results/*.json: every
+    number on them is theirs."""
+    report.write(REPO / "results", tmp_path / "RESULTS.md", plots=False, tables_dir=tmp_path)
     assert (tmp_path / "RESULTS.md").read_text() == (REPO / "RESULTS.md").read_text()
+    assert (tmp_path / "runs.csv").read_text() == (REPO / "results" / "runs.csv").read_text()
+    made, committed = (sorted((folder / "latex").glob("*.tex")) for folder in (tmp_path, REPO / "results"))
+    assert [p.name for p in made] == [p.name for p in committed]
+    assert all(a.read_text() == b.read_text() for a, b in zip(made, committed))
 
 
 def test_run_is_resumable(tmp_path, monkeypatch, capsys):
@@ -274,3 +279,63 @@ def test_run_with_every_result_present_makes_nothing_and_keeps_the_machine(tmp_p
     assert (copy / "machine.json").read_text() == (ROOT / "results" / "machine.json").read_text()
     report.write(copy, tmp_path / "RESULTS.md", plots=False)
     assert (tmp_path / "RESULTS.md").read_text() == (ROOT / "RESULTS.md").read_text()
+
+
+def test_the_pages_tables_in_latex_carry_the_markdowns_numbers(tmp_path):
+    """Each Markdown table of the page becomes a booktabs table: environments balanced, _ and % escaped, the same
+    numbers to the printed digit, the best of each score column in bold, the papers' averages marked as theirs."""
+    import re
+    import tables
+    results = fake_results(tmp_path / "results")
+    report.write(results, tmp_path / "RESULTS.md", plots=False)
+    page = (tmp_path / "RESULTS.md").read_text().splitlines()
+    markdown = tables.markdown_tables(page)
+    latex = sorted((results / "latex").glob("*.tex"))
+    assert len(latex) == len(markdown) >= 5
+    for table, path in zip(markdown, latex):
+        tex = path.read_text()
+        for env in ("table", "tabular"):
+            assert tex.count(rf"\begin{{{env}}}") == tex.count(rf"\end{{{env}}}") == 1
+        assert r"\toprule" in tex and r"\midrule" in tex and r"\bottomrule" in tex and "booktabs" not in tex
+        body = tex.split(r"\midrule")[1].split(r"\bottomrule")[0]
+        assert not re.search(r"(?<!\\)[_%&#]", body.replace(" & ", " ")), path.name  # escaped
+        numbers = [re.findall(r"\d+\.\d+", " ".join(row)) for row in table["rows"]]
+        tex_rows = [line for line in body.strip().splitlines()]
+        assert [re.findall(r"\d+\.\d+", row.split(" & paper")[0]) [:len(nums)] for row, nums in
+                zip(tex_rows, numbers)] == numbers, path.name
+    sts = latex[0].read_text()
+    assert "paper\\dag{}" in sts and "the paper's own number, not ours" in sts
+    assert r"sscl & 1 & \textbf{79.00}" in sts  # the best STS12 (79 > 76 > 75), and so on
+    assert r"micse & 3 & 76.00 $\pm$ 0.50" in sts and "+1.00 $\\pm$ 0.29$^{*}$ & 78.13" in sts  # significant: *
+    assert "initial checkpoint ([CLS]) & 1 & 60.00" in sts  # not ranked
+    align = next(p for p in latex if "alignment" in p.name).read_text()
+    assert r"\textbf{0.200 $\pm$ 0.000}" in align  # lower is better: simcse's 0.2 beats micse's 0.4
+
+
+def test_every_run_in_the_csv_reads_back_as_its_results_json(tmp_path):
+    import csv
+    results = fake_results(tmp_path / "results")
+    report.write(results, tmp_path / "RESULTS.md", plots=False)
+    with open(results / "runs.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 7
+    for row in rows:
+        data = json.loads((results / f"{row['run']}.seed{row['seed']}.json").read_text())
+        assert {t: float(row[f"test_{t}"]) for t in STS} == data["test"]
+        assert float(row["best_dev_stsb"]) == data["best_dev_stsb"] and int(row["best_step"]) == data["best_step"]
+        assert row["script"] == f"{row['run']}.py"
+        if "transfer" in data:
+            assert {t: float(row[f"transfer_{t}"]) for t in TRANSFER} == {t: data["transfer"][t] for t in TRANSFER}
+        else:
+            assert row["transfer_avg"] == ""
+
+
+def test_the_page_says_which_commits_and_versions_its_runs_came_from():
+    import tables
+    made = {"git": {"commit": "a" * 40, "uncommitted_changes": False}, "versions": {"torch": "2.13.0"}}
+    other = {"git": {"commit": "b" * 40, "uncommitted_changes": True}, "versions": {"torch": "2.13.0"}}
+    lines = tables.provenance_lines([{"provenance": made}, {"provenance": made}])
+    assert lines == ["Code: aaaaaaaaaaaa (2 runs).", "Libraries: torch 2.13.0 (2 runs)."]
+    lines = tables.provenance_lines([{"provenance": made}, {"provenance": other}, {}])
+    assert "bbbbbbbbbbbb (uncommitted changes) (1 run)" in lines[0] and "1 run(s) made before" in lines[0]
+    assert lines[-1].startswith("**Warning**: these runs came from more than one commit")

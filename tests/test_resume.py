@@ -279,8 +279,8 @@ def test_last_is_saved_at_dev_gates_after_save_minutes_every_save_steps_and_at_a
     real_save, real_write = resume.save, run_module.BestCopy.write
     monkeypatch.setattr(resume, "save", lambda args, step, *rest: saved_at.append(step) or real_save(args, step,
                                                                                                       *rest))
-    monkeypatch.setattr(run_module.BestCopy, "write", lambda self, out: written_at.append(len(saved_at)) or
-                        real_write(self, out))
+    monkeypatch.setattr(run_module.BestCopy, "write", lambda self, out, card: written_at.append(len(saved_at)) or
+                        real_write(self, out, card))
     argv = case_args("simcse", tiny_model, corpus, senteval_dir, tmp_path / "run", tmp_path)
     run("simcse", argv + ["--eval_steps", "4", "--save_steps", "3"], monkeypatch, stop_at=5)
     assert saved_at == [0, 3, 4, 5]  # gates 0 and 4, --save_steps 3, the signal at 5

@@ -33,6 +33,19 @@ def test_unsupervised_smoke_run_writes_loadable_checkpoint(tiny_model, corpus, s
                              "--pooler", "cls_before_pooler") == results["test"]
     assert json.loads((out / "best" / "1_Pooling" / "config.json").read_text())["pooling_mode_cls_token"] is True
     assert sorted(p.name for p in out.iterdir()) == ["best", "results.json", "started.json"]  # no temporary leftovers
+    # where the numbers came from, and what the checkpoint says of itself
+    made = results["provenance"]
+    assert set(made) == {"git", "versions", "device_name", "precision", "processes", "started", "ended"}
+    assert set(made["versions"]) == {"python", "torch", "transformers", "datasets", "sentence-transformers"}
+    assert made["precision"] == "fp32" and made["processes"] == 1 and made["started"] <= made["ended"]
+    assert made["git"] == "not a git checkout" or len(made["git"]["commit"]) == 40
+    command = results["args"]["command"]
+    assert command.startswith("python simcse.py --model_name_or_path ") and command.endswith("--device cpu")
+    card = (out / "best" / "README.md").read_text()
+    for needed in ("SimCSE: Simple Contrastive Learning of Sentence Embeddings", command, "**`cls_before_pooler`**",
+                   "@inproceedings{gao2021simcse", f"| {results['test']['avg']:.2f} |", "library_name: "
+                   "sentence-transformers", f"best STS-B dev Spearman {results['best_dev_stsb']:.2f}"):
+        assert needed in card, needed
 
 
 def test_ten_sentences_at_batch_four_are_three_steps_an_epoch(tiny_model, senteval_dir, tmp_path):

@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modules
 
 import plumbing  # noqa: E402
+import tables  # noqa: E402
 from plumbing import files, progress  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]  # the suite
@@ -264,7 +265,9 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
     missing = [r for r in every if r["seed"] not in found.get(r["row"], {})]
     lines = [f"# Protocol `{protocol['name']}`", "", protocol.get("description", ""), "",
              f"{len(every) - len(missing)} of {len(every)} runs done (seeds {', '.join(map(str, protocol['seeds']))}"
-             f"). Each cell: mean ± sample standard deviation over the seeds; a paper's ± is its own.", ""]
+             f"). Each cell: mean ± sample standard deviation over the seeds; a paper's ± is its own. The tables "
+             "are also in `latex/` and every run in `runs.csv`, beside this page.", "",
+             *[line + "\n" for line in tables.provenance_lines([r for s in found.values() for r in s.values()])]]
     if missing:
         lines += ["Missing (run them with `python tools/report.py run`, or the lines of `commands`): "
                   + ", ".join(f"{r['row']} seed {r['seed']}" for r in missing) + ".", ""]
@@ -285,6 +288,13 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
     page = folder / "RESULTS.md"
     page.write_text("\n".join(lines))
     print(f"wrote {page}")
+    # for a paper: the page's tables in LaTeX (the papers' averages beside ours) and every run in a CSV
+    paper = {row["name"]: paper_cell(PAPER[row["paper"]][1]["avg"]).split(" ")[0] for row in protocol["rows"]
+             if "avg" in PAPER.get(row.get("paper"), (None, {}))[1]}
+    tables.write_latex(lines, folder / "latex", {"STS test (best STS-B dev checkpoint)": paper})
+    tables.write_csv([tables.run_row(row["name"], row["script"], row.get("flags", []), seed, result)
+                      for row in protocol["rows"] for seed, result in sorted(found.get(row["name"], {}).items())],
+                     folder / "runs.csv")
     if plots:
         plot_dev_curves(protocol, found, folder / "dev_curves.png")
     if plots and protocol.get("sweep"):

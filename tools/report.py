@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modu
 import plumbing  # noqa: E402
 from plumbing import files, progress  # noqa: E402
 import protocols  # noqa: E402
+import tables  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]  # the suite
 SHARED = ROOT.parent / "shared"
@@ -234,9 +235,12 @@ def metric_rows(runs, names, columns, get):
     return lines
 
 
-def write(results_dir: Path | None = None, page: Path | None = None, plots: bool = True) -> None:
-    """RESULTS.md from results/*.json, one function per section; every fact on it comes from there."""
+def write(results_dir: Path | None = None, page: Path | None = None, plots: bool = True,
+          tables_dir: Path | None = None) -> None:
+    """RESULTS.md from results/*.json, one function per section; every fact on it comes from there. Its tables as
+    LaTeX and its runs as CSV go to `tables_dir` (default: results/)."""
     results_dir = results_dir or RESULTS
+    tables_dir = tables_dir or results_dir
     page = page or ROOT / "RESULTS.md"
     runs = load(results_dir)
     if "simcse" not in runs:
@@ -250,6 +254,14 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
              + commands_section(ctx))
     page.write_text("\n".join(lines))
     print(f"wrote {page}")
+    # for a paper: the page's tables in LaTeX (the papers' averages beside ours) and every run in a CSV
+    paper = {name: cell.split(" ")[0] for name, _, _, cell, _ in RUNS + FEW_SHOT}
+    tables.write_latex(lines, tables_dir / "latex", {"STS test (best STS-B dev checkpoint)": paper,
+                                                     "Few-shot: SimCSE and miCSE on a fraction of the corpus": paper})
+    tables.write_csv([tables.run_row(name, script, flags, seed, runs[name][seed])
+                      for name, script, flags, *_ in RUNS + FEW_SHOT for seed in sorted(runs.get(name, {}))],
+                     tables_dir / "runs.csv")
+    print(f"wrote {tables_dir / 'latex'}/*.tex and {tables_dir / 'runs.csv'}")
     if plots:
         plot_dev_curves(runs, results_dir, ctx.main_names, ctx.few_names)
         plot_align_uniform(runs, results_dir, ctx.main_names, ctx.few_names)
@@ -321,6 +333,9 @@ def header(ctx) -> list[str]:
             "the plots from `results/*.json`). Do not edit by hand.", "",
             f"Machine: {info['cpu']}, {info['cores']} cores, {device_text(ctx)}; Python {info['python']}, "
             f"torch {info['torch']}, transformers {info['transformers']}; last run on {info['date']}.", "",
+            *[line + "\n" for line in tables.provenance_lines(ctx.every_run)],
+            "The tables below are also in LaTeX (`results/latex/`, booktabs) and every run in a CSV "
+            "(`results/runs.csv`), for a paper.", "",
             "## What these numbers can and cannot show", "",
             "Every run starts from all-MiniLM-L6-v2, a 6-layer encoder *already trained for sentence embeddings* "
             f"on a billion sentence pairs, and takes {protocol_value('--max_steps')} steps of batch "

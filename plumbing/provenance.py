@@ -1,0 +1,157 @@
+"""Where a run's numbers came from, and what a checkpoint says of itself.
+
+- `collect`: the suite's git commit and whether its tree had uncommitted changes (or "not a git checkout"), the versions
+  of Python, torch, transformers, datasets and sentence-transformers, the device's name, the precision, the number of
+  processes, and the start and end times: `results.json`'s "provenance".
+- `model_card`: `best/README.md`, the file the Hugging Face Hub and sentence-transformers show: the method and its
+  paper, the exact command, the data, the base model, the pooler to evaluate with, the run's scores, the suite's commit
+  and the citations.
+- PAPERS: each method's paper and BibTeX (docs/methods.md shows the same entries; a test keeps them equal).
+"""
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the suite
+
+PAPERS = {
+    "simcse": ("SimCSE: Simple Contrastive Learning of Sentence Embeddings (Gao, Yao & Chen, EMNLP 2021)", """\
+@inproceedings{gao2021simcse,
+  title = {{SimCSE}: Simple Contrastive Learning of Sentence Embeddings},
+  author = {Gao, Tianyu and Yao, Xingcheng and Chen, Danqi},
+  booktitle = {Proceedings of the 2021 Conference on Empirical Methods in Natural Language Processing},
+  pages = {6894--6910},
+  year = {2021}
+}"""),
+    "simcsepp": ("SimCSE++: Improving Contrastive Learning for Sentence Embeddings from Two Perspectives (Xu, Shao, "
+                 "Chen & Liu, EMNLP 2023)", """\
+@inproceedings{xu2023simcsepp,
+  title = {{SimCSE++}: Improving Contrastive Learning for Sentence Embeddings from Two Perspectives},
+  author = {Xu, Jiahao and Shao, Wei and Chen, Lihui and Liu, Lemao},
+  booktitle = {Proceedings of the 2023 Conference on Empirical Methods in Natural Language Processing},
+  year = {2023}
+}"""),
+    "sscl": ("Alleviating Over-smoothing for Unsupervised Sentence Representation (Chen et al., ACL 2023)", """\
+@inproceedings{chen2023sscl,
+  title = {Alleviating Over-smoothing for Unsupervised Sentence Representation},
+  author = {Chen, Nuo and Shou, Linjun and Gong, Ming and Pei, Jian and Cao, Bowen and Chang, Jianhui and
+            Jiang, Daxin and Li, Jia},
+  booktitle = {Proceedings of the 61st Annual Meeting of the Association for Computational Linguistics},
+  year = {2023}
+}"""),
+    "whitenedcse": ("WhitenedCSE: Whitening-based Contrastive Learning of Sentence Embeddings (Zhuo et al., ACL "
+                    "2023)", """\
+@inproceedings{zhuo2023whitenedcse,
+  title = {{WhitenedCSE}: Whitening-based Contrastive Learning of Sentence Embeddings},
+  author = {Zhuo, Wenjie and Sun, Yifan and Wang, Xiaohan and Zhu, Linchao and Yang, Yi},
+  booktitle = {Proceedings of the 61st Annual Meeting of the Association for Computational Linguistics},
+  year = {2023}
+}"""),
+    "micse": ("miCSE: Mutual Information Contrastive Learning for Low-shot Sentence Embeddings (Klein & Nabi, ACL "
+              "2023)", """\
+@inproceedings{klein2023micse,
+  title = {{miCSE}: Mutual Information Contrastive Learning for Low-shot Sentence Embeddings},
+  author = {Klein, Tassilo and Nabi, Moin},
+  booktitle = {Proceedings of the 61st Annual Meeting of the Association for Computational Linguistics},
+  year = {2023}
+}"""),
+}
+# an ablation script's study belongs to its method's paper
+PAPER_OF = {"simcse_augmentations": "simcse", "simcsepp_noise_barlow": "simcsepp",
+            "whitenedcse_whitening": "whitenedcse"}
+SUITE_CITATION = """\
+@software{contrastive_sentence_embeddings_suite,
+  title = {Contrastive sentence embeddings: a reference suite},
+  note = {SimCSE, SimCSE++, SSCL, WhitenedCSE and miCSE, one file each (CITATION.cff)},
+  year = {2026}
+}"""
+
+
+def git_state(root: Path = ROOT) -> dict | str:
+    """{"commit", "uncommitted_changes"} of the suite's checkout, or "not a git checkout"."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return "not a git checkout"
+        status = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "not a git checkout"
+    return {"commit": head.stdout.strip(), "uncommitted_changes": bool(status.stdout.strip())}
+
+
+def versions() -> dict:
+    found = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "datasets", "sentence-transformers"):
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def device_name(device) -> str:
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def collect(device, precision: str, processes: int, started: str) -> dict:
+    """results.json's "provenance" (its "ended" is set when the file is written)."""
+    return {"git": git_state(), "versions": versions(), "device_name": device_name(device), "precision": precision,
+            "processes": processes, "started": started, "ended": None}
+
+
+def commit_text(provenance: dict) -> str:
+    git = provenance.get("git")
+    if not isinstance(git, dict):
+        return str(git or "unknown")
+    return git["commit"][:12] + (" with uncommitted changes" if git["uncommitted_changes"] else "")
+
+
+def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_transformers: bool) -> str:
+    """best/README.md. `best`: {"step", "stsb_dev"} and, after the final evaluation, "test" (the 7 STS tasks)."""
+    paper = PAPER_OF.get(args.method, args.method)
+    title, bibtex = PAPERS.get(paper, (args.method, ""))
+    base = args.model_name_or_path
+    data = args.train_file or "the Hugging Face Hub's default corpus of the method (princeton-nlp/datasets-for-simcse)"
+    lines = ["---", "tags:", "- sentence-embeddings", "- contrastive-learning", f"- {paper}"]
+    if sentence_transformers:
+        lines += ["- sentence-transformers", "library_name: sentence-transformers"]
+    lines += ["---", "", f"# {args.method}: {Path(base).name} trained with {title.split(':')[0]}", "",
+              f"Trained by `{args.method}.py` of the contrastive sentence-embedding reference suite, which reproduces "
+              f"{title}.", "", "## Training", "",
+              "```bash", args.command if getattr(args, "command", None) else f"python {args.method}.py", "```", "",
+              f"- base model: `{base}`", f"- data: `{data}`" + (f", fraction {args.fraction:g} (seed {args.seed})"
+                                                                 if args.fraction < 1 else ""),
+              f"- precision {provenance['precision']}, {provenance['processes']} process(es) on "
+              f"{provenance['device_name']}", f"- the suite's commit: {commit_text(provenance)}",
+              f"- best STS-B dev Spearman {best['stsb_dev']:.2f} at step {best['step']}", "",
+              "## Use", "", f"The pooler to evaluate with: **`{eval_pooler}`**, recorded in `eval_pooler.json`:", "",
+              "```bash", "python eval_sts.py --model_name_or_path PATH_TO_THIS_FOLDER   # the recorded pooler", "```"]
+    if sentence_transformers:
+        lines += ["", "```python", "from sentence_transformers import SentenceTransformer",
+                  "embeddings = SentenceTransformer(\"PATH_TO_THIS_FOLDER\").encode([\"A sentence.\"])", "```"]
+    lines += ["", "## Scores", ""]
+    if best.get("test"):
+        tasks = list(best["test"])
+        lines += ["STS test, Spearman × 100 (SimCSE's protocol, `eval_sts.py`):", "",
+                  "| " + " | ".join(tasks) + " |", "|" + "---|" * len(tasks),
+                  "| " + " | ".join(f"{best['test'][t]:.2f}" for t in tasks) + " |"]
+    else:
+        lines += ["Not evaluated on the STS test tasks yet (the run writes them here when it ends)."]
+    lines += ["", "## Citation", "", "```bibtex", bibtex, "", SUITE_CITATION, "```", ""]
+    return "\n".join(lines)
