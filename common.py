@@ -59,10 +59,11 @@ class MLPHead(nn.Sequential):
         nn.init.zeros_(self[0].bias)
 
 
-class Encoder(nn.Module):
-    """What a step trains, one module (DDP averages all its gradients): the backbone, whose forward
-    this is, and its heads. BERT's pooler is in no loss (SimCSE trains its own head): frozen.
-    `prebuilt_mask`: the 4-D mask where it gives the model's own outputs (Run.check_encoder)."""
+class BackboneWithHeads(nn.Module):
+    """What a step trains, one module, so that DDP averages every gradient: the backbone and its
+    heads. Its forward is the backbone's alone (the loop applies the heads to what it returns).
+    BERT's pooler is in no loss (SimCSE trains its own head): frozen. `prebuilt_mask`: pass the 4-D
+    mask, where it gives the model's own outputs (Run.check_encoder)."""
 
     def __init__(self, backbone, *heads, prebuilt_mask: bool = True):
         super().__init__()

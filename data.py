@@ -202,12 +202,11 @@ def make_loader(corpus: TokenizedCorpus, args, device,
 
 
 def batches(loader):
-    """The loader's batches, epoch after epoch. Each tells distributed.gather the global batch's row
-    count, known from the sampler (no collective), and opens a step's window for
-    --count_host_syncs."""
+    """(rows, batch): the loader's batches, epoch after epoch, each with the global batch's row
+    count (known from the sampler, no collective), which distributed.gather takes; each opens a
+    step's window for --count_host_syncs."""
     sampler = loader.batch_sampler
     for _ in itertools.count():
         for batch in loader:
-            distributed.set_rows(sampler.rows.popleft())
             syncs.begin_step()
-            yield batch
+            yield sampler.rows.popleft(), batch

@@ -3,43 +3,25 @@ ACL 2023).
 
 SimCSE plus two parts: an attention mutual-information regulariser (AMI) that makes the attention
 patterns of the two dropout views agree (Eq. 4, Algorithm 1), and a momentum encoder whose
-embeddings of past batches are kept in a queue as extra negatives (Section 3.1, Eq. 2). Its point is
-sample efficiency: `--fraction` trains on a deterministic subset of the corpus with the authors'
-per-fraction settings.
+embeddings of past batches wait in a queue as extra negatives (Section 3.1, Eq. 2). Its point is
+sample efficiency: --fraction trains on a subset of the corpus with the authors' settings for it.
 
-Headline (Table 2, BERT-base, 7-task STS average): 76.40 with 1% of the data (SimCSE needs all of it
-for 76.15); 78.13 with 100%.
+Headline (Table 2, BERT-base, 7-task STS average): 76.40 with 1% of the data (SimCSE needs all of
+it for 76.15); 78.13 with all of it.
 
     python micse.py --fraction 0.01 --seed 48  # few-shot on the authors' 1% subset (Table 2)
-    python micse.py                           # 100%: batch 50, lr 3e-5, 250 warm-up steps
+    python micse.py                           # all of wiki1m: batch 50, lr 3e-5, 250 warm-up steps
     python micse.py --queue_size 0            # AMI + SimCSE, the variant the authors released
 
-Backbones: no per-backbone settings in the paper or the released README; AMI's layers follow the
-depth (see Choices), e.g. 19:23 for 24-layer encoders.
-
-Follows the authors' released code where the paper differs (marked in ami_loss): MI keeps Eq. 4's
-log, attention tiles are formed by layer parity, and the loss is scaled by the squared fraction of
-valid attention entries in the tiles it keeps (models.py takes the mask after dropping the tiles
-with fewer than 150 valid entries).
-Few-shot data: without --train_file, a fraction the authors released (0.000064, 0.0001, 0.0005,
-0.001, 0.005, 0.01, 0.1) with --seed 48-52 downloads their subset
-wiki_subset_1M_<P>percent_seed<S>.txt from sap-ai-research/datasets-for-micse (Table 2's files); any
-other fraction or seed subsamples wiki1m.
-Released code: gradient clipping at 1.0, the last incomplete batch kept (0.01% of wiki1m at batch 64
-is 2 steps an epoch) and fp32 evaluation come from the HF Trainer it uses.
-Choices: AMI's layer range defaults to the paper's 7:11 (0-based, end excluded) for 12-layer
-encoders and to the same offsets from the top, (L-5):(L-1), for an L-layer one (all layers, an even
-count, below 6 layers); after each optimiser step the momentum encoder takes its EMA update, then
-encodes the batch into the queue, so those keys are negatives from the next step on; AMI's samples
-come from a generator seeded by --seed, drawn for every tile: AMI computes all tiles with fixed
-shapes and weights the ones the authors' code keeps, so that it never waits for the device; the
-momentum encoder runs SDPA attention (it needs no attention weights) and AMI gets its layers'
-attention maps in fp32.
+A "Code over paper" comment marks each line that follows the authors' released code over the
+paper; docs/methods.md says how this file settles what the paper leaves open (AMI's layers for
+other depths, the queue, the sampling).
 """
 from __future__ import annotations
 
 import copy
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -111,31 +93,56 @@ def parse_args(argv=None):
 def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples: int = 150,
              generator: torch.Generator | None = None) -> torch.Tensor:
     """Attention mutual information (Eq. 4, Algorithm 1) as the authors' code computes it; minimise
-    it.
+    it. `attn1`, `attn2`: the attention probabilities of the two dropout views, (N, L, H, n, n).
 
-    `attn1`, `attn2`: attention probabilities of the two dropout views, (N, L, H, n, n). Layers
-    min_layer:max_layer are kept; for each sample, head and layer parity a tile holds those layers'
-    n x n entries. Entries valid in both views (> 0: padding and dropped entries are 0) are sampled,
-    the same indices for both views, `num_samples` a tile; tiles with fewer valid entries are
-    dropped, unless no tile has that many: then every tile gives as many as the poorest has. The
-    logs are centred and their cosine rho gives MI = -1/2 log(1 - rho^2). Returns -mean(MI) *
-    (valid fraction^2 + 1e-6), the fraction taken over the tiles kept.
+    1. Tiles: for each sample, head and layer parity, the n x n entries of layers
+       min_layer:max_layer of that parity (attention_tiles).
+    2. The same entries of both views are sampled, `num_samples` a tile, among those valid in both
+       (> 0: padding and dropped entries are 0); tiles with fewer are left out, unless none has
+       that many: then every tile gives as many as the poorest (ami_sample).
+    3. Log-normal to normal: the sampled entries' logs, centred.
+    4. Their cosine rho per tile gives MI = -1/2 log(1 - rho^2).
+    5. The loss: -mean(MI) over the tiles kept, times (their valid share^2 + 1e-6).
     """
-    kept = max_layer - min_layer
-    if kept < 2 or kept % 2:
+    if max_layer - min_layer < 2 or (max_layer - min_layer) % 2:
         raise ValueError(f"AMI needs an even number (>= 2) of layers, got {min_layer}:{max_layer}")
-    n_batch, _, heads = attn1.shape[:3]
+    tiles1 = attention_tiles(attn1, min_layer, max_layer)  # 1.
+    tiles2 = attention_tiles(attn2, min_layer, max_layer)
+    sample = ami_sample(tiles1, tiles2, num_samples, generator)  # 2.
+    log1, log2 = centred_logs(tiles1, sample), centred_logs(tiles2, sample)  # 3.
+    rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)  # 4.
+    # Code over paper: Algorithm 1 drops Eq. 4's log; the released code keeps it (and scales).
+    # Released code: rho = +-1 takes log(0), a NaN it replaces by 100; clamped here (fidelity.md)
+    mutual_information = -0.5 * torch.log(1 - (rho ** 2).clamp(max=1 - 1e-6))
+    mean_mi = torch.where(sample.used, mutual_information, 0.0).sum() / sample.used.sum()  # 5.
+    loss = -mean_mi * (sample.valid_fraction ** 2 + 1e-6)
+    return torch.where(sample.k >= 2, loss, 0.0)  # fewer than 2 samples carry no correlation
 
-    def tiles(attn):  # (N, K, H, n, n) -> (N * H * 2, K/2 * n * n): per sample, head, layer parity
-        per_parity = [attn[:, min_layer + parity:max_layer:2].transpose(1, 2)
-                      .reshape(n_batch, heads, -1) for parity in (0, 1)]
-        return torch.stack(per_parity, dim=2).reshape(n_batch * heads * 2, -1)
 
-    tiles1, tiles2 = tiles(attn1), tiles(attn2)
+def attention_tiles(attn, min_layer: int, max_layer: int) -> torch.Tensor:
+    """(N, L, H, n, n) -> (N * H * 2, K/2 * n * n): a tile per sample, head and layer parity, of
+    the K layers min_layer:max_layer."""
+    n_batch, _, heads = attn.shape[:3]
+    per_parity = [attn[:, min_layer + parity:max_layer:2].transpose(1, 2)
+                  .reshape(n_batch, heads, -1) for parity in (0, 1)]
+    return torch.stack(per_parity, dim=2).reshape(n_batch * heads * 2, -1)
+
+
+class AMISample(NamedTuple):
+    index: torch.Tensor  # (tiles, width): entries in the order drawn; the first k are the sample
+    sampled: torch.Tensor  # (tiles, width): which of them are (the first k, where valid)
+    k: torch.Tensor  # entries a tile: num_samples, else (no tile has that many) the poorest count
+    used: torch.Tensor  # (tiles,): the tiles the released code keeps
+    valid_fraction: torch.Tensor  # the valid share of the kept tiles' entries (the loss's scale)
+
+
+def ami_sample(tiles1, tiles2, num_samples: int, generator=None) -> AMISample:
+    """Which entries AMI reads, every shape fixed so that nothing waits for the device: each tile is
+    sampled and `used` says which tiles count (the released code drops the others); uniform
+    sampling without replacement as the k valid entries with the largest random keys (topk sorts
+    them, so a tile's first k columns are its sample)."""
     valid = (tiles1 > 0) & (tiles2 > 0)
     counts = valid.sum(dim=1)
-    # The authors' tile selection, with every shape fixed so that nothing waits for the device:
-    # each tile is computed and `used` says which count; k samples a tile.
     enough = counts >= num_samples
     some_enough = enough.any()
     used = enough | ~some_enough
@@ -143,25 +150,19 @@ def ami_loss(attn1, attn2, min_layer: int = 7, max_layer: int = 11, num_samples:
     # Code over paper: the released code scales by the valid share of the tiles it keeps
     valid_fraction = (counts * used).sum().to(tiles1.dtype) / (used.sum() * valid.shape[1])
     width = min(num_samples, tiles1.shape[1])
-    # Uniform sampling without replacement: the k valid entries with the largest random keys (topk
-    # sorts them, so a tile's first k columns are its sample).
     device = generator.device if generator is not None else tiles1.device
     keys = torch.rand(valid.shape, generator=generator, device=device).to(tiles1.device)
     index = keys.masked_fill(~valid, -1.0).topk(width, dim=1).indices
     sampled = (torch.arange(width, device=k.device) < k) & valid.gather(1, index)
+    return AMISample(index, sampled, k, used, valid_fraction)
 
-    def centred_logs(t):  # log-normal -> normal; log 1 = 0 off the sample
-        logs = torch.where(sampled, t.gather(1, index), 1.0).log()
-        mean = logs.sum(dim=1, keepdim=True) / k.clamp_min(1)
-        return torch.where(sampled, logs - mean, 0.0)
-    log1, log2 = centred_logs(tiles1), centred_logs(tiles2)
-    rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)
-    # Code over paper: Algorithm 1 drops Eq. 4's log; the released code keeps it (and scales).
-    # Released code: rho = +-1 takes log(0), a NaN it replaces by 100; clamped here (fidelity.md)
-    mutual_information = -0.5 * torch.log(1 - (rho ** 2).clamp(max=1 - 1e-6))
-    mean_mi = torch.where(used, mutual_information, 0.0).sum() / used.sum()
-    loss = -mean_mi * (valid_fraction ** 2 + 1e-6)
-    return torch.where(k >= 2, loss, 0.0)  # fewer than 2 samples carry no correlation
+
+def centred_logs(tiles, sample: AMISample) -> torch.Tensor:
+    """The logs of each tile's sampled entries minus their mean (log-normal -> normal); 0 off the
+    sample (log 1)."""
+    logs = torch.where(sample.sampled, tiles.gather(1, sample.index), 1.0).log()
+    mean = logs.sum(dim=1, keepdim=True) / sample.k.clamp_min(1)
+    return torch.where(sample.sampled, logs - mean, 0.0)
 
 
 def moco_info_nce(z1, z2, queue, temp: float = 0.05, own_keys=None) -> torch.Tensor:
@@ -238,9 +239,10 @@ def main(argv=None):
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    model = common.Encoder(backbone, head, prebuilt_mask=prebuilt_mask)  # what trains
+    # what trains, one module: the backbone (its forward) and the heads, for DDP
+    model = common.BackboneWithHeads(backbone, head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
-    forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     generator = torch.Generator(device=device).manual_seed(args.seed)  # AMI's samples
@@ -251,7 +253,8 @@ def main(argv=None):
         if momentum_backbone._supports_sdpa:  # DeBERTa and MPNet have eager attention only
             momentum_backbone.set_attn_implementation("sdpa")
         common.set_dropout(momentum_backbone, args.momentum_dropout)
-        momentum_forward = common.Encoder(momentum_backbone, prebuilt_mask=prebuilt_mask)  # no DDP
+        momentum_model = common.BackboneWithHeads(momentum_backbone,  # no DDP: no gradients
+                                                  prebuilt_mask=prebuilt_mask)
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
@@ -263,14 +266,15 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     for step in run.steps():  # step 0 only evaluates the initial model
         if step > 0:
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
-            sentence_ids = distributed.gather(batch.pop("example_ids"))  # the global batch's
+            rows, batch = next(batches)  # rows: the global batch's, which each gather takes
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            sentence_ids = distributed.gather(batch.pop("example_ids"), rows)  # the queue's ids
             views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two views
             with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                outputs = forward(**views, output_hidden_states=True, output_attentions=True)
+                outputs = ddp_model(**views, output_hidden_states=True, output_attentions=True)
             z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
             z1, z2 = z.chunk(2)
-            z1, z2 = distributed.gather(z1), distributed.gather(z2)
+            z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
             # --no_negatives (Table 4): the positive pairs alone, no in-batch or queued negatives
             # a sentence seen in an earlier step is no negative of itself: its own keys left out
             loss = common.positive_only_loss(z1, z2, args.temp) if args.no_negatives else \
@@ -293,10 +297,10 @@ def main(argv=None):
                 ema_update(momentum_backbone, backbone, args.momentum)
                 with torch.no_grad():
                     with common.autocast(device, args.precision):
-                        outputs_momentum = momentum_forward(**batch, output_hidden_states=True)
+                        outputs_momentum = momentum_model(**batch, output_hidden_states=True)
                     keys = common.embed(outputs_momentum.hidden_states, batch["attention_mask"],
                                         args.pooler, head)
-                queue.push(distributed.gather(keys), sentence_ids)  # the same on every process
+                queue.push(distributed.gather(keys, rows), sentence_ids)  # alike on every process
             run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
         if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves

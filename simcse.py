@@ -1,54 +1,23 @@
 """SimCSE: Simple Contrastive Learning of Sentence Embeddings (Gao, Yao & Chen, EMNLP 2021).
 
-Unsupervised: a sentence is its own positive, the two views differing only by dropout masks; the
-other sentences of the batch are the negatives (InfoNCE, Eq. 4). Supervised (--supervised): NLI
-entailment hypotheses are the positives and contradiction hypotheses extra hard negatives (Eq. 5,
-weighted as Eq. 8).
+Unsupervised, a sentence is its own positive: its two views differ only by their dropout masks, and
+the other sentences of the batch are the negatives (InfoNCE, Eq. 4). Supervised, the NLI
+entailments are the positives and the contradictions extra hard negatives (Eq. 5, weighted as in
+Eq. 8).
 
 Headline (Table 5, BERT-base, 7-task STS average): unsupervised 76.25, supervised 81.57.
 
-    python simcse.py               # unsupervised, BERT-base, wiki1m, Table A.1 settings
-    python simcse.py --supervised  # NLI, batch 512, lr 5e-5, 3 epochs, MLP kept at eval
-    python simcse.py --supervised --no_hard_negatives  # Table 4: entailment pairs alone
-    torchrun --nproc_per_node 4 simcse.py --supervised  # the authors' 4 x 128: batch stays 512
-    python simcse.py --dropout 0.05    # Table 3's dropout rates; --fixed_dropout_mask: "Fixed 0.1"
-    python simcse.py --supervised --train_file nli_neutral.csv --neutral_hard_negatives  # Table 7
-    python simcse.py --supervised --do_mlm   # Table D.2: + 0.1 x MLM (--mlm_weight)
-    python simcse.py --num_layers 10   # SSCL Table 1's "SimCSE (10)": the first 10 layers
+    python simcse.py                                   # BERT-base on wiki1m, Table A.1's settings
+    python simcse.py --supervised                      # NLI triplets: batch 512, lr 5e-5, 3 epochs
+    torchrun --nproc_per_node 4 simcse.py --supervised # the authors' 4 x 128: the batch stays 512
+    python simcse.py --dropout 0.05                    # Table 3's dropout rates
+    python simcse.py --supervised --no_hard_negatives  # Table 4: the entailment pairs alone
+    python simcse.py --supervised --do_mlm             # Table D.2: + 0.1 x the MLM loss
+    python simcse.py --fraction 0.01 --seed 48         # miCSE Table 2's SimCSE row, the authors' 1%
 
-Backbone presets (Table A.1), read from the model's config; flags the user gives win:
-
-    backbone        unsupervised     supervised
-    BERT-base       64 / 3e-5        512 / 5e-5
-    BERT-large      64 / 1e-5        512 / 1e-5
-    RoBERTa-base    512 / 1e-5       512 / 5e-5
-    RoBERTa-large   512 / 3e-5       512 / 1e-5      (batch / lr; every cell: Table A.1)
-
-Few-shot (miCSE Table 2's SimCSE rows): --fraction 0.1 to 0.0001 keeps SimCSE's batch 64 and lr
-3e-5 (miCSE Section 4: each approach with its authors' hyperparameters) and takes miCSE's
-per-fraction epochs and dev steps (10/500, 50/500, 500/500, 2500/250), which the authors give for
-no baseline; with --seed 48-52 the subset is theirs.
-
-Offline: add --model_name_or_path DIR --train_file FILE --senteval_dir DIR.
-Follows the released code (run_unsup_example.sh, run_sup_example.sh, the HF Trainer) where the paper
-is silent: gradient clipping at 1.0, the last incomplete batch kept, evaluation in fp32.
-Choices: the initial model is evaluated at step 0 and counts as a candidate for the best checkpoint;
-empty lines of the corpus are skipped; NLI cells such as "NA" stay text (pandas would make them
-missing values); under --precision bf16/fp16 only the encoder runs in half precision, while the MLP
-head, the embeddings and the loss are fp32 (the authors' fp16 Trainer ran the head under autocast
-too; the cosine was fp32 there as here); an fp16 step skipped by the GradScaler still advances the
-schedule (checking would cost a host sync).
-Ablations: --do_mlm follows the released BertForCL/RobertaForCL: a second pass over a masked copy of
-the same inputs (every view or column, the same attention mask), masked on the device by
-mask_tokens, which draws what transformers' DataCollatorForLanguageModeling draws (15%, then 80%
-[MASK] / 10% random / 10% kept), from a generator of its own (seeded by --seed + the process's rank,
-saved by --resume; the dropout stream is untouched); the head runs under autocast, as in the
-released fp16 runs, and its scores are cast to fp32 for the loss; BERT gets a fresh
-BertLMPredictionHead initialised as the released code's (mlm_head), RoBERTa its pretrained lm_head;
-the head is trained but not saved in best/. --neutral_hard_negatives (Table 7's
-"Contra. + Neutral") takes each anchor's neutral hypothesis as a second hard negative beside its
-contradiction; --hard_negative_weight then applies to both. --num_layers k keeps the encoder's
-first k layers (SSCL Table 1; the checkpoint in best/ has k layers).
+Offline, add --model_name_or_path DIR --train_file FILE --senteval_dir DIR. A "Code over paper"
+comment marks each line that follows the authors' released code over the paper; docs/methods.md
+says what the paper leaves open and how this file settles it.
 """
 from __future__ import annotations
 
@@ -77,11 +46,12 @@ PRESETS = {
     # Few-shot (miCSE Table 2's SimCSE rows): SimCSE's own batch and lr (miCSE Section 4: "we follow
     # the same hyperparameters proposed by the authors"); no schedule is given for SimCSE, so epochs
     # and dev steps are miCSE's per-fraction ones (its README's commands).
-    **{fraction: ({"epochs": epochs, "eval_steps": eval_steps}, f"miCSE's few-shot schedule for "
-                  f"fraction {fraction:g} (SimCSE's batch and lr)")
+    **{f"fraction {fraction:g}": ({"epochs": epochs, "eval_steps": eval_steps}, f"miCSE's few-shot "
+                                  f"schedule for fraction {fraction:g} (SimCSE's batch and lr)")
        for fraction, epochs, eval_steps in ((0.1, 10, 500), (0.01, 50, 500), (0.001, 500, 500),
                                             (0.0001, 2500, 250))},
 }
+FEW_SHOT_FRACTIONS = (0.1, 0.01, 0.001, 0.0001)  # the "fraction" rows above
 
 
 def parse_args(argv=None):
@@ -133,8 +103,8 @@ def parse_args(argv=None):
     def rows(known, backbone):  # later rows over earlier
         if known.supervised:
             return ["supervised", f"supervised {backbone}"]
-        fractions = [key for key in PRESETS if isinstance(key, float)]
-        few_shot = [options.nearest(fractions, known.fraction)] if known.fraction <= 0.1 else []
+        nearest = options.nearest(FEW_SHOT_FRACTIONS, known.fraction)
+        few_shot = [f"fraction {nearest:g}"] if known.fraction <= 0.1 else []
         return few_shot + [backbone]
     return options.parse(parser, argv, PRESETS, rows)
 
@@ -234,9 +204,10 @@ def main(argv=None):
         lm_head = mlm_head(backbone, args.model_name_or_path).to(device).train()
         mlm_generator = torch.Generator(device).manual_seed(args.seed + distributed.rank())
         special_ids = torch.tensor(tokenizer.all_special_ids, device=device)
-    model = common.Encoder(backbone, head, lm_head, prebuilt_mask=prebuilt_mask)  # what trains
+    # what trains, one module: the backbone (its forward) and the heads, for DDP
+    model = common.BackboneWithHeads(backbone, head, lm_head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
-    forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     eval_pooler = common.eval_pooler(args)
@@ -248,13 +219,14 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     for step in run.steps():  # step 0 only evaluates the initial model
         if step > 0:
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            rows, batch = next(batches)  # rows: the global batch's, which each gather takes
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             if args.supervised:  # one pass: anchors, entailments, contradictions (dropout on)
                 with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                    outputs = forward(**batch, output_hidden_states=True)
+                    outputs = ddp_model(**batch, output_hidden_states=True)
                 z = common.embed(outputs.hidden_states, batch["attention_mask"], args.pooler, head)
                 # (anchors, positives, hard negatives), or (anchors, positives): Table 4's pairs
-                parts = [distributed.gather(part) for part in z.chunk(corpus.num_columns)]
+                parts = [distributed.gather(part, rows) for part in z.chunk(corpus.num_columns)]
                 # contradictions (then neutrals with --neutral_hard_negatives: Table 7)
                 hard_negative = torch.cat(parts[2:]) if len(parts) > 2 else None
                 loss = common.info_nce(parts[0], parts[1], args.temp, hard_negative,
@@ -262,10 +234,10 @@ def main(argv=None):
             else:  # one pass over the batch repeated: two dropout masks, two views
                 views = common.repeat_views(batch, 1 if args.fixed_dropout_mask else 2)
                 with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                    outputs = forward(**views, output_hidden_states=True)
+                    outputs = ddp_model(**views, output_hidden_states=True)
                 z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
                 z1, z2 = (z, z) if args.fixed_dropout_mask else z.chunk(2)  # Table 3, "Fixed 0.1"
-                z1, z2 = distributed.gather(z1), distributed.gather(z2)
+                z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
                 loss = common.positive_only_loss(z1, z2, args.temp) if args.no_negatives else \
                     common.info_nce(z1, z2, args.temp)  # --no_negatives: miCSE Table 4
             if args.do_mlm:  # Appendix D.2: + lambda * MLM on masked copies of the same inputs
@@ -275,7 +247,7 @@ def main(argv=None):
                                                      len(tokenizer), mlm_generator)
                 # the head under autocast too, as the released fp16 runs; its loss in fp32
                 with common.autocast(device, args.precision):
-                    mlm_outputs = forward(**dict(encoded, input_ids=masked_ids))
+                    mlm_outputs = ddp_model(**dict(encoded, input_ids=masked_ids))
                     prediction_scores = lm_head(mlm_outputs.last_hidden_state)
                 loss = loss + args.mlm_weight * masked_lm_loss(prediction_scores, mlm_labels)
             optimizer.zero_grad(set_to_none=True)

@@ -1,41 +1,23 @@
 """SimCSE++: Improving Contrastive Learning for Sentence Embeddings from Two Perspectives (Xu et
 al., EMNLP 2023).
 
-Two changes to SimCSE's loss: (1) off-dropout sampling: the negatives come from a third pass of the
-batch with every dropout switched off, since dropout noise helps positives but hurts negatives
-(Section 3, Eq. 3); (2) dimension-wise contrastive learning (DCL): each embedding dimension should
-be more similar to itself across the two views than to the other dimensions (Section 4.3, Eq. 5).
+Two changes to SimCSE's loss. Off-dropout sampling: the negatives come from a third pass of the
+batch with every dropout off, since dropout noise helps the positives but hurts the negatives
+(Section 3, Eq. 3). Dimension-wise contrastive learning (DCL): each embedding dimension should be
+more like itself across the two views than like the other dimensions (Section 4.3, Eq. 5).
 
-Headline (Table 3, BERT-base, 7-task STS average): SimCSE 76.25 -> SimCSE++ 78.05 (off-dropout alone
-77.13, DCL alone 77.40).
+Headline (Table 3, BERT-base, 7-task STS average): SimCSE 76.25 -> SimCSE++ 78.05 (off-dropout
+alone 77.13, DCL alone 77.40).
 
     python simcsepp.py                                  # m 0.9, DCL weight 0.1, DCL temperature 5
-    python simcsepp.py --no_off_dropout --m 1           # Table 3 "+DCL" row: SimCSE + DCL
-    python simcsepp.py --dcl_weight 0                   # Table 3 "+Off-Info" row
-    python simcsepp.py --dcl_only                       # Table 4 "+DCL(wiki)": DCL alone
-    python simcsepp.py --no_off_dropout --m 1 --dcl_temp 10  # models_vicreg.py's DCL SimCSE
+    python simcsepp.py --no_off_dropout --m 1           # Table 3's "+DCL": SimCSE + DCL
+    python simcsepp.py --dcl_weight 0                   # Table 3's "+Off-Info"
+    python simcsepp.py --dcl_only                       # Table 4's "+DCL(wiki)": DCL alone
+    python simcsepp.py --no_off_dropout --m 1 --dcl_temp 10  # the released models_vicreg.py's DCL
 
-Backbone presets, read from the model's config; flags the user gives win: lr 3e-5 for base
-models and 8e-6 for BERT-large and RoBERTa-large, batch 64 (Section 5.1).
-
-Follows the authors' code where it differs from the paper's equations (marked in the loss
-functions): m scales the positive logit, and DCL averages over dimensions with the correlation
-divided by the batch size.
-Released-code notes (Jiahao004/SimCSE-plus-plus at its head): m = 0.9 as in Section 5.1 and
-run_re.sh (off-dropout InfoNCE alone). No runnable script trains DCL: run_re_vicreg.sh (the README's
-"SimCSE++") passes --pos_ratio 1 and no --sampling_strategy, whose default "None" is plain InfoNCE,
-and models_re_vicreg.py's DCL call is commented out, so it trains plain SimCSE; run_vicreg.sh (the
-README's "DCL SimCSE") calls train_vicreg.py, which is not in the repository; models_vicreg.py
-hard-codes DCL at temperature 10 (with the batch norm) and weight 0.1 beside plain InfoNCE
-(`--no_off_dropout --m 1 --dcl_temp 10` here); the module-level dcl_loss(temp=0.05) of
-models_re_vicreg.py has no batch norm and is never called. So Tables 3-5's DCL numbers have no
-runnable source: --dcl_temp defaults to 5, Table 5's best and train_re_vicreg.py's sw_temp default
-("5 if SW with DE"), and --dcl_only's tau 0.05 is Table 4's label. Gradient clipping at 1.0, the
-last incomplete batch kept and fp32 evaluation come from the HF Trainer the code uses.
-Choices: with --no_off_dropout, m still scales the positive logit (so --m 1 gives SimCSE's InfoNCE
-exactly); the dropout-off pass keeps its gradients; --dcl_only (Table 4's "BERT first-last avg.
-+DCL(wiki, tau_DCL = 0.05)") trains on DCL alone over the two dropout views, first-last average
-pooling and tau_DCL 0.05 (the row's label), no third pass; see simcse.py for the shared choices.
+A "Code over paper" comment marks each line that follows the authors' released code over the
+paper; docs/methods.md says what the released scripts run and how this file settles what the paper
+leaves open.
 """
 from __future__ import annotations
 
@@ -92,19 +74,27 @@ def off_dropout_info_nce(z1, z2, z_dropout_off, temp: float = 0.05, m: float = 0
     """Off-dropout InfoNCE (Eq. 3 as the authors implemented it).
 
     loss_i = -m s(z1_i, z2_i) + log(e^{m s(z1_i, z2_i)} + sum_{j != i} e^{s(z0_i, z0_j)}), s = cos /
-    temp, where z0 = `z_dropout_off` is the batch encoded with dropout off. `z_dropout_off=None`
-    takes the negatives from the dropout views instead, s(z1_i, z2_j) (the ablation); with m = 1
-    that is SimCSE's InfoNCE.
+    temp, where z0 = `z_dropout_off` is the batch encoded with dropout off.
     """
+    return m_positive_cross_entropy(common.cos_sim(z1, z2) / temp,
+                                    common.cos_sim(z_dropout_off, z_dropout_off) / temp, m)
+
+
+def view_negatives_info_nce(z1, z2, temp: float = 0.05, m: float = 0.9) -> torch.Tensor:
+    """The ablation without the dropout-off pass (--no_off_dropout; with m = 1 Table 3's "+DCL"):
+    the negatives are the dropout views', s(z1_i, z2_j), and m still scales the positive; with
+    m = 1 this is SimCSE's InfoNCE exactly."""
     cross = common.cos_sim(z1, z2) / temp
-    if z_dropout_off is None:
-        negatives = cross
-    else:
-        negatives = common.cos_sim(z_dropout_off, z_dropout_off) / temp
-    diagonal = torch.eye(len(z1), dtype=torch.bool, device=z1.device)
+    return m_positive_cross_entropy(cross, cross, m)
+
+
+def m_positive_cross_entropy(cross, negatives, m: float) -> torch.Tensor:
+    """Row i's cross-entropy for target i over the logits m cross_ii (its positive) and negatives_ij
+    (j != i)."""
+    diagonal = torch.eye(len(cross), dtype=torch.bool, device=cross.device)
     # Code over paper: m scales the positive logit; Eq. 3 puts m on the sum of the negatives.
     logits = torch.where(diagonal, m * cross, negatives)
-    return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
+    return F.cross_entropy(logits, torch.arange(len(cross), device=cross.device))
 
 
 def dcl_loss(z1, z2, temp: float = 5.0) -> torch.Tensor:
@@ -161,9 +151,10 @@ def main(argv=None):
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    model = common.Encoder(backbone, head, prebuilt_mask=prebuilt_mask)  # what trains
+    # what trains, one module: the backbone (its forward) and the heads, for DDP
+    model = common.BackboneWithHeads(backbone, head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
-    forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     eval_pooler = common.eval_pooler(args)
@@ -174,26 +165,28 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     for step in run.steps():  # step 0 only evaluates the initial model
         if step > 0:
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            rows, batch = next(batches)  # rows: the global batch's, which each gather takes
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two views
             with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                outputs = forward(**views, output_hidden_states=True)
+                outputs = ddp_model(**views, output_hidden_states=True)
             z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
             z1, z2 = z.chunk(2)
-            z1, z2, z_dropout_off = distributed.gather(z1), distributed.gather(z2), None
+            z1, z2, z_dropout_off = distributed.gather(z1, rows), distributed.gather(z2, rows), None
             # a third pass with every dropout off gives the negatives (with grads)
             if not (args.no_off_dropout or args.dcl_only):
                 with dropout_off(backbone), common.autocast(device, args.precision):
-                    outputs_off = forward(**batch, output_hidden_states=True)
+                    outputs_off = ddp_model(**batch, output_hidden_states=True)
                 z_dropout_off = common.embed(outputs_off.hidden_states, batch["attention_mask"],
                                              args.pooler, head)
-                z_dropout_off = distributed.gather(z_dropout_off)
+                z_dropout_off = distributed.gather(z_dropout_off, rows)
             # DCL's statistics are the global batch's (the released code under torchrun divides C by
             # the local batch size: docs/fidelity.md)
             if args.dcl_only:  # Table 4: DCL alone
                 loss = dcl_loss(z1, z2, args.dcl_temp)
             else:
-                loss = off_dropout_info_nce(z1, z2, z_dropout_off, args.temp, args.m)
+                loss = view_negatives_info_nce(z1, z2, args.temp, args.m) if args.no_off_dropout \
+                    else off_dropout_info_nce(z1, z2, z_dropout_off, args.temp, args.m)
                 if args.dcl_weight > 0:
                     loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
             optimizer.zero_grad(set_to_none=True)

@@ -1,40 +1,22 @@
 """SSCL: Alleviating Over-smoothing for Unsupervised Sentence Representation (Chen et al., ACL
 2023).
 
-Adjacent layers of a pretrained encoder give nearly identical sentence representations (inter-layer
-over-smoothing, measured by SetSim, Eq. 2). SSCL uses the encoder's own intermediate-layer
+Adjacent layers of a pretrained encoder give nearly the same sentence representations (inter-layer
+over-smoothing, measured by SetSim, Eq. 2). SSCL takes the encoder's own intermediate-layer
 representations of the batch as extra negatives for the last layer's (Eq. 4), a plug-in to any
 contrastive objective.
 
 Headline (Table 2, BERT-base, 7-task STS average): SimCSE 76.25 -> SSCL-SimCSE 77.90.
 
-    python sscl.py                         # progressive SSCL, layers L-1 and L-2 (Figure 3b's best)
+    python sscl.py                         # layers L-1 and L-2 as negatives (Figure 3b's best)
     python sscl.py --neg_layer_index 10    # one chosen layer (Figure 3a)
-    python sscl.py --pooler cls --report_oversmoothing
-    python sscl.py --layer_negatives anchor  # the paper's N (not 2N) layer negatives (Table 7 text)
+    python sscl.py --pooler cls --report_oversmoothing   # SetSim before and after (Figure 1)
     python sscl.py --no_dropout_positive   # Table 2's SSCL-BERT: layer negatives, no augmentation
     python sscl.py --output_dim 256        # Table 5: a linear projection to 256 dimensions
 
-Backbone presets, read from the model's config; flags the user gives win: lr 3e-5 for BERT-base
-and 1e-5 for BERT-large, batch 64 (Section 4.2); other backbones take BERT-base's settings.
-
-Released code over paper: --pooler avg by default (run_unsup_example.sh --pooler_type avg, test.sh
---pooler avg; the paper does not say); the loss averages Eq. 4 with SimCSE's plain term (marked in
-sscl_loss). Gradient clipping at 1.0, the last incomplete batch kept and fp32 evaluation come from
-the HF Trainer it uses.
-Choices: intermediate-layer negatives keep their gradients (they are part of the same forward pass,
-not a detached memory); SetSim is reported for every pair of adjacent transformer layers (1-2, ...,
-(L-1)-L), on the layer's sentence representation before the MLP ([CLS] or masked mean), averaged
-over the distinct STS-B test sentences, of the pretrained model and of best/ after training (set_sim
-and oversmoothing here; `tools/analyze.py setsim` measures any checkpoint with them). SSCL-BERT
-(--no_dropout_positive; Section 4.3: "we don't add any augmentation methods to construct
-positives") is read as one pass of the batch serving as both
-views, so each positive is the sentence itself (cosine 1) and only the in-batch and layer negatives
-move the encoder; dropout stays at the checkpoint's rate (--dropout 0 removes it too).
---output_dim d (Table 5: "the same simple linear projection head") puts one Linear(D, d) after the
-pooler (and after the MLP with --pooler cls), on the last layer and the negative layers alike, kept
-at evaluation: best/ holds it as projection.safetensors, which eval_sts.py applies (the
-sentence-transformers files are then left out, as they cannot hold it).
+A "Code over paper" comment marks each line that follows the authors' released code over the
+paper (the average pooler, the loss averaged with SimCSE's); docs/methods.md says how this file
+settles what the paper leaves open.
 """
 from __future__ import annotations
 
@@ -179,9 +161,10 @@ def main(argv=None):
     if args.output_dim:  # Table 5: a linear projection after the pooler, at evaluation too
         projection = torch.nn.Linear(backbone.config.hidden_size, args.output_dim).to(device)
         encode = common.project(encode, projection)
-    model = common.Encoder(backbone, head, projection, prebuilt_mask=prebuilt_mask)  # what trains
+    # what trains, one module: the backbone (its forward) and the heads, for DDP
+    model = common.BackboneWithHeads(backbone, head, projection, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
-    forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     neg_layers = negative_layers(backbone.config.num_hidden_layers, args.neg_layers,
@@ -193,12 +176,13 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     for step in run.steps():  # step 0 only evaluates the initial model
         if step > 0:
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            rows, batch = next(batches)  # rows: the global batch's, which each gather takes
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             # one pass over the batch repeated: two dropout views (SSCL-BERT: one view, used twice)
             num_views = 1 if args.no_dropout_positive else 2
             views = common.repeat_views(batch, num_views)
             with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                outputs = forward(**views, output_hidden_states=True)
+                outputs = ddp_model(**views, output_hidden_states=True)
             mask = views["attention_mask"]
             z = common.embed(outputs.hidden_states, mask, args.pooler, head)
             # The negatives come from the same pass: intermediate layers of both views.
@@ -211,9 +195,9 @@ def main(argv=None):
             # Code over paper: both views' layers (2N a layer); the paper adds N (--layer_negatives)
             views_used = 2 if args.layer_negatives == "both" else 1
             # Released code under torchrun: each process's own layer negatives; gathered here
-            layer_negatives = [tuple(distributed.gather(n) for n in layer[:views_used])
+            layer_negatives = [tuple(distributed.gather(n, rows) for n in layer[:views_used])
                                for layer in reps]
-            z1, z2 = distributed.gather(z1), distributed.gather(z2)
+            z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
             loss = sscl_loss(z1, z2, layer_negatives, args.temp)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()

@@ -1,42 +1,21 @@
 """WhitenedCSE: Whitening-based Contrastive Learning of Sentence Embeddings (Zhuo et al., ACL 2023).
 
 The training head whitens the [CLS] features in groups of channels after a random shuffle of the
-channels (shuffled group whitening, SGW, Section 3); a different shuffle gives a different whitening
-of the same sentence, a feature-wise perturbation (Eq. 11), so several shuffled views serve as
-several positives (Eq. 7).
+channels (shuffled group whitening, SGW, Section 3). Another shuffle whitens the same sentence
+another way, a feature-wise perturbation (Eq. 11), so several shuffled views serve as several
+positives (Eq. 7).
 
 Headline (Table 1, BERT-base, 7-task STS average): 78.78, +2.53 over SimCSE's 76.25.
 
-    python whitenedcse.py                  # 384 groups (of 2 channels for BERT-base), 3 positives
-    python whitenedcse.py --no_shuffle     # Table 4: a fixed identity permutation
-    python whitenedcse.py --no_whitening   # Table 6: m positives from dropout alone, no SGW
-    python whitenedcse.py --num_pos 2      # Table 6: SGW with a single positive
-    python whitenedcse.py --num_pos 2 --num_groups 128  # the authors' released code: 128 groups
-    torchrun --nproc_per_node 2 whitenedcse.py          # each process whitens its own rows
+    python whitenedcse.py                  # groups of 2 channels (384 for BERT-base), 3 positives
+    python whitenedcse.py --no_shuffle     # Table 4: the same grouping for every view
+    python whitenedcse.py --no_whitening   # Table 6: the positives differ by dropout alone
+    python whitenedcse.py --num_pos 2      # Table 6: SGW with one positive
+    torchrun --nproc_per_node 2 whitenedcse.py   # each process whitens its own rows
 
-Backbone presets (--num_groups), read from the model's config; flags the user gives win: 384 for
-BERT-base (Section 4.1, Table 4's best: groups of 2 channels), 512 for BERT-large (Section 4.1 says
-384, which does not divide 1024 channels: read as groups of 2 channels), 256 for RoBERTa-base and
-RoBERTa-large (Section 4.1); any other encoder: groups of 2 channels (hidden_size / 2).
-
-The released code calls the removed torch.symeig and does not parse; this file is written from the
-paper and that code. Where they differ: the released code whitens contiguous thirds of the
-interleaved batch, one permutation per third (so a sentence's views mostly share a permutation),
-with 128 groups, 128 sentences per GPU on 2 GPUs and lr 1e-5, and its README evaluates --pooler cls
-while its dev gate uses [CLS] before the head; this file follows the paper's per-view shuffles.
-Under torchrun it follows the released code: shuffled_group_whitening.py whitens each GPU's own rows
-(the head runs before the gather), so each process whitens with its own batch statistics and the
-whitened views are gathered for the loss; --global_whitening gathers the [CLS] features first and
-whitens with the global batch's (one process: the same either way).
-Gradient clipping at 1.0, the last incomplete batch kept (a batch no wider than a group is skipped:
-its covariance is singular) and fp32 evaluation come from the HF Trainer.
-Choices: each view is one dropout pass of the batch (all m in one forward pass) with its own fresh
-permutation drawn on the device from a generator seeded by --seed; the whole whitening runs in fp32
-whatever --precision the encoder uses; eigenvalues are floored at 1e-12 before the inverse square
-root so rounding cannot produce a NaN; evaluation takes [CLS] before the head (SGW is
-training-only). Table 6's "multi-positive from dropout only" (--no_whitening) keeps the head's
-Linear and Tanh and the m dropout views, without SGW (Section 5: "we replace the whitening method
-with ordinary dropout technique").
+The released code does not run on today's PyTorch (docs/fidelity.md); this file is written from the
+paper and that code, and a "Code over paper" comment marks each line that follows the code.
+docs/methods.md says where the two differ and how this file settles what the paper leaves open.
 """
 from __future__ import annotations
 
@@ -124,14 +103,12 @@ def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
     return sum(F.cross_entropy(common.cos_sim(anchor, z) / temp, labels) for z in views[1:])
 
 
-def group_width(args, hidden: int) -> int:
-    """Channels per SGW group: --num_groups (no backbone setting: groups of 2 channels), checked to
-    divide the hidden size."""
-    args.num_groups = args.num_groups or hidden // 2
-    if hidden % args.num_groups:
-        raise plumbing.UsageError(f"--num_groups {args.num_groups} does not divide the hidden size "
+def group_width(hidden: int, num_groups: int) -> int:
+    """Channels per SGW group, `num_groups` checked to divide the hidden size."""
+    if hidden % num_groups:
+        raise plumbing.UsageError(f"--num_groups {num_groups} does not divide the hidden size "
                                   f"{hidden}; use groups of 2 channels: --num_groups {hidden // 2}")
-    return hidden // args.num_groups
+    return hidden // num_groups
 
 
 class WhitenedHead(nn.Module):
@@ -164,7 +141,8 @@ def main(argv=None):
         pad_multiple = 8 if args.compile else 1  # --compile: few shapes to compile
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     hidden = backbone.config.hidden_size
-    width = group_width(args, hidden)
+    args.num_groups = args.num_groups or hidden // 2  # no backbone setting: groups of 2 channels
+    width = group_width(hidden, args.num_groups)
     # a covariance over each process's rows (the released code), or the global batch's
     processes = 1 if args.global_whitening else distributed.world_size()
     if args.batch_size // processes <= width:
@@ -179,9 +157,10 @@ def main(argv=None):
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = WhitenedHead(hidden, args.num_groups, backbone.config.initializer_range).to(device)
-    model = common.Encoder(backbone, head, prebuilt_mask=prebuilt_mask)  # what trains
+    # what trains, one module: the backbone (its forward) and the heads, for DDP
+    model = common.BackboneWithHeads(backbone, head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
-    forward = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     generator = torch.Generator(device).manual_seed(args.seed)  # the shuffles, alike everywhere
@@ -194,12 +173,13 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     for step in run.steps():  # step 0 only evaluates the initial model
         if step > 0:
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            rows, batch = next(batches)  # rows: the global batch's, which each gather takes
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                outputs = forward(**common.repeat_views(batch, args.num_pos))  # m views, one pass
+                outputs = ddp_model(**common.repeat_views(batch, args.num_pos))  # m views, one pass
             cls_views = outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)  # [CLS]
             if args.global_whitening:  # each covariance over the global batch
-                cls_views = [distributed.gather(c) for c in cls_views]
+                cls_views = [distributed.gather(c, rows) for c in cls_views]
             # Eq. 11: a fresh shuffle per view and step (the identity with --no_shuffle)
             perms = [torch.arange(hidden, device=device) if args.no_shuffle else
                      torch.randperm(hidden, generator=generator, device=device) for _ in cls_views]
@@ -208,7 +188,7 @@ def main(argv=None):
             views = [head(cls, perm) for cls, perm in zip(cls_views, perms)]
             # Code over paper: the released code whitens each GPU's own rows, then gathers
             if not args.global_whitening:
-                views = [distributed.gather(v) for v in views]
+                views = [distributed.gather(v, rows) for v in views]
             loss = multi_positive_info_nce(views, args.temp)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()

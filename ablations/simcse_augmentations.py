@@ -222,8 +222,8 @@ def main(argv=None):
     params = list({id(p): p for m in (backbone, head, positive_encoder, positive_head)
                    for p in m.parameters()}.values())
     # the encoders' forward, with a prebuilt 4-D attention mask where the model takes it
-    forward = common.Encoder(backbone, prebuilt_mask=prebuilt_mask)
-    positive_forward = common.Encoder(positive_encoder, prebuilt_mask=prebuilt_mask)
+    model = common.BackboneWithHeads(backbone, prebuilt_mask=prebuilt_mask)
+    positive_model = common.BackboneWithHeads(positive_encoder, prebuilt_mask=prebuilt_mask)
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
@@ -234,15 +234,16 @@ def main(argv=None):
     batches = data.batches(loader)
     for step in run.steps():
         if step > 0:
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            _, batch = next(batches)  # one process: no gather
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with common.autocast(device, args.precision):
                 if args.two_encoders:  # x_i through f_theta1, x_i+ through f_theta2
                     half = len(batch["input_ids"]) // 2
-                    outputs1 = forward(**{k: v[:half] for k, v in batch.items()})
-                    outputs2 = positive_forward(**{k: v[half:] for k, v in batch.items()})
+                    outputs1 = model(**{k: v[:half] for k, v in batch.items()})
+                    outputs2 = positive_model(**{k: v[half:] for k, v in batch.items()})
                     hidden1, hidden2 = outputs1.last_hidden_state, outputs2.last_hidden_state
                 else:  # one pass: anchors and positives, each with its own dropout mask
-                    hidden1, hidden2 = forward(**batch).last_hidden_state.chunk(2)
+                    hidden1, hidden2 = model(**batch).last_hidden_state.chunk(2)
             z1, z2 = head(hidden1[:, 0].float()), positive_head(hidden2[:, 0].float())
             loss = common.info_nce(z1, z2, args.temp)  # Eq. 1 with in-batch negatives
             optimizer.zero_grad(set_to_none=True)

@@ -124,7 +124,7 @@ def main(argv=None):
     common.set_dropout(backbone, args.dropout)
     head = common.MLPHead(backbone.config).to(device)
     params = list(backbone.parameters()) + list(head.parameters())
-    forward = common.Encoder(backbone, prebuilt_mask=prebuilt_mask)  # 4-D mask where it may
+    model = common.BackboneWithHeads(backbone, prebuilt_mask=prebuilt_mask)  # 4-D mask where it may
     eval_pooler = common.eval_pooler(args)
     encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
@@ -139,10 +139,11 @@ def main(argv=None):
     batches = data.batches(loader)
     for step in run.steps():
         if step > 0:
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            _, batch = next(batches)  # one process: no gather
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             views = common.repeat_views(batch, num_views)  # every dropout view in one pass
             with common.autocast(device, args.precision):
-                outputs = forward(**views)
+                outputs = model(**views)
             z = head(outputs.last_hidden_state[:, 0].float()).unflatten(0, (num_views, -1))
             z1, z2 = z[0], z[1]
             if args.barlow:  # Table 2: SimCSE + BarlowTwins on the padded batch

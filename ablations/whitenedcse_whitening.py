@@ -118,7 +118,8 @@ def main(argv=None):
     prebuilt_mask = run.check_encoder(backbone, tokenizer)  # else one line; the mask it takes
     corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
     hidden = backbone.config.hidden_size
-    group_width = whitenedcse.group_width(args, hidden)  # --num_groups checked for every kind
+    args.num_groups = args.num_groups or hidden // 2  # as whitenedcse.py: groups of 2 channels
+    group_width = whitenedcse.group_width(hidden, args.num_groups)  # checked for every kind
     width = group_width if "group" in args.whitening else 1
     if width >= args.batch_size:
         raise plumbing.UsageError(f"groups of {width} channels need --batch_size above {width}")
@@ -134,7 +135,7 @@ def main(argv=None):
     else:  # group whitening, shuffled (WhitenedCSE) or not
         head = whitenedcse.WhitenedHead(hidden, args.num_groups, init_std).to(device)
     params = list(backbone.parameters()) + list(head.parameters())
-    forward = common.Encoder(backbone, prebuilt_mask=prebuilt_mask)  # 4-D mask where it may
+    model = common.BackboneWithHeads(backbone, prebuilt_mask=prebuilt_mask)  # 4-D mask where it may
     eval_pooler = "cls_before_pooler"
     generator = torch.Generator(device).manual_seed(args.seed)  # the channel shuffles
     encode = common.model_encode(backbone, None, tokenizer, eval_pooler, device)
@@ -146,9 +147,10 @@ def main(argv=None):
     batches = data.batches(loader)
     for step in run.steps():
         if step > 0:
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(batches).items()}
+            _, batch = next(batches)  # one process: no gather
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with common.autocast(device, args.precision):  # m dropout views in one pass
-                outputs = forward(**common.repeat_views(batch, args.num_pos))
+                outputs = model(**common.repeat_views(batch, args.num_pos))
             cls_views = outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)
             if args.whitening in ("pca", "zca"):
                 views = head(list(cls_views))

@@ -25,7 +25,6 @@ from plumbing import progress
 
 
 _RANK, _WORLD, _HOST_GROUP = 0, 1, None  # kept after shutdown(): a process still knows who it was
-_ROWS = None  # the rows of each process in the current batch (set_rows)
 
 
 def init(device: torch.device) -> torch.device:
@@ -65,24 +64,20 @@ def rank() -> int:
     return _RANK
 
 
-def set_rows(batch_rows: int) -> None:
-    """The current global batch has `batch_rows` rows: process r holds rows n r / N to n (r + 1) / N
-    (data.BatchSampler), so every process knows every process's count without asking."""
-    global _ROWS
-    _ROWS = [batch_rows * (r + 1) // _WORLD - batch_rows * r // _WORLD for r in range(_WORLD)]
-
-
-def gather(t: torch.Tensor) -> torch.Tensor:
-    """The rows of every process in rank order (sizes may differ by one), gradients flowing back to each own rows."""
+def gather(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The rows of every process in rank order, gradients flowing back to each own rows. `rows`: how many rows the
+    global batch has (data.batches gives it with each batch); process r holds rows n r / N to n (r + 1) / N of it
+    (data.BatchSampler), so every process knows every count without asking (they may differ by one)."""
     if world_size() == 1:
         return t
-    if _ROWS is None or len(t) != _ROWS[rank()]:
-        raise RuntimeError(f"gather: {len(t)} rows here, the batch gives this process {_ROWS and _ROWS[rank()]}")
-    padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, max(_ROWS) - len(t)))
+    counts = [rows * (r + 1) // _WORLD - rows * r // _WORLD for r in range(_WORLD)]
+    if len(t) != counts[rank()]:
+        raise RuntimeError(f"gather: {len(t)} rows here, a global batch of {rows} gives this process {counts[rank()]}")
+    padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, max(counts) - len(t)))
     with warnings.catch_warnings():  # torch 2.13 points to a private module instead; this public one still works
         warnings.simplefilter("ignore", FutureWarning)
         parts = dist_nn.all_gather(padded)
-    return torch.cat([part[:n] for part, n in zip(parts, _ROWS)])
+    return torch.cat([part[:n] for part, n in zip(parts, counts)])
 
 
 def data_parallel(model: torch.nn.Module, compile: bool = False):
@@ -91,9 +86,9 @@ def data_parallel(model: torch.nn.Module, compile: bool = False):
     torch.compile of that (DDP first, as PyTorch advises: its DDPOptimizer splits the graph at the buckets).
 
     Several passes a step (SimCSE++'s dropout-off pass, --do_mlm's masked pass) all go through it before the one
-    backward; every parameter that requires a gradient gets one in every step (common.Encoder freezes the unused
-    pooler), so DDP needs no search for unused parameters, and its default (dynamic) graph mode holds whatever the
-    passes are. The buffers (position ids) never change: not broadcast. No gradient accumulation: no no_sync."""
+    backward; every parameter that requires a gradient gets one in every step (common.BackboneWithHeads freezes the
+    unused pooler), so DDP needs no search for unused parameters, and its default (dynamic) graph mode holds whatever
+    the passes are. The buffers (position ids) never change: not broadcast. No gradient accumulation: no no_sync."""
     if world_size() > 1:
         device = next(model.parameters()).device
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,

@@ -1,10 +1,10 @@
 """--resume: a run's whole training state in <output_dir>/last/, restored so that the resumed run continues exactly
 as an uninterrupted one would have (the same losses, dev curve and best checkpoint, bit for bit).
 
-What a reader of a method file can skip: a method file names what its state holds (`run_state`: the encoder, the
-head, the optimiser, the schedule, the GradScaler and whatever else its numbers depend on) and calls `save` where
-the loop saves, `restore` before the loop and `drop` after results.json. The loop saves at every dev gate, every
---save_steps and when Ctrl-C or SIGTERM stops it.
+What a reader of a method file can skip: a method file names what its state holds (`run.start(..., **state)`: the
+encoder, the head, the optimiser, the schedule, the GradScaler and whatever else its numbers depend on), and its
+Run (plumbing/run.py) calls `save` between steps (at a dev gate after --save_minutes of training, every --save_steps,
+and when Ctrl-C or SIGTERM stops the run), `restore` before the first step and `drop` after results.json.
 
 last/ holds:
 - state.pt, written by process 0 (the state is the same on every process): each `run_state` object's state_dict,

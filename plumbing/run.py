@@ -107,7 +107,8 @@ class Run:
                       mlm_head: bool = False) -> bool:
         """What the method needs of the loaded encoder, before any training (plumbing/backbones.py): one line where it
         cannot work (attention weights, a layer list, an MLM head); --dropout 0.1 for a model without dropout. Whether
-        a training pass may give it the prebuilt 4-D mask (common.Encoder's prebuilt_mask); the run summary says."""
+        a training pass may give it the prebuilt 4-D mask (common.BackboneWithHeads's prebuilt_mask); the run summary
+        says."""
         prebuilt, self.encoder_notes = backbones.check(
             backbone, tokenizer, self.args, lambda mask: common.attention_mask_4d(
                 mask, backbone.config._attn_implementation), attentions, layers, mlm_head)

@@ -54,8 +54,8 @@ def test_the_mask_a_training_pass_gives_is_the_models_own(family, family_models)
     backbone.eval()
     with torch.no_grad():
         own = backbone(**batch, output_hidden_states=True).hidden_states
-        suite = common.Encoder(backbone, prebuilt_mask=prebuilt)(**batch, output_hidden_states=True).hidden_states
-        forced = common.Encoder(backbone, prebuilt_mask=True)(**batch, output_hidden_states=True).hidden_states
+        suite = common.BackboneWithHeads(backbone, prebuilt_mask=prebuilt)(**batch, output_hidden_states=True).hidden_states
+        forced = common.BackboneWithHeads(backbone, prebuilt_mask=True)(**batch, output_hidden_states=True).hidden_states
     for a, b in zip(own, suite):
         assert torch.isfinite(b[real]).all()
         torch.testing.assert_close(b[real], a[real], atol=1e-5, rtol=0)

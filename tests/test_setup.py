@@ -75,6 +75,17 @@ def test_common_is_tiny_and_a_run_reads_in_800_lines_which_the_readme_states():
         f"`data.py` ({len((ROOT / 'data.py').read_text().splitlines())} lines)" in readme
 
 
+def test_the_readme_names_every_plumbing_call_the_reading_path_leaves_out():
+    """A method file's reading path is itself, common.py and data.py; the README names each plumbing call it makes."""
+    readme = (ROOT / "README.md").read_text()
+    paragraph = readme[readme.index("It leaves out the plumbing"):].split("\n\n")[0]
+    owners = {"plumbing", "distributed", "hub", "options", "progress", "backbones", "run"}
+    for name in METHOD_FILES:
+        for node in ast.walk(ast.parse((ROOT / name).read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in owners:
+                assert f"`{node.attr}`" in paragraph or f".{node.attr}`" in paragraph, (name, node.attr)
+
+
 def main_lines(name: str) -> list[str]:
     source = (ROOT / name).read_text()
     tree = ast.parse(source)
@@ -86,11 +97,21 @@ def test_each_main_is_at_most_120_lines_and_shows_the_algorithm_and_the_gate():
     for name in METHOD_FILES:
         main = "\n".join(main_lines(name))
         assert len(main_lines(name)) <= 120, name
-        for visible in ("data.make_loader(", "common.make_optimizer(", "forward(**", ".backward()",
+        for visible in ("data.make_loader(", "common.make_optimizer(", "ddp_model(**", ".backward()",
                         "clip_grad_norm_(", "scaler.step(optimizer)", "scheduler.step()",
                         "if step % args.eval_steps == 0 or step == total_steps:", "run.dev_gate(step)",
                         "run.save_best(step, backbone,", "run.evaluate_best(eval_pooler", "run.write("):
             assert visible in main, (name, visible)
+
+
+def test_each_method_docstring_is_short_and_names_paper_numbers_and_commands():
+    """The docstring is a card (paper, idea, headline numbers, commands); the long notes live in docs/methods.md."""
+    for name in METHOD_FILES:
+        docstring = ast.get_docstring(ast.parse((ROOT / name).read_text()))
+        assert len(docstring.splitlines()) <= 25, name
+        assert re.search(r"\b20\d\d\b", docstring), (name, "the paper and its year")
+        assert f"python {name}" in docstring, (name, "a command to run it")
+        assert re.search(r"\d\d\.\d", docstring), (name, "a headline number")
 
 
 def code_lines(name: str) -> list[str]:
@@ -148,6 +169,35 @@ def test_eval_sts_is_the_protocol():
     assert not defined & {"Parser", "UsageError", "cli", "write_json", "hub_file", "load_pretrained", "pool",
                           "write_sentence_transformers_config"}
     assert {"spearman", "encode_unique", "alignment_uniformity"} <= defined  # the metric the dev gate uses too
+
+
+# The floors of the house, from the ground up: a module imports its own floor's and the ones below, never above.
+FLOORS = [{"common"},
+          {"plumbing", "plumbing.progress", "plumbing.files", "plumbing.distributed", "plumbing.syncs",
+           "plumbing.backbones", "plumbing.hub", "plumbing.provenance", "plumbing.resume"},
+          {"data", "eval_sts", "eval_transfer"},
+          {"plumbing.options", "plumbing.run"}]  # then the method files, the ablations and the tools
+
+
+def suite_imports(path) -> set[str]:
+    """The suite's modules `path` imports, as dotted names (`from plumbing import hub` is plumbing.hub)."""
+    suite = set().union(*FLOORS)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found & suite
+
+
+def test_no_import_runs_from_a_lower_floor_to_a_higher_one():
+    floor = {module: i for i, modules in enumerate(FLOORS) for module in modules}
+    for module, level in floor.items():
+        path = ROOT / (module.replace(".", "/") + ".py" if module != "plumbing" else "plumbing/__init__.py")
+        above = {m for m in suite_imports(path) if floor[m] > level}
+        assert not above, (module, above)
 
 
 def test_common_is_the_ground_floor_and_imports_nothing_of_the_suite():

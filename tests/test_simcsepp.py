@@ -84,7 +84,7 @@ def test_dcl_invariant_to_per_dimension_scale_and_shift():
 def test_ablation_equals_info_nce_exactly():
     g = torch.Generator().manual_seed(5)
     z1, z2 = torch.randn(8, 5, generator=g), torch.randn(8, 5, generator=g)
-    assert torch.equal(simcsepp.off_dropout_info_nce(z1, z2, None, 0.05, m=1.0), common.info_nce(z1, z2, 0.05))
+    assert torch.equal(simcsepp.view_negatives_info_nce(z1, z2, 0.05, m=1.0), common.info_nce(z1, z2, 0.05))
 
 
 def test_dropout_off_pass_equals_eval_mode_and_restores_dropout(tiny_model):
@@ -145,3 +145,12 @@ def test_first_last_average_is_the_released_codes_and_travels_with_best(tiny_mod
     capsys.readouterr()
     assert in_process_scores(eval_sts, *best, "--pooler", "avg_first_last") != results["test"]
     assert "was evaluated with --pooler avg_embeddings_last" in capsys.readouterr().out
+
+
+def test_view_negatives_info_nce_keeps_m_on_the_positive_against_a_loop():
+    g = torch.Generator().manual_seed(6)
+    z1, z2 = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    s = torch.nn.functional.normalize(z1, dim=1) @ torch.nn.functional.normalize(z2, dim=1).T / 0.05
+    loop = sum(-0.9 * s[i, i] + math.log(math.exp(0.9 * s[i, i]) + sum(math.exp(s[i, j]) for j in range(6)
+                                                                         if j != i)) for i in range(6)) / 6
+    assert simcsepp.view_negatives_info_nce(z1, z2, 0.05, 0.9).item() == pytest.approx(float(loop), rel=1e-5)

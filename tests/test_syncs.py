@@ -80,7 +80,7 @@ def test_the_counter_sees_what_reads_a_device_value_on_the_host():
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_the_prebuilt_mask_gives_the_same_outputs_without_transformers_host_check(attn_implementation, tiny_model):
-    """A 2-D mask makes transformers 5 read it on the host (padding_mask.all()); common.Encoder's 4-D mask gives the
+    """A 2-D mask makes transformers 5 read it on the host (padding_mask.all()); common.BackboneWithHeads's 4-D mask gives the
     same hidden states and attentions, bit for bit, in fp32 and under bf16 autocast, and reads nothing."""
     backbone = transformers.AutoModel.from_pretrained(tiny_model, attn_implementation=attn_implementation).eval()
     ids = torch.randint(5, 40, (6, 9))
@@ -88,7 +88,7 @@ def test_the_prebuilt_mask_gives_the_same_outputs_without_transformers_host_chec
     mask[1, 5:], mask[3, 2:] = 0, 0
     inputs = {"input_ids": ids, "attention_mask": mask, "output_hidden_states": True,
               "output_attentions": attn_implementation == "eager"}
-    encoder = common.Encoder(backbone)
+    encoder = common.BackboneWithHeads(backbone)
     for precision in ("fp32", "bf16"):
         with common.autocast(torch.device("cpu"), precision):
             with syncs.HostSyncCounter("cpu") as plain:
@@ -104,7 +104,7 @@ def test_the_prebuilt_mask_gives_the_same_outputs_without_transformers_host_chec
 def test_encoder_freezes_only_the_pooler_that_no_loss_trains(tiny_model):
     backbone = transformers.AutoModel.from_pretrained(tiny_model)
     head = common.MLPHead(backbone.config)
-    model = common.Encoder(backbone, head, None)
+    model = common.BackboneWithHeads(backbone, head, None)
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     assert frozen == {"backbone.pooler.dense.weight", "backbone.pooler.dense.bias"}
     assert list(model.heads) == [head]

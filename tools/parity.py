@@ -334,7 +334,7 @@ def simcse_rows(clone: Path) -> list[dict]:
             loss_r, grads_r = released_step(released, released_inputs(columns), MatchedDropout(),
                                             sentence_major(N, views))
             backbone, head = suite_parts(released, kind, pooler == "cls")
-            model = common.Encoder(backbone, head)
+            model = common.BackboneWithHeads(backbone, head)
             stacked = {k: torch.cat([c[k] for c in columns]) for k in columns[0]}
 
             def step():
@@ -380,7 +380,7 @@ def simcsepp_rows(clone: Path) -> list[dict]:
             loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
                                             sentence_major(N, 2), None)
             backbone, head = suite_parts(released, kind, pooler == "cls")
-            model = common.Encoder(backbone, head)
+            model = common.BackboneWithHeads(backbone, head)
             suite_pooler = "avg_embeddings_last" if pooler == "avg_first_last" else pooler  # simcsepp.parse_args
 
             def step():
@@ -392,7 +392,8 @@ def simcsepp_rows(clone: Path) -> list[dict]:
                     with simcsepp.dropout_off(backbone):
                         out_off = model(**batch, output_hidden_states=True)
                     z_off = common.embed(out_off.hidden_states, batch["attention_mask"], suite_pooler, head)
-                loss = simcsepp.off_dropout_info_nce(z1, z2, z_off, 0.05, flags["m"])
+                loss = simcsepp.off_dropout_info_nce(z1, z2, z_off, 0.05, flags["m"]) if flags["off"] else \
+                    simcsepp.view_negatives_info_nce(z1, z2, 0.05, flags["m"])
                 return loss + flags["dcl"] * simcsepp.dcl_loss(z1, z2, 10.0) if flags["dcl"] else loss
             loss_s = suite_step(backbone, [view_major(N, 2), None], step)
             rows.append(row(f"simcsepp {kind}: step, {label} ({file.split('/')[-1]})", loss_r, loss_s,
@@ -413,7 +414,7 @@ def sscl_rows(clone: Path) -> list[dict]:
             loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
                                             sentence_major(N, 2))
             backbone, head = suite_parts(released, kind, pooler == "cls")
-            model = common.Encoder(backbone, head)
+            model = common.BackboneWithHeads(backbone, head)
             layers = sscl.negative_layers(config.num_hidden_layers, 2)
 
             def step():
@@ -472,7 +473,7 @@ def whitenedcse_rows(clone: Path) -> list[dict]:
     backbone, _ = suite_parts(released, "bert", False)
     head = whitenedcse.WhitenedHead(256, 128)
     head.linear.load_state_dict(released.mlp.dense.state_dict())
-    model = common.Encoder(backbone, head)
+    model = common.BackboneWithHeads(backbone, head)
 
     def step():
         out = model(**common.repeat_views(batch, 3))
@@ -508,28 +509,18 @@ def whitenedcse_rows(clone: Path) -> list[dict]:
     return rows
 
 
-def ami_tiles(attentions: torch.Tensor, layers: int) -> torch.Tensor:
-    """(N, K, H, n, n) -> (N * H * 2, K/2 * n * n): a tile per sample, head and layer parity, as both codes form
-    them (the released einops pattern "(h i) (j m) k t z -> (h k m) i (j t z)")."""
-    n_batch, _, heads = attentions.shape[:3]
-    per_parity = [attentions[:, parity:layers:2].transpose(1, 2).reshape(n_batch, heads, -1) for parity in (0, 1)]
-    return torch.stack(per_parity, dim=2).reshape(n_batch * heads * 2, -1)
-
-
 @contextlib.contextmanager
 def given_samples(attn1, attn2, layers: int, num_samples: int, generator: torch.Generator):
     """torch.multinomial returns, for each tile the released code keeps, the entries the suite's ami_loss samples
-    with `generator` (uniform without replacement, as multinomial over the 0/1 mask): one draw for both."""
-    tiles1, tiles2 = ami_tiles(attn1, layers), ami_tiles(attn2, layers)
-    valid = (tiles1 > 0) & (tiles2 > 0)
-    keys = torch.rand(valid.shape, generator=copy.deepcopy(generator))
-    order = keys.masked_fill(~valid, -1.0).topk(min(num_samples, valid.shape[1]), dim=1).indices
-    counts = valid.sum(1)
-    kept = counts >= num_samples if (counts >= num_samples).any() else torch.ones_like(counts, dtype=torch.bool)
+    with `generator` (micse.ami_sample, from a copy of it: uniform without replacement, as multinomial over the 0/1
+    mask): one draw for both sides. Both codes form the tiles alike (the released einops pattern "(h i) (j m) k t z ->
+    (h k m) i (j t z)" is micse.attention_tiles)."""
+    tiles1, tiles2 = (micse.attention_tiles(a, 0, layers) for a in (attn1, attn2))
+    sample = micse.ami_sample(tiles1, tiles2, num_samples, copy.deepcopy(generator))
     real = torch.multinomial
 
     def multinomial(weights, samples, *args, **kwargs):
-        return order[kept][:, :samples].clone()
+        return sample.index[sample.used][:, :samples].clone()
     torch.multinomial = multinomial
     try:
         yield
@@ -553,7 +544,7 @@ def micse_rows(clone: Path) -> list[dict]:
         released = cls(config, model_args=model_args(style="miCSE", min_layer=0, max_layer=4))
         batch = token_batch(kind, config, N)
         backbone, head = suite_parts(released, kind, True)
-        model = common.Encoder(backbone, head)
+        model = common.BackboneWithHeads(backbone, head)
         # the attention maps both sides will see, for the shared draw of AMI's samples
         probe = MatchedDropout()
         with torch.no_grad(), probe.on(backbone):
@@ -712,7 +703,7 @@ class SuiteInReleasedLayout(nn.Module):
         order = torch.tensor([s * views + v for v in range(views) for s in range(sentences)])
         flat = {k: t.reshape(sentences * views, -1)[order] for k, t in inputs.items()}
         head = nn.Sequential(self.mlp.dense, nn.Tanh())
-        out = common.Encoder(getattr(self, self.kind), head)(**flat, output_hidden_states=True)
+        out = common.BackboneWithHeads(getattr(self, self.kind), head)(**flat, output_hidden_states=True)
         z1, z2 = common.embed(out.hidden_states, flat["attention_mask"], "cls", head).chunk(views)
         return types.SimpleNamespace(loss=REFERENCE_INFO_NCE(z1, z2, 0.05))
 
@@ -729,7 +720,7 @@ def self_rows() -> list[dict]:
         loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
                                         view_major(N, 2))
         backbone, head = suite_parts(released, kind)
-        model = common.Encoder(backbone, head)
+        model = common.BackboneWithHeads(backbone, head)
 
         def step():
             views = common.repeat_views(batch, 2)
