@@ -25,7 +25,8 @@ PAPERS = {
   author = {Gao, Tianyu and Yao, Xingcheng and Chen, Danqi},
   booktitle = {Proceedings of the 2021 Conference on Empirical Methods in Natural Language Processing},
   pages = {6894--6910},
-  year = {2021}
+  year = {2021},
+  doi = {10.18653/v1/2021.emnlp-main.552}
 }"""),
     "simcsepp": ("SimCSE++: Improving Contrastive Learning for Sentence Embeddings from Two Perspectives (Xu, Shao, "
                  "Chen & Liu, EMNLP 2023)", """\
@@ -33,15 +34,17 @@ PAPERS = {
   title = {{SimCSE++}: Improving Contrastive Learning for Sentence Embeddings from Two Perspectives},
   author = {Xu, Jiahao and Shao, Wei and Chen, Lihui and Liu, Lemao},
   booktitle = {Proceedings of the 2023 Conference on Empirical Methods in Natural Language Processing},
-  year = {2023}
+  year = {2023},
+  doi = {10.18653/v1/2023.emnlp-main.737}
 }"""),
     "sscl": ("Alleviating Over-smoothing for Unsupervised Sentence Representation (Chen et al., ACL 2023)", """\
 @inproceedings{chen2023sscl,
   title = {Alleviating Over-smoothing for Unsupervised Sentence Representation},
-  author = {Chen, Nuo and Shou, Linjun and Gong, Ming and Pei, Jian and Cao, Bowen and Chang, Jianhui and
-            Jiang, Daxin and Li, Jia},
+  author = {Chen, Nuo and Shou, Linjun and Pei, Jian and Gong, Ming and Cao, Bowen and Chang, Jianhui and
+            Li, Jia and Jiang, Daxin},
   booktitle = {Proceedings of the 61st Annual Meeting of the Association for Computational Linguistics},
-  year = {2023}
+  year = {2023},
+  doi = {10.18653/v1/2023.acl-long.197}
 }"""),
     "whitenedcse": ("WhitenedCSE: Whitening-based Contrastive Learning of Sentence Embeddings (Zhuo et al., ACL "
                     "2023)", """\
@@ -49,7 +52,8 @@ PAPERS = {
   title = {{WhitenedCSE}: Whitening-based Contrastive Learning of Sentence Embeddings},
   author = {Zhuo, Wenjie and Sun, Yifan and Wang, Xiaohan and Zhu, Linchao and Yang, Yi},
   booktitle = {Proceedings of the 61st Annual Meeting of the Association for Computational Linguistics},
-  year = {2023}
+  year = {2023},
+  doi = {10.18653/v1/2023.acl-long.677}
 }"""),
     "micse": ("miCSE: Mutual Information Contrastive Learning for Low-shot Sentence Embeddings (Klein & Nabi, ACL "
               "2023)", """\
@@ -57,7 +61,8 @@ PAPERS = {
   title = {{miCSE}: Mutual Information Contrastive Learning for Low-shot Sentence Embeddings},
   author = {Klein, Tassilo and Nabi, Moin},
   booktitle = {Proceedings of the 61st Annual Meeting of the Association for Computational Linguistics},
-  year = {2023}
+  year = {2023},
+  doi = {10.18653/v1/2023.acl-long.339}
 }"""),
 }
 # an ablation script's study belongs to its method's paper
