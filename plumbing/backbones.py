@@ -79,9 +79,9 @@ def mask_probe(backbone, batch: dict, prebuilt_mask, attentions: bool = False) -
 def check(backbone, tokenizer, args, prebuilt_mask, attentions: bool = False, layers: bool = False,
           mlm_head: bool = False) -> tuple[bool, list[str]]:
     """Whether training passes may give `backbone` the prebuilt mask, and the notes for the run summary; refused in
-    one line (UsageError) where the method cannot work on it. `args.dropout` is set where the model has none."""
+    one line (UsageError) where the method cannot work on it (hub.load_pretrained has already refused a model that
+    is not a bidirectional encoder). `args.dropout` is set where the model has none."""
     config, name = backbone.config, args.model_name_or_path
-    refuse_non_encoder(config, name)
     kind, notes = config.model_type, []
     if tokenizer.pad_token_id is None:
         raise UsageError(f"--model_name_or_path {name}: its tokenizer has no padding token, which batches of "

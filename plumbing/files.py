@@ -33,9 +33,7 @@ def write_json(path: Path, data: dict) -> None:
     if path.exists() and not path.is_file():  # /dev/stdout and the like
         path.write_text(text)
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text(path, text)
 
 def tensorboard(report_to: str, folder: Path, enabled: bool = True, resume_at: int | None = None):
     """--report_to tensorboard: a SummaryWriter on `folder`, flushed every 10 s; None otherwise. A previous run's
@@ -106,7 +104,6 @@ def recorded_pooler(name_or_path: str) -> str | None:
         return json.loads(path.read_text())["pooler"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
 
 
 def save_linear(out_dir: Path, name: str, linear: torch.nn.Linear) -> None:

@@ -126,11 +126,10 @@ def backbone(name_or_path: str) -> tuple[str | None, str]:
     """(bert-base, bert-large, roberta-base, roberta-large or None, what its config says); a config that is not a
     bidirectional encoder's is refused here, before any work."""
     config = hub.local_config(name_or_path)
-    if config is not None:
-        backbones.refuse_non_encoder(config, name_or_path)
     if config is None:
         kind = HUB_BACKBONES.get(name_or_path.split("/")[-1])
         return kind, "not read yet" if kind is None else f"{kind} (the hub's config)"
+    backbones.refuse_non_encoder(config, name_or_path)
     key = (config.model_type, config.hidden_size, config.num_hidden_layers)
     return BACKBONES.get(key), f"{key[0]}, {key[1]} wide, {key[2]} layers"
 

@@ -121,10 +121,11 @@ def collect(device, precision: str, processes: int, started: str) -> dict:
 
 
 def commit_text(provenance: dict) -> str:
+    """The commit a run came from, short, as the model card and tools/report.py's pages show it."""
     git = provenance.get("git")
     if not isinstance(git, dict):
         return str(git or "unknown")
-    return git["commit"][:12] + (" with uncommitted changes" if git["uncommitted_changes"] else "")
+    return git["commit"][:12] + (" (uncommitted changes)" if git["uncommitted_changes"] else "")
 
 
 def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_transformers: bool) -> str:

@@ -135,7 +135,8 @@ class Run:
             files.write_json(Path(args.output_dir) / resume.STARTED, {"args": vars(args)})
         self.best_dev, self.best_step, self.train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
         self.next_step, self.saved_at = saved["next_step"], self.train_time  # the training time at the last save
-        self.best_copy = None  # the best model so far, on the host, until it is written to best/ (flush_best)
+        self.best_copy = None  # the best model so far, on the training device, until best/ is written (flush_best)
+        self.best_pending = False  # a best_copy newer than best/
         self.checkpoint_time = {"best_copies": 0, "best_copy_s": 0.0, "best_writes": 0, "best_write_s": 0.0,
                                 "last_writes": 0, "last_write_s": 0.0}
         self.history = History(saved, files.tensorboard(args.report_to, Path(args.output_dir) / "tb",
@@ -181,8 +182,8 @@ class Run:
         self.best_pending = True
 
     def flush_best(self) -> None:
-        """best/ written from the host copy, if a newer one is there (every process takes part: a barrier)."""
-        if not getattr(self, "best_pending", False):
+        """best/ written from the device copy, if a newer one is there (every process takes part: a barrier)."""
+        if not self.best_pending:
             return
         start = time.perf_counter()
         if self.best_copy is not None:  # process 0

@@ -13,6 +13,8 @@ import csv
 import re
 from pathlib import Path
 
+from plumbing import provenance
+
 STS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness", "avg"]
 TRANSFER = ["MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC", "avg"]
 NUMBER = re.compile(r"[-+−]?\d+(?:\.\d+)?")
@@ -155,9 +157,7 @@ def provenance_lines(results: list[dict]) -> list[str]:
         if not found:
             unknown += 1
             continue
-        git = found["git"]
-        commit = git["commit"][:12] + (" (uncommitted changes)" if git["uncommitted_changes"] else "") \
-            if isinstance(git, dict) else str(git)
+        commit = provenance.commit_text(found)
         commits[commit] = commits.get(commit, 0) + 1
         key = ", ".join(f"{k} {v}" for k, v in found["versions"].items())
         versions[key] = versions.get(key, 0) + 1
