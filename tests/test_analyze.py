@@ -142,3 +142,11 @@ def test_cli_errors_are_one_line(sscl_run, tmp_path):
         analyze.main(["trajectory", str(tmp_path / "missing.json"), "--out", str(tmp_path)])
     with pytest.raises(plumbing.UsageError, match="same label"):
         analyze.main(["similarity", "--model_name_or_path", "a", "a", "--out", str(tmp_path)])
+    # a truncated file, a JSON that is not an object, a file of another kind, a folder: one line each
+    (tmp_path / "truncated.json").write_text('{"method": "simcse", "best_st')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "scores.json").write_text('{"STS12": 60.0, "avg": 70.0}')  # eval_sts.py --json, not a run
+    for name, needle in (("truncated.json", "is not a results.json"), ("list.json", "a JSON list"),
+                         ("scores.json", "another file"), (".", "is a folder")):
+        with pytest.raises(plumbing.UsageError, match=needle):
+            analyze.main(["trajectory", str(tmp_path / name), "--out", str(tmp_path / "out")])

@@ -61,6 +61,23 @@ def test_without_the_released_code_it_says_how_to_get_it(tmp_path):
     assert code == 2 and "is not a clone of princeton-nlp/SimCSE" in err and "git clone" in err
     code, err = cli_in_process(parity)
     assert code == 2 and "--released DIR" in err and len(err.strip().splitlines()) == 1
+    # a clone of a fork has the file the tool loads too (SimCSE++'s simcse/models.py): its README says which it is
+    fork = tmp_path / "SimCSE-plus-plus"
+    (fork / "simcse").mkdir(parents=True)
+    (fork / "simcse" / "models.py").write_text("")
+    (fork / "README.md").write_text("# SimCSE++\nThis is the official source code of SimCSE++\n")
+    code, err = cli_in_process(parity, "--simcse", fork)
+    assert code == 2 and err.strip() == f"error: {fork} is not a clone of princeton-nlp/SimCSE: its README's title " \
+        f"is 'SimCSE++', not 'SimCSE: Simple Contrastive Learning'...: git clone " \
+        f"https://github.com/princeton-nlp/SimCSE {fork}"
+    (fork / "README.md").write_text("## SimCSE: Simple Contrastive Learning of Sentence Embeddings\n")
+    assert parity.clones(parity_args(fork)) == {"simcse": fork}
+
+
+def parity_args(simcse):
+    import types
+    return types.SimpleNamespace(released=None, only=None, simcse=simcse, simcsepp=None, sscl=None,
+                                 whitenedcse=None, micse=None)
 
 
 @pytest.mark.skipif(not RELEASED, reason="set SUITE_RELEASED_CODE to a folder holding clones of the five released "

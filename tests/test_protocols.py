@@ -8,6 +8,7 @@ import pytest
 
 import protocols
 import report
+import tables
 from conftest import SHARED, needs_shared, smoke_args
 
 pytest.importorskip("matplotlib", reason="the pages' plots need matplotlib (requirements.txt)")
@@ -53,21 +54,21 @@ def test_paper_and_fewshot_commands(capsys):
     assert said[-1] == "# micse: --precision fp32 (miCSE's README commands pass no --fp16)" and len(said) == 6
     assert len(paper) == 6 * 5 and all("--eval_transfer test" in line for line in paper)
     assert "python simcse.py --precision fp16 --supervised --seed 42 --eval_transfer test --output_dir " \
-           "runs/paper/simcse-sup.seed42" in paper
-    assert "python micse.py --precision fp32 --seed 42 --eval_transfer test --output_dir runs/paper/micse.seed42" \
-        in paper
+           "runs/paper/simcse-sup.seed42 --auto_resume" in paper  # one line starts, resumes or finishes a run
+    assert "python micse.py --precision fp32 --seed 42 --eval_transfer test --output_dir runs/paper/micse.seed42 " \
+           "--auto_resume" in paper
     few = [line for line in lines_of(["commands", "--protocol", "fewshot"], capsys) if line[0] != "#"]
     assert len(few) == 3 * 4 * 5 and all("--precision fp32" in line for line in few)
     assert "python micse.py --precision fp32 --queue_size 0 --fraction 0.001 --seed 48 --output_dir " \
-           "runs/fewshot/ami-0.1%.seed48" in few
-    assert "python micse.py --precision fp32 --seed 52 --output_dir runs/fewshot/micse-100%.seed52" in few
+           "runs/fewshot/ami-0.1%.seed48 --auto_resume" in few
+    assert "python micse.py --precision fp32 --seed 52 --output_dir runs/fewshot/micse-100%.seed52 --auto_resume" in few
     # on a machine without fp16 (a CPU), --args replaces the row's precision: the last flag wins
     cpu = lines_of(["commands", "--protocol", "paper", "--args", "--precision fp32", "--only", "sscl"], capsys)
     assert cpu[-1].startswith("python sscl.py --precision fp16 --precision fp32 --seed 46")
     sweep = lines_of(["commands", "--protocol", "sweep", "--script", "simcsepp.py", "--flag", "m", "--values", "0.8",
                       "1.0", "--seeds", "42", "--base", "smoke"], capsys)
     assert len(sweep) == 2 and sweep[1].startswith("python simcsepp.py --model_name_or_path ../shared/models/")
-    assert sweep[1].endswith("--m 1.0 --seed 42 --output_dir runs/sweep-simcsepp-m/m=1.0.seed42")
+    assert sweep[1].endswith("--m 1.0 --seed 42 --output_dir runs/sweep-simcsepp-m/m=1.0.seed42 --auto_resume")
 
 
 def test_bad_protocol_and_gpus_are_one_line(tmp_path, capsys):
@@ -132,7 +133,7 @@ def test_a_tiny_protocol_end_to_end(tiny_protocols, tmp_path, capsys):
     assert "Missing (run them with `python tools/report.py run`, or the lines of `commands`): simcsepp seed 2." in \
         (tmp_path / "results" / "tiny" / "RESULTS.md").read_text()
     # a run finished elsewhere (a line of `commands` on a cluster) is picked up by `write`
-    importlib.import_module("simcsepp").main(printed[3].split()[2:] + ["--overwrite_output_dir"])
+    importlib.import_module("simcsepp").main(printed[3].split()[2:])  # --auto_resume: the run starts again
     report.main(["write", "--protocol", str(files["tiny"])])
     assert "4 of 4 runs done" in (tmp_path / "results" / "tiny" / "RESULTS.md").read_text()
 
@@ -143,7 +144,7 @@ def test_a_tiny_sweep_writes_its_plot(tiny_protocols, tmp_path, capsys):
     assert [line.split("--dcl_weight ")[1].split()[0] for line in made] == ["0", "0.1", "1"]
     folder = tmp_path / "results" / "sweep-simcsepp-dcl_weight"
     assert (folder / "sweep.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| dcl_weight=0.1 | 1 |" in (folder / "RESULTS.md").read_text()
+    assert "| dcl\\_weight=0.1 | 1 |" in (folder / "RESULTS.md").read_text()  # Markdown's escape: a literal _
 
 
 def test_the_estimate_scales_earlier_runs_of_the_same_settings(tmp_path):
@@ -163,3 +164,72 @@ def test_the_paper_page_states_each_rows_precision(tmp_path, capsys):
     page = protocols.write_page(protocols.BUILT_IN["paper"], tmp_path, plots=False).read_text()
     assert "## Precision" in page and "- micse: --precision fp32 (miCSE's README commands pass no --fp16)" in page
     assert "- whitenedcse: --precision fp16 (WhitenedCSE's run_unsup_example.sh passes --fp16)" in page
+
+
+def fake_result(avg: float, commit: str = "c" * 40) -> dict:
+    return {"method": "simcse", "args": {}, "best_dev_stsb": 80.0, "best_step": 10, "interrupted": False,
+            "test": {column: avg for column in protocols.STS},
+            "provenance": {"git": {"commit": commit, "uncommitted_changes": False}, "versions": {"torch": "t"}}}
+
+
+def test_row_names_users_type_keep_the_tables_whole_and_damaged_runs_are_named(tmp_path, capsys):
+    """Row names with the characters Markdown and LaTeX treat specially stay one cell each and read back as typed;
+    a truncated, non-object or foreign results file is skipped and named on the page."""
+    names = ["a|b", "c\\d", "e&f", "g%h", "i_j", "k#l", "m$n", "o{p}", "q*r*"]
+    protocol = {"name": "names", "description": "", "args": [], "seeds": [1], "transfer": None,
+                "rows": [{"name": name, "script": "simcse.py", "flags": [], "paper": None} for name in names]}
+    folder = tmp_path / "names"
+    folder.mkdir()
+    for i, name in enumerate(names):
+        run = {"row": name, "seed": 1}
+        (folder / protocols.kept_name(run)).write_text(json.dumps(fake_result(70.0 + i)))
+    (folder / protocols.kept_name({"row": "a|b", "seed": 1})).write_text('{"best_step": 1, "te')  # truncated
+    (folder / protocols.kept_name({"row": "c\\d", "seed": 1})).write_text("[1, 2]")  # not an object
+    (folder / protocols.kept_name({"row": "e&f", "seed": 1})).write_text('{"STS12": 1.0}')  # eval_sts.py --json
+    page = protocols.write_page(protocol, tmp_path, plots=False).read_text()
+    assert "Skipped, not a run's record:" in page and "cannot be read (JSONDecodeError" in page
+    assert page.count("not a run's results.json") == 2
+    tables_ = tables.markdown_tables(page.splitlines())
+    for table in tables_:
+        assert all(len(row) == len(table["header"]) for row in table["rows"]), table["title"]
+    sts = next(t for t in tables_ if t["title"].startswith("STS test"))
+    assert [row[0] for row in sts["rows"]] == names and [row[1] for row in sts["rows"]] == ["0"] * 3 + ["1"] * 6
+    for tex in (folder / "latex").glob("*.tex"):
+        body = tex.read_text()
+        assert body.count(r"\begin{") == body.count(r"\end{")
+        text = re.sub(r"\\[a-zA-Z]+\{\}|\\[{}&%$#_]|\$\\pm\$", "", body)  # the escapes and commands that are whole
+        assert text.count("{") == text.count("}"), tex.name
+    latex = (folder / "latex" / "01-sts-test-best-sts-b-dev-checkpoint.tex").read_text()
+    for escaped in (r"a\textbar{}b", r"c\textbackslash{}d", r"e\&f", r"g\%h", r"i\_j", r"k\#l", r"m\$n", r"o\{p\}"):
+        assert escaped in latex, escaped
+    assert tables.escape("a\\b") == r"a\textbackslash{}b"  # not \textbackslash\{\}
+
+
+def test_tools_inputs_that_users_type_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    for protocol, needle in (({"name": "p", "seeds": [1], "rows": [{"name": "x/y", "script": "simcse.py"}]},
+                              "cannot name a folder"),
+                             ({"name": "..", "seeds": [1], "rows": []}, "cannot name a folder"),
+                             ({"name": "p", "seeds": [1], "rows": [{"name": "a", "script": "s.py"}] * 2},
+                              "two rows have the same name"),
+                             ({"name": "p", "seeds": ["1"], "rows": []}, "not a protocol"),
+                             ([1, 2], "not a protocol")):
+        bad.write_text(json.dumps(protocol))
+        with pytest.raises(SystemExit) as stop:
+            report.main(["commands", "--protocol", str(bad)])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    bad.write_text('{"name": "p", "seeds": [1], "rows": [')
+    for argv, needle in ((["commands", "--protocol", str(bad)], "not a protocol"),
+                         (["commands", "--protocol", "paper", "--args", "--train_file 'my file"],
+                          "--args \"--train_file 'my file\": No closing quotation"),
+                         (["commands", "--protocol", "sweep", "--script", "simcsepp.py", "--flag", "m", "--values",
+                           "1", "--flags", '--x "y'], "--flags '--x \"y': No closing quotation")):
+        with pytest.raises(SystemExit) as stop:
+            report.main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    # a sweep over paths: its values name files, not folders
+    sweep = protocols.sweep_protocol("simcse.py", "model_name_or_path", ["/m/a", "/m/b"], [1], [], "paper")
+    assert [run["out"].name for run in protocols.runs(sweep)] == ["model_name_or_path=_m_a.seed1",
+                                                                 "model_name_or_path=_m_b.seed1"]

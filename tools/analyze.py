@@ -193,12 +193,20 @@ def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
 
 # ------------------------------------------------------------------------------------------------- CLI
 def read_results(path: str) -> dict:
+    """A run's results.json; one line for a missing, unreadable, truncated or non-object file, or a file of
+    another kind (a run's record has its best STS-B dev score and step)."""
     try:
-        return json.loads(Path(path).read_text())
+        results = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise plumbing.UsageError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise plumbing.UsageError(f"{path} is a folder; give its results.json") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise plumbing.UsageError(f"{path} is not a results.json: {err}") from None
+    if not isinstance(results, dict) or "best_step" not in results:
+        kind = f"a JSON {type(results).__name__}" if not isinstance(results, dict) else "another file"
+        raise plumbing.UsageError(f"{path} is not a run's results.json (it has no best_step: {kind})")
+    return results
 
 
 def run_label(path: str, results: dict) -> str:
@@ -246,6 +254,7 @@ def main(argv=None) -> None:
         raise plumbing.UsageError(f"--out {out} is a file; give a folder")
     if not args.overwrite and (png.exists() or json_path.exists()):
         raise plumbing.UsageError(f"{png} or {json_path} exists; pass --overwrite or another --out")
+    plumbing.check_writable(out, "--out")  # permissions, a read-only file system, a full disk
 
     if args.analysis == "trajectory":
         if args.model_name_or_path or not args.runs:

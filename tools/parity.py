@@ -57,12 +57,13 @@ import sscl  # noqa: E402
 import whitenedcse  # noqa: E402
 from plumbing import files  # noqa: E402
 
-# repository key -> (its GitHub name, the file that tells a clone of it)
-REPOSITORIES = {"simcse": ("princeton-nlp/SimCSE", "simcse/models.py"),
-                "simcsepp": ("Jiahao004/SimCSE-plus-plus", "simcse/models_re.py"),
-                "sscl": ("nuochenpku/SSCL", "sscl/models.py"),
-                "whitenedcse": ("SupstarZh/WhitenedCSE", "whitenedcse/shuffled_group_whitening.py"),
-                "micse": ("SAP-samples/acl2023-micse", "model/models.py")}
+# repository key -> (its GitHub name, the file the tool loads, the first heading of its README): the forks share
+# files (SimCSE++'s clone has simcse/models.py too), so a clone is known by its README's title
+REPOSITORIES = {"simcse": ("princeton-nlp/SimCSE", "simcse/models.py", "SimCSE: Simple Contrastive Learning"),
+                "simcsepp": ("Jiahao004/SimCSE-plus-plus", "simcse/models_re.py", "SimCSE++"),
+                "sscl": ("nuochenpku/SSCL", "sscl/models.py", "Alleviating Over-smoothing for Unsupervised Sentence"),
+                "whitenedcse": ("SupstarZh/WhitenedCSE", "whitenedcse/shuffled_group_whitening.py", "WhitenedCSE:"),
+                "micse": ("SAP-samples/acl2023-micse", "model/models.py", "miCSE:")}
 # Comparisons whose difference is documented (docs/fidelity.md): name -> why
 DEVIATIONS = {
     "whitenedcse bert: step (released row layout)":
@@ -755,18 +756,30 @@ def table(results: list[dict], tolerance: float) -> str:
     return "\n".join(lines)
 
 
+def readme_title(clone: Path) -> str | None:
+    """The first Markdown heading of a clone's README.md, without its #s; None without one."""
+    try:
+        lines = (clone / "README.md").read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.lstrip("#").strip() for line in lines if line.startswith("#")), None)
+
+
 def clones(args) -> dict[str, Path]:
     """The clone of each repository asked for: --<key> PATH, else --released DIR/<GitHub name>; checked to hold the
-    repository's telling file."""
+    file the tool loads and to be that repository (its README's title), not another fork."""
     found = {}
-    for key, (github, telling) in REPOSITORIES.items():
+    for key, (github, telling, title) in REPOSITORIES.items():
         path = getattr(args, key) or (Path(args.released) / github.split("/")[1] if args.released else None)
         if path is None or (args.only and key not in args.only):
             continue
         path = Path(path)
+        how = f"git clone https://github.com/{github} {path}"
         if not (path / telling).is_file():
-            raise plumbing.UsageError(f"{path} is not a clone of {github} (it has no {telling}): git clone "
-                                      f"https://github.com/{github} {path}")
+            raise plumbing.UsageError(f"{path} is not a clone of {github} (it has no {telling}): {how}")
+        if readme_title(path) is None or not readme_title(path).startswith(title):
+            raise plumbing.UsageError(f"{path} is not a clone of {github}: its README's title is "
+                                      f"{readme_title(path)!r}, not {title!r}...: {how}")
         found[key] = path
     if not found:
         raise plumbing.UsageError("no released code given: --released DIR (holding the clones) or --simcse PATH, ...")
@@ -776,7 +789,7 @@ def clones(args) -> dict[str, Path]:
 def main(argv=None) -> int:
     parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--released", default=None, help="a folder holding the five clones under their GitHub names")
-    for key, (github, _) in REPOSITORIES.items():
+    for key, (github, *_) in REPOSITORIES.items():
         parser.add_argument(f"--{key}", default=None, help=f"a clone of {github}")
     parser.add_argument("--only", nargs="+", choices=list(REPOSITORIES), default=None, help="these repositories")
     parser.add_argument("--self", dest="self_check", action="store_true",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -126,26 +127,45 @@ def load(name_or_file: str) -> dict:
                                   f"({', '.join(['smoke', *BUILT_IN, 'sweep'])}) nor a JSON file")
     try:
         protocol = json.loads(path.read_text())
-        for key in ("name", "rows", "seeds"):
-            protocol[key]
+        names = [protocol["name"]] + [row["name"] for row in protocol["rows"]]
         for row in protocol["rows"]:
-            row["name"], row["script"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+            if not isinstance(row["script"], str) or not all(isinstance(f, str) for f in row.get("flags", [])):
+                raise TypeError(f"row {row['name']!r}: its script is a path and its flags a list of strings")
+        if not all(isinstance(seed, int) for seed in protocol["seeds"]):
+            raise TypeError("its seeds are integers")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
         raise plumbing.UsageError(f"--protocol {path}: not a protocol ({err!r}); see protocols.py") from None
+    for name in names:  # each names a folder: runs/<protocol>/<row>.seed<S>
+        if not isinstance(name, str) or not name.strip() or "/" in name or "\0" in name or name in (".", ".."):
+            raise plumbing.UsageError(f"--protocol {path}: the name {name!r} cannot name a folder (no '/', not "
+                                      "empty, not '.' or '..')")
+    if len(set(names[1:])) < len(names) - 1:
+        raise plumbing.UsageError(f"--protocol {path}: two rows have the same name")
     return {"description": "", "args": [], "transfer": None, **protocol}
 
 
 # ----------------------------------------------------------------------------------------------------- runs
+def file_name(name: str) -> str:
+    """A row's name as a file or folder name (a sweep over paths has slashes in its values)."""
+    return re.sub(r"[/\\\0]", "_", name)
+
+
+def kept_name(run: dict) -> str:
+    """results/<protocol>/<row>.seed<S>.json: where a run's results.json is kept."""
+    return f"{file_name(run['row'])}.seed{run['seed']}.json"
+
+
 def runs(protocol: dict, extra: list[str] = ()) -> list[dict]:
     """Every run of a protocol, seed by seed: {"row", "seed", "out", "argv"} (argv without the interpreter)."""
     found = []
     for seed in protocol["seeds"]:
         for row in protocol["rows"]:
-            out = RUNS_DIR / protocol["name"] / f"{row['name']}.seed{seed}"
+            out = RUNS_DIR / protocol["name"] / f"{file_name(row['name'])}.seed{seed}"
             transfer = ["--eval_transfer", protocol["transfer"]] if protocol.get("transfer") else []
             precision = ["--precision", row["precision"]] if row.get("precision") else []
+            # --auto_resume: the same line starts the run, resumes it, or finishes its evaluation (a requeued job)
             argv = [row["script"], *protocol["args"], *precision, *row.get("flags", []), *extra, "--seed",
-                    str(seed), *transfer, "--output_dir", str(out)]
+                    str(seed), *transfer, "--output_dir", str(out), "--auto_resume"]
             found.append({"row": row["name"], "seed": seed, "out": out, "argv": argv})
     return found
 
@@ -157,7 +177,8 @@ def precision_lines(protocol: dict) -> list[str]:
         if row.get("precision"):
             source = RELEASED_PRECISION.get(Path(row["script"]).stem, (None, None))[1] \
                 if protocol["name"] != "fewshot" else FEW_SHOT_PRECISION
-            lines.append(f"{row['name']}: --precision {row['precision']}" + (f" ({source})" if source else ""))
+            lines.append(f"{tables.markdown_cell(row['name'])}: --precision {row['precision']}"
+                         + (f" ({source})" if source else ""))
     return lines
 
 
@@ -165,21 +186,43 @@ def command_line(run: dict) -> str:
     return "python " + " ".join(shlex.quote(str(a)) for a in run["argv"])
 
 
-def collect(protocol: dict, results_dir: Path) -> dict[str, dict[int, dict]]:
-    """{row: {seed: results.json}}: results/<name>/ first, then any finished run under runs/<name>/ (made by
-    `commands` on another machine, say), copied in."""
+def read_run(path: Path) -> tuple[dict | None, str]:
+    """(a run's results.json, "") or (None, why it is not one): missing, truncated, not an object, or a file of
+    another kind (a run's record has its best STS-B dev score and step)."""
+    try:
+        results = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None, "no such file"
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        return None, f"cannot be read ({type(err).__name__}: truncated or damaged)"
+    if not isinstance(results, dict) or "best_step" not in results:
+        return None, "not a run's results.json"
+    return results, ""
+
+
+def collect(protocol: dict, results_dir: Path, damaged: list | None = None) -> dict[str, dict[int, dict]]:
+    """{row: {seed: results.json}}: results/<name>/ first, then any completed run under runs/<name>/ (made by
+    `commands` on another machine, say), copied in. A file that is not a run's record is skipped and added to
+    `damaged` as (path, why), which the page names."""
     folder = results_dir / protocol["name"]
     found = {}
+    damaged = [] if damaged is None else damaged
     for run in runs(protocol):
-        kept = folder / f"{run['row']}.seed{run['seed']}.json"
+        kept = folder / kept_name(run)
         made = ROOT / run["out"] / "results.json"
         if not kept.exists() and made.exists():
-            results = json.loads(made.read_text())
-            if not results.get("interrupted"):
+            results, why = read_run(made)
+            if results is None:
+                damaged.append((made, why))
+            elif not results.get("interrupted"):
                 folder.mkdir(parents=True, exist_ok=True)
                 files.write_json(kept, results)
         if kept.exists():
-            found.setdefault(run["row"], {})[run["seed"]] = json.loads(kept.read_text())
+            results, why = read_run(kept)
+            if results is None:
+                damaged.append((kept, why))
+            else:
+                found.setdefault(run["row"], {})[run["seed"]] = results
     return found
 
 
@@ -244,21 +287,23 @@ def score_rows(protocol: dict, found: dict, columns: list[str], key: str) -> lis
         source, paper = PAPER.get(row.get("paper"), (None, {})) if key == "test" else (None, {})
         ours = {c: mean_std([v[c] for v in by_seed.values()]) for c in columns
                 if by_seed and all(c in v for v in by_seed.values())}
+        name = tables.markdown_cell(row["name"])
         if paper:
-            lines.append(f"| {row['name']}: paper ({source}) | | "
+            lines.append(f"| {name}: paper ({source}) | | "
                          + " | ".join(paper_cell(paper[c]) if c in paper else "" for c in columns) + " |")
-        lines.append(f"| {row['name']}{': ours' if paper else ''} | {len(by_seed)} | "
+        lines.append(f"| {name}{': ours' if paper else ''} | {len(by_seed)} | "
                      + " | ".join(cell(*ours[c]) if c in ours else "—" for c in columns) + " |")
         if paper and ours:
             diffs = [f"{ours[c][0] - (paper[c][0] if isinstance(paper[c], tuple) else paper[c]):+.2f}"
                      if c in paper and c in ours else "" for c in columns]
-            lines.append(f"| {row['name']}: ours − paper | | " + " | ".join(diffs) + " |")
+            lines.append(f"| {name}: ours − paper | | " + " | ".join(diffs) + " |")
     return lines
 
 
 def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
     """results/<name>/RESULTS.md (and its plots) from whatever runs exist; the missing ones are listed."""
-    found = collect(protocol, results_dir)
+    damaged = []
+    found = collect(protocol, results_dir, damaged)
     folder = results_dir / protocol["name"]
     folder.mkdir(parents=True, exist_ok=True)
     every = runs(protocol)
@@ -270,7 +315,9 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
              *[line + "\n" for line in tables.provenance_lines([r for s in found.values() for r in s.values()])]]
     if missing:
         lines += ["Missing (run them with `python tools/report.py run`, or the lines of `commands`): "
-                  + ", ".join(f"{r['row']} seed {r['seed']}" for r in missing) + ".", ""]
+                  + ", ".join(f"{tables.markdown_cell(r['row'])} seed {r['seed']}" for r in missing) + ".", ""]
+    if damaged:
+        lines += ["Skipped, not a run's record: " + "; ".join(f"`{path}` ({why})" for path, why in damaged) + ".", ""]
     lines += ["## STS test (best STS-B dev checkpoint)", ""] + score_rows(protocol, found, STS, "test") + [""]
     if any("transfer" in r for by_seed in found.values() for r in by_seed.values()):
         lines += ["## Transfer (SentEval)", ""] + score_rows(protocol, found, TRANSFER, "transfer") + [""]
@@ -279,7 +326,7 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
         by_seed = found.get(row["name"], {})
         if by_seed:
             devs = [r["best_dev_stsb"] for r in by_seed.values() if r.get("best_dev_stsb") is not None]
-            lines.append(f"| {row['name']} | {cell(*mean_std(devs)) if devs else '—'} | "
+            lines.append(f"| {tables.markdown_cell(row['name'])} | {cell(*mean_std(devs)) if devs else '—'} | "
                          + ", ".join(str(r.get("best_step")) for r in by_seed.values()) + " |")
     if precision_lines(protocol):
         lines += ["", "## Precision", "", "Each row at the precision its paper's released scripts trained in:", ""] \
@@ -304,6 +351,11 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
     return page
 
 
+def plot_text(text) -> str:
+    """A name as matplotlib shows it: its dollar signs literal (else mathtext reads them)."""
+    return str(text).replace("$", r"\$")
+
+
 def plot_dev_curves(protocol: dict, found: dict, path: Path) -> None:
     """STS-B dev at the dev gates of each row's runs: the mean over seeds, with their min-max band."""
     plt = files.pyplot()
@@ -315,7 +367,7 @@ def plot_dev_curves(protocol: dict, found: dict, path: Path) -> None:
         if steps:
             per_step = [[c[s] for c in curves] for s in steps]
             line, = ax.plot(steps, [sum(v) / len(v) for v in per_step], marker="o", markersize=3,
-                            label=f"{row['name']} (n={len(curves)})")
+                            label=f"{plot_text(row['name'])} (n={len(curves)})")
             ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], alpha=0.15,
                             color=line.get_color())
     ax.set_xlabel("training step")
@@ -345,7 +397,7 @@ def plot_sweep(protocol: dict, found: dict, path: Path) -> None:
         positions = range(len(xs))
         ax.plot(positions, means, marker="o")
         ax.fill_between(positions, lows, highs, alpha=0.2)
-        ax.set_xticks(list(positions), xs)
+        ax.set_xticks(list(positions), [plot_text(x) for x in xs])
         ax.set_xlabel(f"--{protocol['sweep']['flag']}")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -176,7 +176,14 @@ def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
     for seed in seeds:
         for name, *_ in rows:
             path = RESULTS / f"{name}.seed{seed}.json"
-            data = json.loads(path.read_text())
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, ValueError) as err:
+                data, why = None, f"cannot be read ({type(err).__name__})"
+            if not isinstance(data, dict):
+                print(f"== {name} seed {seed}: {path} {why if data is None else 'is not a JSON object'}; delete it to "
+                      "train the run again", flush=True)
+                continue
             if "transfer" in data:
                 continue
             best = ROOT / run_dir(name, seed) / "best"
@@ -204,15 +211,32 @@ def machine():
 
 
 # ---- the page ----
-def load(results_dir: Path) -> dict[str, dict[int, dict]]:
-    """{row name: {seed: results.json}} for every results/<name>.seed<S>.json of a known row."""
+def load(results_dir: Path, damaged: list | None = None) -> dict[str, dict[int, dict]]:
+    """{row name: {seed: results.json}} for every results/<name>.seed<S>.json of a known row; a file that is not a
+    run's record is skipped and added to `damaged` as (path, why)."""
     runs = {}
     for name, *_ in RUNS + FEW_SHOT:
         for path in sorted(results_dir.glob(f"{name}.seed*.json")):
             seed = path.name[len(name) + len(".seed"):-len(".json")]
             if seed.isdigit():
-                runs.setdefault(name, {})[int(seed)] = json.loads(path.read_text())
+                results, why = protocols.read_run(path)
+                if results is None:
+                    (damaged if damaged is not None else []).append((path, why))
+                else:
+                    runs.setdefault(name, {})[int(seed)] = results
     return runs
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object the page needs (machine.json, the initial model's scores); one line if it is damaged."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        fail(f"{path} cannot be read ({type(err).__name__}); delete it and run `python tools/report.py run` to "
+             "make it again")
+    if not isinstance(found, dict):
+        fail(f"{path} is not a JSON object; delete it and run `python tools/report.py run` to make it again")
+    return found
 
 
 def metric_rows(runs, names, columns, get):
@@ -242,13 +266,15 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     results_dir = results_dir or RESULTS
     tables_dir = tables_dir or results_dir
     page = page or ROOT / "RESULTS.md"
-    runs = load(results_dir)
+    damaged = []
+    runs = load(results_dir, damaged)
     if "simcse" not in runs:
         fail(f"no {results_dir.name}/simcse.seed*.json; run `python tools/report.py run` first")
     for needed in ("initial.json", "machine.json"):
         if not (results_dir / needed).exists():
             fail(f"no {results_dir.name}/{needed}; run `python tools/report.py run` first")
     ctx = context(results_dir, runs)
+    ctx.damaged = damaged
     lines = (header(ctx) + protocol_section(ctx) + sts_section(ctx) + few_shot_section(ctx)
              + transfer_section(ctx) + align_uniform_section(ctx) + speed_section(ctx)
              + commands_section(ctx))
@@ -274,11 +300,11 @@ def context(results_dir: Path, runs: dict) -> types.SimpleNamespace:
         for found, path in ((initial_sts, results_dir / f"{stem}.json"),
                             (initial_transfer, results_dir / f"{stem}_transfer.json")):
             if path.exists():
-                found[label] = json.loads(path.read_text())
+                found[label] = read_json(path)
     every_run = [r for by_seed in runs.values() for r in by_seed.values()]
     return types.SimpleNamespace(
         runs=runs, every_run=every_run, initial_sts=initial_sts, initial_transfer=initial_transfer,
-        info=json.loads((results_dir / "machine.json").read_text()),
+        info=read_json(results_dir / "machine.json"),
         main_names=[name for name, *_ in RUNS], few_names=[name for name, *_ in FEW_SHOT],
         rows={name: (script, flags, paper, source) for name, script, flags, paper, source in RUNS + FEW_SHOT},
         seeds=sorted({s for by_seed in runs.values() for s in by_seed}),
@@ -334,6 +360,8 @@ def header(ctx) -> list[str]:
             f"Machine: {info['cpu']}, {info['cores']} cores, {device_text(ctx)}; Python {info['python']}, "
             f"torch {info['torch']}, transformers {info['transformers']}; last run on {info['date']}.", "",
             *[line + "\n" for line in tables.provenance_lines(ctx.every_run)],
+            *([f"Skipped, not a run's record: " + "; ".join(f"`{p.name}` ({why})" for p, why in ctx.damaged)
+               + ".", ""] if getattr(ctx, "damaged", None) else []),
             "The tables below are also in LaTeX (`results/latex/`, booktabs) and every run in a CSV "
             "(`results/runs.csv`), for a paper.", "",
             "## What these numbers can and cannot show", "",
@@ -586,13 +614,12 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None) -> No
     def make(run):
         gpu = free.get()
         try:
-            resume = ["--resume"] if (ROOT / run["out"] / "last").is_dir() else []
             env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
-            cost = timed([sys.executable, *run["argv"], *resume], env)
+            cost = timed([sys.executable, *run["argv"]], env)  # --auto_resume: starts, resumes or finishes it
             results = json.loads((ROOT / run["out"] / "results.json").read_text())
             folder = RESULTS / protocol["name"]
             folder.mkdir(parents=True, exist_ok=True)
-            files.write_json(folder / f"{run['row']}.seed{run['seed']}.json", {**results, "report": cost})
+            files.write_json(folder / protocols.kept_name(run), {**results, "report": cost})
         finally:
             free.put(gpu)
     if gpus:
@@ -674,17 +701,26 @@ def main(argv=None):
             return
         protocol = protocols_for(args)
         gpus = check_gpus(args.gpus)
+        extra = split_flags(args.args, "--args")
         if args.action == "commands":
             for line in protocols.precision_lines(protocol):
                 print(f"# {line}")
-            for run in protocols.runs(protocol, shlex.split(args.args)):
+            for run in protocols.runs(protocol, extra):
                 print(protocols.command_line(run))
         elif args.action == "run":
-            run_protocol(protocol, shlex.split(args.args), gpus)
+            run_protocol(protocol, extra, gpus)
         else:
             protocols.write_page(protocol, RESULTS)
     except plumbing.UsageError as err:
         fail(str(err))
+
+
+def split_flags(text: str, flag: str) -> list[str]:
+    """--args / --flags as a shell splits them; an unbalanced quote is one line."""
+    try:
+        return shlex.split(text)
+    except ValueError as err:
+        fail(f"{flag} {text!r}: {err} (quote as a shell does)")
 
 
 def protocols_for(args) -> dict:
@@ -696,7 +732,7 @@ def protocols_for(args) -> dict:
         if not (ROOT / args.script).is_file():
             fail(f"--script {args.script}: no such script here")
         protocol = protocols.sweep_protocol(args.script, args.flag, args.values, args.seeds or [42, 43],
-                                            shlex.split(args.flags), args.base)
+                                            split_flags(args.flags, "--flags"), args.base)
     else:
         protocol = dict(protocols.load(args.protocol))
     if args.seeds:

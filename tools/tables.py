@@ -40,19 +40,36 @@ def markdown_tables(lines: list[str]) -> list[dict]:
 
 
 def cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split("|")]
+    """A Markdown table row's cells: split at the pipes that are not escaped, each cell's escapes undone."""
+    inner = line.strip()
+    inner = inner[1:] if inner.startswith("|") else inner
+    inner = inner[:-1] if inner.endswith("|") and not inner.endswith("\\|") else inner
+    return [unescape_markdown(c.strip()) for c in re.split(r"(?<!\\)\|", inner)]
+
+
+# ------------------------------------------------------------------------------------------------ Markdown out
+MARKDOWN_SPECIAL = set("\\|*_`[]<>$&#~")
+
+
+def markdown_cell(text) -> str:
+    """Text shown as it is in a Markdown table cell (a row name from a protocol file, a swept value): CommonMark's
+    backslash before each character Markdown or a table would read (a pipe would split the cell)."""
+    return "".join("\\" + c if c in MARKDOWN_SPECIAL else c for c in str(text)).replace("\n", " ")
+
+
+def unescape_markdown(text: str) -> str:
+    return re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", text)
 
 
 # ------------------------------------------------------------------------------------------------- LaTeX out
+LATEX = {"\\": r"\textbackslash{}", **{c: "\\" + c for c in "&%$#_{}"}, "~": r"\textasciitilde{}",
+         "^": r"\textasciicircum{}", "|": r"\textbar{}", "<": r"\textless{}",
+         ">": r"\textgreater{}", "ℓ": r"$\ell$", "±": r"$\pm$", "×": r"$\times$", "−": "$-$", "—": "--", "`": ""}
+
+
 def escape(text: str) -> str:
-    """Text for LaTeX: its special characters escaped, the page's symbols in math mode."""
-    text = text.replace("\\", r"\textbackslash{}")
-    for char in "&%$#_{}":
-        text = text.replace(char, "\\" + char)
-    for plain, latex in (("~", r"\textasciitilde{}"), ("^", r"\textasciicircum{}"), ("ℓ", r"$\ell$"),
-                         ("±", r"$\pm$"), ("×", r"$\times$"), ("−", "$-$"), ("—", "--"), ("`", "")):
-        text = text.replace(plain, latex)
-    return text
+    """Text for LaTeX, each character once: its special characters escaped, the page's symbols in math mode."""
+    return "".join(LATEX.get(c, c) for c in text)
 
 
 def direction(column: str) -> int:
@@ -125,7 +142,7 @@ def write_latex(lines: list[str], folder: Path, papers: dict[str, dict[str, str]
 
 # --------------------------------------------------------------------------------------------------- CSV out
 CSV_COLUMNS = (["run", "script", "flags", "seed"] + [f"test_{t}" for t in STS] + [f"transfer_{t}" for t in TRANSFER]
-               + ["best_dev_stsb", "best_step", "steps", "train_time_s", "commit"])
+               + ["best_dev_stsb", "best_step", "steps", "train_time_s", "commit", "uncommitted_changes"])
 
 
 def run_row(name: str, script: str, flags: list[str], seed: int, results: dict) -> dict:
@@ -134,7 +151,8 @@ def run_row(name: str, script: str, flags: list[str], seed: int, results: dict) 
     row = {"run": name, "script": script, "flags": " ".join(flags), "seed": seed,
            "best_dev_stsb": results.get("best_dev_stsb"), "best_step": results.get("best_step"),
            "steps": results.get("steps"), "train_time_s": results.get("train_time_s"),
-           "commit": git["commit"] if isinstance(git, dict) else (git or "")}
+           "commit": git["commit"] if isinstance(git, dict) else (git or ""),
+           "uncommitted_changes": git.get("uncommitted_changes") if isinstance(git, dict) else None}
     for key, tasks in (("test", STS), ("transfer", TRANSFER)):
         row.update({f"{key}_{t}": (results.get(key) or {}).get(t) for t in tasks})
     return {k: "" if v is None else v for k, v in row.items()}
@@ -159,7 +177,7 @@ def provenance_lines(results: list[dict]) -> list[str]:
             continue
         commit = provenance.commit_text(found)
         commits[commit] = commits.get(commit, 0) + 1
-        key = ", ".join(f"{k} {v}" for k, v in found["versions"].items())
+        key = ", ".join(f"{k} {v}" for k, v in (found.get("versions") or {}).items()) or "unknown"
         versions[key] = versions.get(key, 0) + 1
     lines = []
     if commits:
