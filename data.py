@@ -195,9 +195,11 @@ def make_loader(corpus: TokenizedCorpus, args, device,
     sampler = BatchSampler(len(corpus), args.batch_size, args.seed, min_rows, distributed.rank(),
                            world)
     # its own generator: starting an epoch draws nothing from the RNG stream dropout uses (--resume)
+    # workers ignore Ctrl-C and SIGTERM: the main process stops the run at a step boundary
     return torch.utils.data.DataLoader(range(len(corpus)), batch_sampler=sampler,
                                        collate_fn=corpus.collate, num_workers=args.num_workers,
                                        pin_memory=device.type == "cuda",
+                                       worker_init_fn=distributed.ignore_stop_signals,
                                        generator=torch.Generator().manual_seed(args.seed))
 
 
@@ -207,6 +209,8 @@ def batches(loader):
     step's window for --count_host_syncs."""
     sampler = loader.batch_sampler
     for _ in itertools.count():
-        for batch in loader:
+        with distributed.stop_signals_held():  # the epoch's workers start ignoring them
+            epoch = iter(loader)
+        for batch in epoch:
             syncs.begin_step()
             yield sampler.rows.popleft(), batch

@@ -3,7 +3,7 @@ here is part of a method, and a reader who came for the papers can leave this fo
 cleanrl_utils/).
 
 - This module: one-line errors (`UsageError`, the `cli` wrapper: exit status 2, never a traceback, `Parser`), the
-  range, device and file checks.
+  range, device and file checks (a folder that can be written, a disk that is not full).
 - hub.py: files and models from the Hugging Face Hub or a local path, an offline machine told which flag to use, a
   damaged model folder named, `senteval.tar` unpacked once.
 - backbones.py: what a method needs of the encoder it is given, checked when it is loaded: a bidirectional encoder,
@@ -15,7 +15,10 @@ cleanrl_utils/).
 - run.py: a training run's bookkeeping (the record, logging, progress, the trajectory, resume saves, the stop signal,
   the end of a run and results.json), written once and called in one line from each loop.
 - distributed.py: torchrun's process group, DistributedDataParallel, the gather with gradients.
-- resume.py: --resume's last/ folder. syncs.py: the host-device sync counter (--count_host_syncs).
+- resume.py: --resume's last/ folder. checkpoint.py: best/ and the device copy of the best model it is written from.
+- outdir.py: what an output folder holds (a started, resumable, evaluating, completed or stopped run) against what a
+  command asks, room for the saves, what --overwrite_output_dir clears. lock.py: one process writes a folder.
+- syncs.py: the host-device sync counter (--count_host_syncs).
 - provenance.py: where a run came from (commit, versions, device, times) and best/'s model card with the citations.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -126,12 +130,45 @@ def check_installed(needed: bool, package: str, flag: str) -> None:
         raise UsageError(f"{flag} needs the {package} package: pip install {package}")
 
 
-def check_json_path(path: str | None) -> None:
-    """--json must be writable and must not be a folder (checked before any work)."""
+def check_json_path(path: str | None, flag: str = "--json") -> None:
+    """--json (or another output file) must not be a folder and must be writable (checked before any work)."""
     if path is None or path == "/dev/stdout":
         return
     p = Path(path)
     if p.is_dir():
-        raise UsageError(f"--json {path} is a folder; give a file name")
+        raise UsageError(f"{flag} {path} is a folder; give a file name")
     if not p.parent.is_dir():
-        raise UsageError(f"--json {path}: the folder {p.parent} does not exist")
+        raise UsageError(f"{flag} {path}: the folder {p.parent} does not exist")
+    check_writable(p.parent, flag, shown=path)
+    if p.exists() and not os.access(p, os.W_OK):
+        raise UsageError(f"{flag} {path}: the file is not writable by this user")
+
+
+FULL = 1 << 20  # bytes: a disk with less free is full
+
+
+def check_writable(path, flag: str, shown=None) -> None:
+    """`path` (a folder, made later if need be) can be written: its nearest existing folder is writable (permissions,
+    a read-only file system) and its disk is not full; one line naming `flag` otherwise, before any work."""
+    path = Path(path)
+    shown = path if shown is None else shown
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {shown}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        read_only = os.statvfs(existing).f_flag & os.ST_RDONLY
+        raise UsageError(f"{flag} {shown}: {existing} is " + ("on a read-only file system" if read_only else
+                                                             "not writable by this user") + "; give a folder you can "
+                         "write")
+    free = free_bytes(existing)
+    if free < FULL:
+        raise UsageError(f"{flag} {shown}: the disk of {existing} is full ({free / 2**20:.1f} MiB free); free some "
+                         "space or give a folder on another disk")
+
+
+def free_bytes(folder) -> int:
+    """The bytes this user may still write on the disk of `folder`."""
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize

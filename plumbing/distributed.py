@@ -125,7 +125,7 @@ class StopSignal:
 
     def __init__(self):
         self.signum, self.phase = None, "training"
-        for s in (signal.SIGINT, signal.SIGTERM):
+        for s in STOP_SIGNALS:
             signal.signal(s, self._handle)
 
     def _handle(self, signum, frame):
@@ -147,8 +147,8 @@ class StopSignal:
         self.phase = "final evaluation"
         try:
             yield
-        except StopRequested:
-            results.update(interrupted=True, interrupted_during="final evaluation")
+        except StopRequested as stopped:
+            results.update(interrupted=True, interrupted_during="final evaluation", stop={"by": str(stopped)})
         finally:
             self.phase = "writing results.json"
 
@@ -162,6 +162,29 @@ class StopSignal:
     def exit_if_stopped(self) -> None:
         if self.signum is not None:
             raise SystemExit(128 + self.signum)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """Ctrl-C and SIGTERM held back (blocked: delivered when this ends, not lost) while DataLoader workers start: a
+    worker is born with them blocked and ignores them (ignore_stop_signals), so that a signal to the whole process
+    group (SLURM, docker stop, kill -- -PGID) stops the main process at a step boundary, which then shuts its workers
+    down itself, instead of killing the workers under it."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A DataLoader worker's worker_init_fn: Ctrl-C and SIGTERM ignored (the main process stops the run)."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def log(message: str) -> None:

@@ -3,6 +3,7 @@ projection after the pooler, the sentence-transformers metadata), TensorBoard sc
 figures."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+import plumbing
 from plumbing.progress import write
 
 def _json_safe(value):
@@ -21,11 +23,48 @@ def _json_safe(value):
         return {k: _json_safe(v) for k, v in value.items()}
     return [_json_safe(v) for v in value] if isinstance(value, (list, tuple)) else value
 
+def is_write_error(err: BaseException) -> bool:
+    """An error of writing a file: the OS's (a full disk, a quota, a read-only file system, a file size limit),
+    torch.save's (its zip writer's: "PytorchStreamWriter failed writing file", "iostream error", "unexpected pos")
+    and safetensors' (an IoError inside)."""
+    if isinstance(err, OSError):
+        return True
+    text = str(err).lower()
+    return type(err).__name__ == "SafetensorError" or (isinstance(err, RuntimeError) and any(
+        word in text for word in ("writ", "iostream", "inline_container", "no space")))
+
+
+@contextlib.contextmanager
+def failed_write(what, partial: Path | None = None, kept: str = ""):
+    """A write that fails becomes one line (UsageError) naming `what` and why; the partial copy `partial` is removed,
+    and `kept` says what stayed whole (the previous copy: each is written beside its place and swapped in)."""
+    try:
+        yield
+    except BaseException as err:
+        if partial is not None and (isinstance(err, plumbing.UsageError) or is_write_error(err)):
+            shutil.rmtree(partial, ignore_errors=True) if Path(partial).is_dir() else Path(partial).unlink(True)
+        if isinstance(err, plumbing.UsageError) or not is_write_error(err):
+            raise
+        reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0][:160]
+        if not isinstance(err, OSError) and disk_full(Path(what).parent):  # torch.save's zip writer says "pos 64"
+            reason = "No space left on device"
+        raise plumbing.UsageError(f"writing {what} failed ({reason})" + (f"; {kept}" if kept else "")) from None
+
+
+def disk_full(folder: Path) -> bool:
+    try:
+        return plumbing.free_bytes(folder) < plumbing.FULL
+    except OSError:
+        return False
+
+
 def write_text(path: Path, text: str) -> None:
-    """A text file written beside `path` and renamed onto it: a kill never leaves half a file."""
+    """A text file written beside `path` and renamed onto it: a kill never leaves half a file, and a write that fails
+    (a full disk) is one line, the previous file as it was."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with failed_write(path, tmp, "the previous file is as it was" if path.exists() else ""):
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 def write_json(path: Path, data: dict) -> None:
     """Write valid JSON to a temporary file beside `path`, then rename: a kill never leaves half a file."""
@@ -86,9 +125,12 @@ def save_figure(fig, path: Path) -> None:
     """A figure to `path` (PNG, 110 dpi) through a temporary file, then closed."""
     fig.tight_layout()
     tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
-    pyplot().close(fig)
+    try:
+        with failed_write(path, tmp, "the previous file is as it was" if path.exists() else ""):
+            fig.savefig(tmp, dpi=110)
+            os.replace(tmp, path)
+    finally:
+        pyplot().close(fig)
     print(f"wrote {path}")
 
 

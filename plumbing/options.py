@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import plumbing
-from plumbing import backbones, hub, resume
+from plumbing import backbones, hub
 
 
 def add_run_flags(parser) -> None:
@@ -143,7 +143,8 @@ def refuse_method_only_flags(args) -> None:
 
 
 def check_args(args) -> torch.device:
-    """Every shared flag against its meaning, the device and the output folder, before any work; the device."""
+    """Every shared flag against its meaning, the device, and an output folder that can be written, before any work;
+    the device. What the folder holds against what the command asks: outdir.check."""
     check = plumbing.check_range
     check(args, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
     check(args, "seed", lambda v: 0 <= v < 2**32, "0 <= seed < 2^32")
@@ -163,24 +164,7 @@ def check_args(args) -> torch.device:
         raise plumbing.UsageError("--count_host_syncs counts under a TorchDispatchMode, which --compile does not "
                                   "trace: give one of them")
     args.output_dir = str(args.output_dir or Path("runs") / args.method)
-    out = Path(args.output_dir)
-    if out.exists() and not out.is_dir():
-        raise plumbing.UsageError(f"--output_dir {out} is a file; give a folder")
-    holds_a_run = any((out / name).exists() for name in ("results.json", "best", "tb", "last", "last.old",
-                                                         resume.STARTED))
-    if (args.resume or args.auto_resume) and args.overwrite_output_dir:
-        raise plumbing.UsageError("--resume continues the run in --output_dir and --overwrite_output_dir replaces "
-                                  "it: give one of them")
-    if args.auto_resume and not args.resume:  # resume when there is a last/; else start (again)
-        args.resume = resume.folder(out) is not None
-        if not args.resume and holds_a_run:
-            resume.check_restart(args)  # the same run, stopped before its first save: it starts again
-            return device
-    if args.resume:
-        resume.check(args)  # a last/ to resume from, and the run's own arguments
-    elif holds_a_run and not args.overwrite_output_dir:
-        raise plumbing.UsageError(f"--output_dir {out} already holds a run; pass --overwrite_output_dir or "
-                                  "another folder")
+    plumbing.check_writable(args.output_dir, "--output_dir")  # permissions, a read-only file system, a full disk
     return device
 
 

@@ -1,8 +1,8 @@
 """Where a run's numbers came from, and what a checkpoint says of itself.
 
-- `collect`: the suite's git commit and whether its tree had uncommitted changes (or "not a git checkout"), the versions
+- `collect`: the suite's git commit and whether its code had uncommitted changes (or "not a git checkout"), the versions
   of Python, torch, transformers, datasets and sentence-transformers, the device's name, the precision, the number of
-  processes, and the start and end times: `results.json`'s "provenance".
+  processes, and the start and end times: `results.json`'s "provenance"; `resumed`: each part of a resumed run.
 - `model_card`: `best/README.md`, the file the Hugging Face Hub and sentence-transformers show: the method and its
   paper, the exact command, the data, the base model, the pooler to evaluate with, the run's scores, the suite's commit
   and the citations.
@@ -15,6 +15,8 @@ import importlib.metadata
 import platform
 import subprocess
 from pathlib import Path
+
+from plumbing import distributed
 
 ROOT = Path(__file__).resolve().parents[1]  # the suite
 
@@ -77,17 +79,24 @@ SUITE_CITATION = """\
 
 
 def git_state(root: Path = ROOT) -> dict | str:
-    """{"commit", "uncommitted_changes"} of the suite's checkout, or "not a git checkout"."""
+    """{"commit", "uncommitted_changes", "changed_code"} of the suite's own checkout, or "not a git checkout" (also
+    for a copy of the suite inside another repository, whose commit says nothing of the suite). Uncommitted changes
+    are the code's: its Python files, tracked or not (not ignored), changed from the commit; what the suite writes
+    itself (results/, runs.csv) is not code and does not count."""
     def git(*args):
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
     try:
-        head = git("rev-parse", "HEAD")
-        if head.returncode != 0:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != Path(root).resolve():
             return "not a git checkout"
-        status = git("status", "--porcelain", "--untracked-files=no")
+        head = git("rev-parse", "HEAD")
+        status = git("status", "--porcelain", "--untracked-files=all", "--", "*.py")
     except (OSError, subprocess.SubprocessError):
         return "not a git checkout"
-    return {"commit": head.stdout.strip(), "uncommitted_changes": bool(status.stdout.strip())}
+    if head.returncode != 0 or status.returncode != 0:
+        return "not a git checkout"
+    changed = [line[3:] for line in status.stdout.splitlines() if line.strip()]
+    return {"commit": head.stdout.strip(), "uncommitted_changes": bool(changed), "changed_code": changed[:20]}
 
 
 def versions() -> dict:
@@ -120,12 +129,34 @@ def collect(device, precision: str, processes: int, started: str) -> dict:
             "processes": processes, "started": started, "ended": None}
 
 
-def commit_text(provenance: dict) -> str:
-    """The commit a run came from, short, as the model card and tools/report.py's pages show it."""
-    git = provenance.get("git")
+def resumed(previous: dict | None, current: dict, after_step: int) -> dict:
+    """The provenance of a resumed run: the run's first start, this part's commit, versions and device, and "parts":
+    each part's commit and start (and the step it resumed after); "crosses_commits" when they differ."""
+    previous = previous or {}
+    parts = previous.get("parts") or [{"git": previous.get("git", "unknown"), "started": previous.get("started"),
+                                       "after_step": None}]
+    parts = parts + [{"git": current["git"], "started": current["started"], "after_step": after_step}]
+    commits = {part_commit(p["git"]) for p in parts}
+    merged = {**current, "started": previous.get("started", current["started"]), "parts": parts,
+              "crosses_commits": len(commits) > 1}
+    if merged["crosses_commits"]:
+        distributed.log("note: this run's parts ran under different commits of the suite: "
+                        + ", then ".join(part_commit(p["git"]) for p in parts) + " (results.json: provenance.parts)")
+    return merged
+
+
+def part_commit(git) -> str:
     if not isinstance(git, dict):
         return str(git or "unknown")
     return git["commit"][:12] + (" (uncommitted changes)" if git["uncommitted_changes"] else "")
+
+
+def commit_text(provenance: dict) -> str:
+    """The commit a run came from, short, as the model card and tools/report.py's pages show it; a resumed run whose
+    parts ran under different commits names each."""
+    if provenance.get("crosses_commits"):
+        return ", then ".join(part_commit(p["git"]) for p in provenance["parts"])
+    return part_commit(provenance.get("git"))
 
 
 def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_transformers: bool) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 from pathlib import Path
@@ -44,16 +45,22 @@ def new_run() -> dict:
 
 
 def folder(output_dir) -> Path | None:
-    """last/, or last.old/ when a kill came between the two renames of a save; None when neither is there."""
+    """last/, or last.old/ when a kill came between the two renames of a save; None when neither is there. A last/
+    that lacks a file is still the run's last/: `check` names what is missing, and nothing deletes it."""
     for name in ("last", "last.old"):
-        if (Path(output_dir) / name / "run.json").is_file():
+        if (Path(output_dir) / name).is_dir():
             return Path(output_dir) / name
     return None
 
 
-def check(args) -> None:
+def check(args, evaluating: bool = False) -> None:
     """--resume, before any work: a last/ to resume from, whole, and the resumed run's arguments (those known so far;
-    `restore` compares the rest)."""
+    `restore` compares the rest). `evaluating`: the training ended and its final evaluation did not; results.json
+    holds the record, and its arguments are compared."""
+    if evaluating:
+        results = Path(args.output_dir) / "results.json"
+        compare(vars(args), json.loads(results.read_text())["args"], results, skip_unset=True)
+        return
     last = folder(args.output_dir)
     if last is None:
         raise plumbing.UsageError(f"--resume: {args.output_dir} has no last/ to resume from (a run writes it at a "
@@ -62,6 +69,8 @@ def check(args) -> None:
     compare(vars(args), read_run(last)["args"], last, skip_unset=True)
     for name in ["state.pt", *(p.name for p in sorted(last.glob("rng_rank*.pt")))]:
         readable(last / name)
+    if not any(last.glob("rng_rank*.pt")):
+        raise damaged(last / "rng_rank0.pt", "missing")
 
 
 def damaged(path: Path, why: str) -> plumbing.UsageError:
@@ -94,12 +103,9 @@ def load(path: Path, device=None):
 
 
 def check_restart(args) -> None:
-    """--auto_resume without a last/: the folder holds this same run stopped before its first save (its started.json
-    has these arguments and there is no results.json), which starts again; anything else is one line."""
+    """--auto_resume without a last/ or results.json: the folder holds this same run stopped before its first save
+    (its started.json has these arguments), which starts again; anything else is one line."""
     out = Path(args.output_dir)
-    if (out / "results.json").exists():
-        raise plumbing.UsageError(f"--auto_resume: {out} holds a completed run (results.json, no last/); give "
-                                  "another --output_dir, or --overwrite_output_dir to replace it")
     try:
         started = json.loads((out / STARTED).read_text())["args"]
     except (OSError, ValueError, KeyError):
@@ -110,12 +116,30 @@ def check_restart(args) -> None:
                     "it again")
 
 
+PATH_FLAGS = {"model_name_or_path", "train_file", "senteval_dir"}
+
+
+def same_value(name: str, value, saved) -> bool:
+    """A flag's value against the saved run's; paths as paths (DIR/ and DIR, ./DIR and DIR: one folder)."""
+    value = json.loads(json.dumps(value))
+    if value == saved:
+        return True
+    if name in PATH_FLAGS and isinstance(value, str) and isinstance(saved, str):
+        if os.path.normpath(value) == os.path.normpath(saved):
+            return True
+        try:
+            return os.path.samefile(value, saved)
+        except OSError:
+            return False
+    return False
+
+
 def compare(current: dict, saved: dict, last: Path, skip_unset: bool = False) -> None:
     """The first argument that defines the run and differs from the saved run's, in one line."""
     for name, value in current.items():
         if name in FREE_FLAGS or name not in saved or (skip_unset and value is None):
             continue
-        if json.loads(json.dumps(value)) != saved[name]:
+        if not same_value(name, value, saved[name]):
             raise plumbing.UsageError(f"--resume: --{name} is {value} here but {saved[name]} in the run in {last}; "
                                       "resume it with its own arguments, or start a new run in another "
                                       "--output_dir")
@@ -123,33 +147,41 @@ def compare(current: dict, saved: dict, last: Path, skip_unset: bool = False) ->
 
 def save(args, step: int, run_state: dict, loader, history, loop: dict) -> None:
     """last/ after `step`: `run_state`, the RNG streams, the data position, and the record so far (`history` and
-    `loop`: best_dev, best_step, train_time). Every process takes part."""
+    `loop`: best_dev, best_step, train_time, checkpoint_time, provenance). Every process takes part. A write that
+    fails is one line, the previous last/ whole."""
     out = Path(args.output_dir)
     tmp = out / "last.tmp"
-    if distributed.rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    distributed.barrier()
-    generators = {name: g.get_state() for name, g in run_state.items() if isinstance(g, torch.Generator)}
-    torch.save({"rng": rng_state(), "generators": generators}, tmp / f"rng_rank{distributed.rank()}.pt")
-    distributed.barrier()
-    if distributed.rank() == 0:
-        state = {name: obj.state_dict() for name, obj in run_state.items()
-                 if obj is not None and not isinstance(obj, torch.Generator)}
-        state["record"] = {**loop, "losses": history.losses, "grad_norms": history.grad_norms,
-                           "trajectory": history.trajectory, "resumptions": history.resumptions,
-                           "skipped": history.skipped}
-        torch.save(state, tmp / "state.pt")
-        per_epoch = len(loader)
-        files.write_json(tmp / "run.json", {"args": vars(args), "step": step, "epoch": step // per_epoch,
-                                            "position": step % per_epoch, "world_size": distributed.world_size()})
-        files.swap_in(tmp, out / "last")
+    kept = "last/ and best/ hold the last complete save; free some space, then run the same command with " \
+           "--auto_resume"
+    with files.failed_write(out / "last", tmp, kept):  # a full disk: one line, the previous last/ whole
+        if distributed.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        distributed.barrier()
+        generators = {name: g.get_state() for name, g in run_state.items() if isinstance(g, torch.Generator)}
+        torch.save({"rng": rng_state(), "generators": generators}, tmp / f"rng_rank{distributed.rank()}.pt")
+        distributed.barrier()
+        if distributed.rank() == 0:
+            state = {name: obj.state_dict() for name, obj in run_state.items()
+                     if obj is not None and not isinstance(obj, torch.Generator)}
+            state["record"] = {**loop, "losses": history.losses, "grad_norms": history.grad_norms,
+                               "trajectory": history.trajectory, "resumptions": history.resumptions,
+                               "skipped": history.skipped}
+            torch.save(state, tmp / "state.pt")
+            per_epoch = len(loader)
+            files.write_json(tmp / "run.json", {"args": vars(args), "step": step, "epoch": step // per_epoch,
+                                                "position": step % per_epoch,
+                                                "world_size": distributed.world_size()})
+            files.swap_in(tmp, out / "last")
     distributed.barrier()
 
 
-def restore(args, run_state: dict, loader, device) -> dict:
+def restore(args, run_state: dict, loader, device, evaluating: bool = False) -> dict:
     """last/ into `run_state` on every process, the batch sampler moved to where the run stopped, and the RNG
-    streams last of all; the loop's record, with "next_step"."""
+    streams last of all; the loop's record, with "next_step". `evaluating`: the training ended and its final
+    evaluation did not: the record is results.json's, and nothing is left to train."""
+    if evaluating:
+        return record_of_results(args)
     last = folder(args.output_dir)
     run = read_run(last)
     compare(vars(args), run["args"], last)  # now with what the method filled in (miCSE's AMI layers)
@@ -170,6 +202,22 @@ def restore(args, run_state: dict, loader, device) -> dict:
     distributed.log(f"resuming {args.output_dir} after step {run['step']} (epoch {run['epoch']}, batch "
                     f"{run['position']} of its order) from {last}")
     return record
+
+
+def record_of_results(args) -> dict:
+    """The loop's record from the results.json of a run whose training ended: its final evaluation is what is left
+    (next_step after the last step)."""
+    path = Path(args.output_dir) / "results.json"
+    results = json.loads(path.read_text())
+    compare(vars(args), results["args"], path)
+    best_dev = results["best_dev_stsb"]
+    distributed.log(f"resuming {args.output_dir}: its {results['steps']} steps are done (results.json); the final "
+                    "evaluation of best/ is what is left")
+    return {"next_step": results["steps"] + 1, "best_dev": -math.inf if best_dev is None else best_dev,
+            "best_step": results["best_step"], "train_time": results["train_time_s"],
+            "losses": results["train_loss"], "grad_norms": results["grad_norm"], "trajectory": results["trajectory"],
+            "resumptions": results["resumptions"] + [results["steps"]], "skipped": results.get("skipped_steps", []),
+            "checkpoint_time": results.get("checkpoint_time_s"), "provenance": results.get("provenance")}
 
 
 def drop(args, results: dict) -> None:

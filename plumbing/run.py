@@ -14,16 +14,18 @@ What it keeps: each step's loss and gradient norm (read from the device at log s
 NaN or inf stops the run naming its step), the trajectory (a row at each log, dev and --align_uniform_steps step:
 step, training time, lr, and where STS-B dev was encoded its score, l_align and l_uniform), TensorBoard scalars
 (--report_to), the training time without the dev gates and logs (read where the device has finished its queue, so a
-GPU's real speed), the progress bar, last/ for --resume (at each dev gate, every --save_steps and when a signal stops
-the run), and the record that becomes results.json.
+GPU's real speed), the progress bar, last/ for --resume (at a dev gate after --save_minutes, every --save_steps and
+when a signal stops the run), and the record that becomes results.json. What stops a run (a signal, a divergence, a
+write that fails) leaves the last complete state and one line: best/ from its copy, results.json with the record up
+to the stop, and, where the training can go on, last/. The output folder's states, its lock and its checks:
+plumbing/outdir.py and plumbing/lock.py; best/ and its copy: plumbing/checkpoint.py.
 """
 from __future__ import annotations
 
-import copy
 import math
 import os
 import resource
-import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -35,10 +37,19 @@ import common
 import data
 import eval_sts
 import plumbing
-from plumbing import backbones, distributed, files, options, progress, provenance, resume, syncs
+from plumbing import (backbones, checkpoint, distributed, files, lock, options, outdir, progress, provenance,
+                      resume, syncs)
 
 
 FP16_SKIP_LIMIT = 25  # fp16: this many skipped steps in a row stop the run (the scale has fallen 2^25-fold)
+
+
+class Stopped(plumbing.UsageError):
+    """The run stopped itself: `by` "divergence" (a NaN or inf loss in fp32 or bf16) or "fp16 overflow"."""
+
+    def __init__(self, message: str, by: str, step: int):
+        super().__init__(message)
+        self.by, self.step = by, step
 
 
 class History:
@@ -67,18 +78,17 @@ class History:
             if self.fp16 and not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self.skipped.append(step)
             elif not math.isfinite(loss):
-                raise plumbing.UsageError(f"the loss became {loss} at step {step}: the run diverged (a lower --lr "
-                                          "may help)")
+                raise Stopped(f"the loss became {loss} at step {step}: the run diverged (a lower --lr may help)",
+                              "divergence", step)
             self.losses.append(loss)
             self.grad_norms.append(grad_norm)
             files.add_scalars(self.writer, step, {"train/loss": loss, "train/grad_norm": grad_norm})
         last = len(self.losses)
         if self.fp16 and last >= FP16_SKIP_LIMIT and self.skipped[-FP16_SKIP_LIMIT:] == list(
                 range(last - FP16_SKIP_LIMIT + 1, last + 1)):
-            raise plumbing.UsageError(f"the {FP16_SKIP_LIMIT} steps up to step {last} were all skipped: their loss "
-                                      "or gradients were not finite under fp16, whatever the GradScaler's scale; "
-                                      "fp16's range is the likely cause (try --precision bf16), else divergence "
-                                      "(a lower --lr)")
+            raise Stopped(f"the {FP16_SKIP_LIMIT} steps up to step {last} were all skipped: their loss or gradients "
+                          "were not finite under fp16, whatever the GradScaler's scale; fp16's range is the likely "
+                          "cause (try --precision bf16), else divergence (a lower --lr)", "fp16 overflow", last)
 
     def record(self, point: dict) -> None:
         """A trajectory row: {"step", "train_time_s", "lr"} and, where STS-B dev was encoded, {"stsb_dev", "align",
@@ -91,9 +101,13 @@ class History:
 
 class Run:
     def __init__(self, args, resumable: bool = True):
-        """Every flag against its meaning, the device and the output folder, before any work; --count_host_syncs
-        and --deterministic set up; the seeds; under torchrun the process group. `resumable`: writes last/."""
+        """Every flag against its meaning, the device and the output folder (writable, not in use by another run,
+        holding what the command asks for), before any work; --count_host_syncs and --deterministic set up; the
+        seeds; under torchrun the process group. `resumable`: writes last/."""
         device = options.check_args(args)
+        if os.environ.get("RANK", "0") == "0":  # process 0 holds the folder's lock for the run's processes
+            lock.check_free(args.output_dir)
+        self.folder_state = outdir.check(args)  # --auto_resume: start, resume, or finish the final evaluation
         syncs.WINDOW = syncs.StepWindow(args.count_host_syncs, device)
         if args.deterministic:
             options.deterministic_algorithms()
@@ -121,6 +135,10 @@ class Run:
         args = self.args
         with distributed.main_process_first():  # every SentEval file read once: a bad one stops the run now
             self.senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
+            if args.eval_transfer:  # the transfer tasks' files too, before training
+                import eval_transfer
+                for task in eval_transfer.TASKS:
+                    eval_transfer.load_task(self.senteval_dir, task)
         self.dev_pairs = eval_sts.load_pairs(self.senteval_dir, "STSBenchmark", "dev")
         self.loader, self.total_steps, self.encode = loader, total_steps, encode
         self.modules = [m for m in modules if m is not None]  # switched to eval mode at the dev gates
@@ -128,17 +146,26 @@ class Run:
         self.data = {"train_file": train_file, "micse_subset": subset, "num_train_examples": len(loader.dataset)}
         self.summary = summary(args, self.data, len(loader), total_steps, self.device, self.encoder_notes)
         self.provenance = provenance.collect(self.device, args.precision, distributed.world_size(), self.started)
-        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+        self._take_folder(state)
         self.stop = distributed.StopSignal()
-        saved = resume.restore(args, state, loader, self.device) if args.resume else resume.new_run()
+        evaluating = self.folder_state == "evaluating"  # the training ended: the final evaluation alone
+        saved = resume.restore(args, state, loader, self.device, evaluating) if args.resume else resume.new_run()
+        if evaluating and saved["next_step"] != total_steps + 1:
+            raise plumbing.UsageError(f"--resume: the run in {args.output_dir} trained {saved['next_step'] - 1} "
+                                      f"steps, this command plans {total_steps}; resume it with its own arguments")
+        if args.resume:  # each part's commit and start
+            self.provenance = provenance.resumed(saved.get("provenance"), self.provenance, saved["next_step"] - 1)
         if not args.resume and distributed.rank() == 0:  # which run this folder holds (--auto_resume reads it)
             files.write_json(Path(args.output_dir) / resume.STARTED, {"args": vars(args)})
         self.best_dev, self.best_step, self.train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
         self.next_step, self.saved_at = saved["next_step"], self.train_time  # the training time at the last save
+        self.last_step = self.next_step - 1  # the last step done
         self.best_copy = None  # the best model so far, on the training device, until best/ is written (flush_best)
         self.best_pending = False  # a best_copy newer than best/
-        self.checkpoint_time = {"best_copies": 0, "best_copy_s": 0.0, "best_writes": 0, "best_write_s": 0.0,
-                                "last_writes": 0, "last_write_s": 0.0}
+        self.eval_pooler, self.projection = None, False  # of best/, for its model card
+        self.checkpoint_time = saved.get("checkpoint_time") or {
+            "best_copies": 0, "best_copy_s": 0.0, "best_writes": 0, "best_write_s": 0.0, "last_writes": 0,
+            "last_write_s": 0.0}
         self.history = History(saved, files.tensorboard(args.report_to, Path(args.output_dir) / "tb",
                                                         distributed.rank() == 0,
                                                         saved["next_step"] if args.resume else None),
@@ -146,12 +173,32 @@ class Run:
         self.bar = progress.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
                                      initial=len(self.history.losses))
 
+    def _take_folder(self, state: dict) -> None:
+        """The output folder made and locked by process 0, its state checked again under the lock (another process
+        may have written it since the check), --overwrite_output_dir's old run cleared, and room for the saves."""
+        args, out = self.args, Path(self.args.output_dir)
+        with files.failed_write(out):
+            out.mkdir(parents=True, exist_ok=True)
+        if distributed.rank() != 0:
+            return
+        self.lock = lock.hold(out, self.started)
+        if outdir.state(out)[0] != self.folder_state:
+            raise plumbing.UsageError(f"--output_dir {out} changed while this run started (another process wrote "
+                                      "it); run the command again")
+        if args.overwrite_output_dir:
+            outdir.clear(out)
+        modules = [m for m in state.values() if isinstance(m, torch.nn.Module)]
+        trained = sum(p.numel() * p.element_size() for m in modules for p in m.parameters() if p.requires_grad)
+        best = checkpoint.nbytes(state.get("backbone"), state.get("head"), state.get("projection"))
+        outdir.check_room(out, best, checkpoint.nbytes(*modules) + 2 * trained)  # AdamW: two moments
+
     def steps(self):
         """The steps from 0 (only the initial model's dev gate) or where --resume continues, to the last; between
         two, the log, the trajectory, last/ and the stop signal. A signal ends it after the step it came in."""
         self.clock = time.perf_counter()
         for step in range(self.next_step, self.total_steps + 1):
             yield step
+            self.last_step = step
             if self._after(step):
                 break
         self.bar.close()
@@ -170,13 +217,17 @@ class Run:
         return self.measures["stsb_dev"]
 
     def save_best(self, step: int, backbone, head, tokenizer, eval_pooler: str, projection=None) -> None:
-        """The model of this dev gate is the best so far: its score and step kept, and a copy of it (BestCopy); best/
-        is written from it when last/ is saved, when a signal stops the run and at the end (flush_best), so that a
-        run whose dev score keeps improving writes it once."""
+        """The model of this dev gate is the best so far: its score and step kept, and a copy of it (BestCopy, into
+        buffers allocated at the first improvement); best/ is written from it when last/ is saved, when the run
+        stops and at the end (flush_best), so that a run whose dev score keeps improving writes it once."""
         self.best_dev, self.best_step = self.measures["stsb_dev"], step
+        self.eval_pooler, self.projection = eval_pooler, projection is not None
         if distributed.rank() == 0:
             start = time.perf_counter()
-            self.best_copy = BestCopy(backbone, head, tokenizer, eval_pooler, projection)
+            if self.best_copy is None:
+                self.best_copy = checkpoint.BestCopy(backbone, head, tokenizer, eval_pooler, projection)
+            else:
+                self.best_copy.update(backbone, head, projection)
             self.checkpoint_time["best_copies"] += 1
             self.checkpoint_time["best_copy_s"] += time.perf_counter() - start
         self.best_pending = True
@@ -193,11 +244,11 @@ class Run:
         self.checkpoint_time["best_writes"] += 1
         self.checkpoint_time["best_write_s"] += time.perf_counter() - start
 
-    def card(self, test: dict | None = None) -> str:
+    def card(self, test: dict | None = None, eval_pooler: str | None = None) -> str:
         """best/README.md: the model card (plumbing/provenance.py), with the STS test scores once they exist."""
-        copy_ = self.best_copy
-        sentence_transformers = copy_.projection is None and files.pooling_mode(copy_.eval_pooler) is not None
-        return provenance.model_card(self.args, copy_.eval_pooler, self.provenance,
+        eval_pooler = self.eval_pooler or eval_pooler
+        sentence_transformers = not self.projection and files.pooling_mode(eval_pooler) is not None
+        return provenance.model_card(self.args, eval_pooler, self.provenance,
                                      {"step": self.best_step, "stsb_dev": self.best_dev, "test": test},
                                      sentence_transformers)
 
@@ -208,8 +259,21 @@ class Run:
     # --------------------------------------------------------------------------------------------- between steps
     def _read(self) -> None:
         """The steps' losses and gradient norms read from the device (History.read: one host sync), and the training
-        time up to here."""
-        self.history.read()
+        time up to here. A run that stops itself (a divergence, fp16's overflow) keeps what it had: best/ from its
+        copy, results.json with the record up to the stop and its reason; then the one line, exit status 2."""
+        try:
+            self.history.read()
+        except Stopped as stopped:
+            self.flush_best()
+            if distributed.rank() == 0:
+                results = self._results(self.eval_pooler or "cls_before_pooler")
+                results.update(interrupted=True, interrupted_during="training",
+                               stop={"by": stopped.by, "step": stopped.step, "reason": str(stopped)})
+                self._write_results(results)
+                distributed.log(f"stopped: best/ holds step {self.best_step}'s model (STS-B dev "
+                                f"{self.best_dev:.2f}); {Path(self.args.output_dir) / 'results.json'} records the run "
+                                "up to the stop")
+            raise
         if self.clock is not None:  # the device has finished every step up to here
             self.train_time += time.perf_counter() - self.clock
             self.clock = None
@@ -241,11 +305,13 @@ class Run:
         # last/ at a dev gate once --save_minutes of training have passed since the last save (the processes agree)
         due = gate and self.train_time - self.saved_at >= 60 * args.save_minutes
         due = distributed.broadcast_float(float(due)) > 0 if gate else False
-        if stopping or (self.resumable and (due or every_save)):
+        kept = args.keep_last and step == self.total_steps  # --keep_last: the final state
+        if stopping or (self.resumable and (due or every_save or kept)):
             self.flush_best()  # best/ and last/'s record agree
-        if self.resumable and (due or stopping or every_save):  # written whole or not at all
+        if self.resumable and (due or stopping or every_save or kept):  # written whole or not at all
             start = time.perf_counter()
-            loop = {"best_dev": self.best_dev, "best_step": self.best_step, "train_time": self.train_time}
+            loop = {"best_dev": self.best_dev, "best_step": self.best_step, "train_time": self.train_time,
+                    "checkpoint_time": self.checkpoint_time, "provenance": self.provenance}
             resume.save(args, step, self.state, self.loader, self.history, loop)
             self.saved_at = self.train_time
             self.checkpoint_time["last_writes"] += 1
@@ -259,20 +325,30 @@ class Run:
 
     # ------------------------------------------------------------------------------------------------ the end
     def evaluate_best(self, eval_pooler: str, **extra) -> dict | None:
-        """The processes part (the others exit: process 0's long final evaluation holds nobody in a barrier); on
-        process 0 the run's record, then best/ reloaded as eval_sts.py loads it and evaluated: the 7 STS test tasks
-        (SimCSE's Table 5 protocol), l_align / l_uniform of it and of the pretrained model, --eval_transfer. A signal
-        during it stops it, and results.json records that. None on the other processes."""
+        """The end of a run. best/ written from its copy; the processes part (the others exit: process 0's long final
+        evaluation holds nobody in a barrier); on process 0 the run's record, written to results.json before the
+        final evaluation when the training ran to its end (so that a stop or a kill in that evaluation loses
+        nothing: --auto_resume runs the evaluation alone), then best/ reloaded as eval_sts.py loads it and
+        evaluated: the 7 STS test tasks (SimCSE's Table 5 protocol), l_align / l_uniform of it and of the
+        pretrained model, --eval_transfer. A signal stops it, and results.json records that. None on the other
+        processes."""
+        self.stop.phase = "writing best/"  # a signal now lets best/ be written whole, then stops the run
         self.flush_best()
         distributed.shutdown()
         if distributed.rank() != 0:
             return None
-        args = self.args
+        args, out = self.args, Path(self.args.output_dir)
+        self.eval_pooler = self.eval_pooler or eval_pooler
         results = self._results(eval_pooler, **extra)
+        if self.last_step < self.total_steps:  # a signal stopped the training: last/ holds it
+            return results
+        # the training ended: if anything stops the evaluation, results.json says it is what remains
+        results.update(interrupted=True, interrupted_during="final evaluation")
+        self._write_results(results)
         with self.stop.final_evaluation(results):  # a signal now stops it; results.json records that
-            if not results["interrupted"]:
+            if self.stop.signum is None:  # else it came while best/ was written
                 distributed.log(f"best STS-B dev {self.best_dev:.2f} at step {self.best_step}; evaluating it")
-                encode = eval_sts.load_encode(str(Path(args.output_dir) / "best"), eval_pooler, self.device)
+                encode = eval_sts.load_encode(str(out / "best"), eval_pooler, self.device)
                 if not args.no_test_eval:
                     results["test"] = eval_sts.evaluate(encode, self.senteval_dir, mode="test")
                     eval_sts.print_table(results["test"])
@@ -283,12 +359,14 @@ class Run:
                     "initial": eval_sts.align_uniform(initial, self.senteval_dir,
                                                       desc="initial model: alignment/uniformity"),
                     "best": eval_sts.align_uniform(encode, self.senteval_dir)}
-                if args.eval_transfer:  # results.json first: an error in this long evaluation loses nothing
+                if args.eval_transfer:  # what is done so far first: an error in this long evaluation loses nothing
+                    self._write_results(results)
                     import eval_transfer
-                    files.write_json(Path(args.output_dir) / "results.json", results)
                     results["transfer"] = eval_transfer.evaluate(encode, self.senteval_dir, mode=args.eval_transfer,
                                                                  device=self.device)
                     eval_sts.print_table(results["transfer"])
+                results["interrupted"] = False
+                del results["interrupted_during"]
         return results
 
     def write(self, results: dict | None) -> None:
@@ -298,13 +376,18 @@ class Run:
         if results is not None:
             out = Path(self.args.output_dir)
             results["provenance"]["ended"] = provenance.now()
-            files.write_json(out / "results.json", results)
-            if self.best_copy is not None and results.get("test"):
-                files.write_text(out / "best" / "README.md", self.card(results["test"]))
+            self._write_results(results)
+            if results.get("test") and (out / "best").is_dir():  # a resumed run too, with or without a new best
+                self.projection = self.projection or (out / "best" / files.PROJECTION_FILE).is_file()
+                files.write_text(out / "best" / "README.md", self.card(results["test"], results["eval_pooler"]))
             resume.drop(self.args, results)
             distributed.log(in_context(results))
             distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
+        lock.release(self.args.output_dir)
         self.stop.exit_if_stopped()
+
+    def _write_results(self, results: dict) -> None:
+        files.write_json(Path(self.args.output_dir) / "results.json", results)
 
     def _results(self, eval_pooler: str, **extra) -> dict:
         """results.json before the final evaluation: the method, every argument, where and how it ran, what the
@@ -333,6 +416,7 @@ class Run:
             results["host_syncs"] = syncs.WINDOW.record()
         if self.stop.signum is not None:
             results["interrupted_during"] = "training"
+            results["stop"] = {"by": signal.Signals(self.stop.signum).name, "step": self.last_step}
         if cuda:
             results["peak_memory_reserved_mb"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
         return results
@@ -357,57 +441,6 @@ def dev_measures(modules, encode, dev_pairs) -> dict:
             m.train()
     measures["stsb_dev"] = distributed.broadcast_float(measures["stsb_dev"])
     return measures
-
-
-class BestCopy:
-    """A model to write to best/ later: a copy of its weights on the training device (on a GPU a copy at memory
-    speed, well under a millisecond for BERT-base, where a write takes a second), the training model left as it is;
-    `write` puts it in best/."""
-
-    def __init__(self, backbone, head, tokenizer, eval_pooler: str, projection=None):
-        self.backbone, self.tokenizer, self.eval_pooler = backbone, tokenizer, eval_pooler
-        self.state = {k: v.detach().clone() for k, v in backbone.state_dict().items()}
-        self.head = copy.deepcopy(head) if head is not None else None
-        self.projection = copy.deepcopy(projection) if projection is not None else None
-
-    def write(self, out_dir, card: str | None = None) -> None:
-        save_checkpoint(out_dir, self.backbone, self.head, self.tokenizer, self.eval_pooler, self.projection,
-                        state=self.state, barrier=False, card=card)
-
-
-def save_checkpoint(out_dir, backbone, head, tokenizer, eval_pooler: str, projection=None, state=None,
-                    barrier: bool = True, card: str | None = None) -> None:
-    """<out_dir>/best (process 0): save_pretrained + tokenizer + sentence-transformers metadata, written beside it and
-    swapped in only when complete. Evaluated with the "cls" pooler, the MLP head is saved beside it (files.HEAD_FILE,
-    which `eval_sts.py --pooler cls` applies to the last [CLS] on any backbone) and, where the backbone has BERT's
-    pooler, into its weights too (as SimCSE's simcse_to_huggingface.py does). A projection (nn.Linear after the
-    pooler) is saved beside it, and eval_sts.load_encode applies it. The evaluation pooler is recorded
-    (files.EVAL_POOLER_FILE), so that eval_sts.py evaluates the checkpoint as the run did."""
-    if distributed.rank() == 0:
-        target, tmp = Path(out_dir) / "best", Path(out_dir) / "best.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        state = dict(state if state is not None else backbone.state_dict())  # the model itself stays untouched
-        if isinstance(head, common.MLPHead) and "pooler.dense.weight" in state:
-            state.update({"pooler.dense.weight": head[0].weight, "pooler.dense.bias": head[0].bias})
-        backbone.save_pretrained(tmp, state_dict=state)
-        tokenizer.save_pretrained(tmp)
-        files.write_json(tmp / files.EVAL_POOLER_FILE, {"pooler": eval_pooler})  # eval_sts's default
-        if card is not None:  # README.md, what the Hub and sentence-transformers show
-            files.write_text(tmp / "README.md", card)
-        if eval_pooler == "cls" and isinstance(head, common.MLPHead):
-            files.save_linear(tmp, files.HEAD_FILE, head[0])
-        if projection is not None:
-            files.save_linear(tmp, files.PROJECTION_FILE, projection)
-        else:  # sentence-transformers' modules do not hold the projection
-            files.write_sentence_transformers_config(tmp, eval_pooler, backbone.config.hidden_size,
-                                                     head if eval_pooler == "cls" else None)
-        umask = os.umask(0)
-        os.umask(umask)
-        for path in tmp.rglob("*"):  # save_pretrained writes the weights through a 0600 temporary file
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-        files.swap_in(tmp, target)  # a kill leaves the previous best whole (best.old at worst)
-    if barrier:
-        distributed.barrier()
 
 
 def progress_line(step: int, total_steps: int, losses: list, train_time: float) -> str:

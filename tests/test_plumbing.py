@@ -55,18 +55,31 @@ def test_a_folder_that_is_not_a_model_is_named_as_such(tmp_path):
 
 
 def test_provenance_knows_a_checkout_its_changes_and_a_folder_that_is_not_one(tmp_path):
+    """The suite's own checkout only (a copy inside another repository is not one); its changes are the code's,
+    tracked or not, and not what the suite writes itself (results/, runs.csv)."""
     import subprocess
     from plumbing import provenance
     assert provenance.git_state(tmp_path) == "not a git checkout"
     git = ["git", "-C", str(tmp_path), "-c", "user.email=a@b", "-c", "user.name=a"]
     subprocess.run([*git, "init", "-q"], check=True)
-    (tmp_path / "f.txt").write_text("one")
-    subprocess.run([*git, "add", "f.txt"], check=True)
+    (tmp_path / "results").mkdir()
+    for name in ("f.py", "results/runs.csv"):
+        (tmp_path / name).write_text("one")
+    subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
     state = provenance.git_state(tmp_path)
     assert len(state["commit"]) == 40 and state["uncommitted_changes"] is False
-    (tmp_path / "f.txt").write_text("two")
-    assert provenance.git_state(tmp_path)["uncommitted_changes"] is True
+    (tmp_path / "results" / "runs.csv").write_text("two")  # report.py write
+    assert provenance.git_state(tmp_path)["uncommitted_changes"] is False
+    (tmp_path / "mine.py").write_text("x = 1")  # untracked code
+    state = provenance.git_state(tmp_path)
+    assert state["uncommitted_changes"] is True and state["changed_code"] == ["mine.py"]
+    (tmp_path / "mine.py").unlink()
+    (tmp_path / "f.py").write_text("two")
+    assert provenance.git_state(tmp_path)["changed_code"] == ["f.py"]
+    (tmp_path / "suite").mkdir()  # a copy of the suite inside this repository: its commit says nothing of the suite
+    (tmp_path / "suite" / "common.py").write_text("")
+    assert provenance.git_state(tmp_path / "suite") == "not a git checkout"
 
 
 def test_every_papers_bibtex_is_in_the_docs_and_the_suite_has_a_citation_file():

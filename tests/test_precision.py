@@ -190,6 +190,11 @@ def test_fp16_stops_only_when_every_step_overflows_and_says_why(tiny_model, corp
         fp16_run(tiny_model, corpus, senteval_dir, tmp_path / "run", monkeypatch, range(1, 100), "--max_steps",
                  30, "--eval_steps", 30)
     assert FP16_SKIP_LIMIT == 25
+    # the run keeps what it had: best/ (step 0's) and results.json with the stop and the record up to it
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["stop"]["by"] == "fp16 overflow" and results["stop"]["step"] == 25 and results["interrupted"]
+    assert results["skipped_steps"] == list(range(1, 26)) and results["best_step"] == 0
+    assert (tmp_path / "run" / "best" / "config.json").is_file()
 
 
 def test_compile_trains_through_the_compiled_encoder_with_batches_padded_to_8(tiny_model, corpus, senteval_dir,

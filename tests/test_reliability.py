@@ -13,7 +13,7 @@ import torch
 import common
 import eval_sts
 import plumbing
-from plumbing import hub, run
+from plumbing import checkpoint, hub, run
 from conftest import ROOT, gates, run_script, smoke_args
 
 SCRIPTS = ["simcse", "simcsepp", "sscl", "whitenedcse", "micse"]
@@ -116,7 +116,7 @@ def test_a_failing_save_leaves_the_previous_best_intact(tiny_model, tmp_path, mo
     from transformers import AutoModel, AutoTokenizer
     tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
     head = common.MLPHead(backbone.config)
-    run.save_checkpoint(tmp_path, backbone, head, tokenizer, "cls_before_pooler")
+    checkpoint.save(tmp_path, backbone, head, tokenizer, "cls_before_pooler")
     saved = digests(tmp_path / "best")
     with torch.no_grad():
         backbone.embeddings.word_embeddings.weight.add_(1.0)
@@ -125,11 +125,11 @@ def test_a_failing_save_leaves_the_previous_best_intact(tiny_model, tmp_path, mo
         raise KeyboardInterrupt("killed while writing")
     monkeypatch.setattr(type(tokenizer), "save_pretrained", killed)
     with pytest.raises(KeyboardInterrupt):
-        run.save_checkpoint(tmp_path, backbone, head, tokenizer, "cls_before_pooler")
+        checkpoint.save(tmp_path, backbone, head, tokenizer, "cls_before_pooler")
     assert digests(tmp_path / "best") == saved
     AutoModel.from_pretrained(tmp_path / "best")  # still loadable
     monkeypatch.undo()
-    run.save_checkpoint(tmp_path, backbone, head, tokenizer, "cls_before_pooler")  # the next save cleans up
+    checkpoint.save(tmp_path, backbone, head, tokenizer, "cls_before_pooler")  # the next save cleans up
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best"] and digests(tmp_path / "best") != saved
 
 
@@ -231,7 +231,7 @@ def test_checkpoint_files_get_the_users_umask(tiny_model, tmp_path):
     tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
     saved = os.umask(0o022)
     try:
-        run.save_checkpoint(tmp_path, backbone, common.MLPHead(backbone.config), tokenizer, "cls")
+        checkpoint.save(tmp_path, backbone, common.MLPHead(backbone.config), tokenizer, "cls")
     finally:
         os.umask(saved)
     best = tmp_path / "best"

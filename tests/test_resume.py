@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from plumbing import distributed
 import plumbing
 from plumbing import resume
-from plumbing import run as run_module
+from plumbing import checkpoint, run as run_module
 from conftest import ROOT, cli_in_process, gates, smoke_args, write_nli
 
 # 20 examples at batch 8 are 3 steps an epoch (8, 8, 4): 6 steps are two epochs. The first run is stopped at
@@ -130,7 +130,8 @@ def test_auto_resume_starts_resumes_and_restarts_one_command(tiny_model, corpus,
         run("simcse", argv + ["--lr", "2e-3"], monkeypatch)
 
 
-@pytest.mark.parametrize("damage", ["truncated state.pt", "unreadable run.json", "missing rng_rank0.pt"])
+@pytest.mark.parametrize("damage", ["truncated state.pt", "unreadable run.json", "missing rng_rank0.pt",
+                                    "missing run.json"])
 def test_a_damaged_last_is_one_line_naming_the_file_and_nothing_changes(damage, tiny_model, corpus, senteval_dir,
                                                                         tmp_path, monkeypatch):
     out = tmp_path / "run"
@@ -276,10 +277,10 @@ def test_last_is_saved_at_dev_gates_after_save_minutes_every_save_steps_and_at_a
     """--save_minutes 0: at every gate; the default (10 minutes of training): a short run saves at --save_steps and
     at the signal only. best/ is written where last/ is (and at the end), from the host copy of the best model."""
     saved_at, written_at = [], []
-    real_save, real_write = resume.save, run_module.BestCopy.write
+    real_save, real_write = resume.save, checkpoint.BestCopy.write
     monkeypatch.setattr(resume, "save", lambda args, step, *rest: saved_at.append(step) or real_save(args, step,
                                                                                                       *rest))
-    monkeypatch.setattr(run_module.BestCopy, "write", lambda self, out, card: written_at.append(len(saved_at)) or
+    monkeypatch.setattr(checkpoint.BestCopy, "write", lambda self, out, card: written_at.append(len(saved_at)) or
                         real_write(self, out, card))
     argv = case_args("simcse", tiny_model, corpus, senteval_dir, tmp_path / "run", tmp_path)
     run("simcse", argv + ["--eval_steps", "4", "--save_steps", "3"], monkeypatch, stop_at=5)

@@ -174,7 +174,8 @@ def test_eval_sts_is_the_protocol():
 # The floors of the house, from the ground up: a module imports its own floor's and the ones below, never above.
 FLOORS = [{"common"},
           {"plumbing", "plumbing.progress", "plumbing.files", "plumbing.distributed", "plumbing.syncs",
-           "plumbing.backbones", "plumbing.hub", "plumbing.provenance", "plumbing.resume"},
+           "plumbing.backbones", "plumbing.hub", "plumbing.provenance", "plumbing.resume", "plumbing.lock",
+           "plumbing.outdir", "plumbing.checkpoint"},
           {"data", "eval_sts", "eval_transfer"},
           {"plumbing.options", "plumbing.run"}]  # then the method files, the ablations and the tools
 

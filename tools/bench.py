@@ -120,15 +120,16 @@ SIMCSE_STEPS, STEP_S, DEVICE_COPY_BYTES_PER_S = 15_625, 8.5e-3, 1e12 / 2
 
 def bench_saves(device, repeats: int = 3) -> dict:
     """What saving costs for a BERT-base-sized model (random weights from BertConfig()): the copy of the best model
-    on the device (run.BestCopy), best/ written from it, last/ written (the weights, AdamW's two moments, the
-    schedule, the RNG streams: resume.save); each the median of `repeats`. Then SimCSE's recipe at STEP_S a step:
-    the old policy (best/ at every improvement, last/ at every gate) and this one (a device copy at every
-    improvement, best/ once, last/ after --save_minutes of training), both with every gate improving, the worst
-    case; the GPU's copy is estimated (DEVICE_COPY_BYTES_PER_S), the writes are this machine's."""
+    on the device (checkpoint.BestCopy.update, into buffers allocated once), best/ written from it, last/ written
+    (the weights, AdamW's two moments, the schedule, the RNG streams: resume.save); each the median of `repeats`.
+    Then SimCSE's recipe at STEP_S a step: the old policy (best/ at every improvement, last/ at every gate) and this
+    one (a device copy at every improvement, best/ once, last/ after --save_minutes of training), both with every
+    gate improving, the worst case; the GPU's copy is estimated (DEVICE_COPY_BYTES_PER_S), the writes are this
+    machine's."""
     import statistics
     import transformers
     import common
-    from plumbing import resume, run
+    from plumbing import checkpoint, resume
     config = transformers.BertConfig()
     torch.manual_seed(0)
     backbone = transformers.BertModel(config).to(device)
@@ -146,9 +147,10 @@ def bench_saves(device, repeats: int = 3) -> dict:
         state = {"backbone": backbone, "head": head, "optimizer": optimizer, "scheduler": scheduler}
         history = types.SimpleNamespace(losses=[], grad_norms=[], trajectory=[], resumptions=[], skipped=[])
         times = {"copy": [], "best": [], "last": []}
+        best = checkpoint.BestCopy(backbone, head, tokenizer, "cls_before_pooler")  # its buffers, once
         for _ in range(repeats):
             start = time.perf_counter()
-            best = run.BestCopy(backbone, head, tokenizer, "cls_before_pooler")
+            best.update(backbone, head)
             times["copy"].append(time.perf_counter() - start)
             start = time.perf_counter()
             best.write(tmp)

@@ -1,0 +1,140 @@
+"""The output folder of a run: what it holds, what a command may do with it, whether it can take the run, and what
+--overwrite_output_dir clears.
+
+A run writes there: started.json when it starts, best/ (its best checkpoint), last/ (what --resume reads),
+results.json (its record), tb/ (--report_to), each written beside its place and swapped in; .lock while it runs
+(plumbing/lock.py). What a folder holds, read from those files (`state`):
+
+- empty:       nothing of a run (absent, or other files only);
+- started:     started.json (and perhaps best/, tb/) but no last/ and no results.json: stopped before its first save;
+- resumable:   last/ (or last.old/, between the two renames of a save): stopped during training;
+- evaluating:  results.json says the training ended and the final evaluation did not (a signal or a kill during it,
+               or while the end's best/ was written): a resume runs the evaluation alone;
+- completed:   results.json of a run that ended; nothing rewrites it;
+- stopped:     results.json of a run that stopped itself (divergence, fp16 overflow): it would stop again;
+- lost:        results.json of a run stopped during training whose last/ is gone;
+- damaged:     a results.json that cannot be read.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import plumbing
+from plumbing import progress, resume
+
+RESULTS = "results.json"
+RUN_FILES = (RESULTS, "best", "tb", "last", "last.old", resume.STARTED)  # a folder holding one of them holds a run
+CLEARED = RUN_FILES + ("best.tmp", "best.old", "last.tmp", RESULTS + ".tmp", resume.STARTED + ".tmp")
+SELF_STOPS = ("divergence", "fp16 overflow")  # a resume would meet them again
+
+
+def read_results(out: Path) -> dict:
+    """results.json as a dict; one line (UsageError) if it is truncated, not JSON or not an object."""
+    path = Path(out) / RESULTS
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise plumbing.UsageError(f"{path} cannot be read ({type(err).__name__}: a truncated or damaged file)") \
+            from None
+    if not isinstance(results, dict):
+        raise plumbing.UsageError(f"{path} is not a run's record (a JSON {type(results).__name__}, not an object)")
+    return results
+
+
+def state(out) -> tuple[str, str]:
+    """(what the folder holds: one of the names above, a few words on why)."""
+    out = Path(out)
+    if (out / RESULTS).exists():
+        try:
+            results = read_results(out)
+        except plumbing.UsageError as err:
+            return "damaged", str(err)
+        stop = results.get("stop") or {}
+        if not results.get("interrupted"):
+            return "completed", f"its best STS-B dev at step {results.get('best_step')}; results.json"
+        if results.get("interrupted_during") == "final evaluation":
+            return "evaluating", "its training ended; its final evaluation did not"
+        if stop.get("by") in SELF_STOPS:
+            return "stopped", stop.get("reason") or stop["by"]
+        if resume.folder(out) is None:
+            return "lost", f"results.json of a run stopped during training at step {results.get('steps')}, " \
+                           "and no last/"
+    if resume.folder(out) is not None:
+        return "resumable", f"{resume.folder(out).name}/"
+    if any((out / name).exists() for name in RUN_FILES):
+        return "started", f"{resume.STARTED}, no last/ and no results.json"
+    return "empty", ""
+
+
+def check(args) -> str:
+    """What --output_dir holds against what the command asks (a new run, --resume, --auto_resume,
+    --overwrite_output_dir), before any work: one line where they disagree. --auto_resume sets args.resume. The
+    folder's state."""
+    out = Path(args.output_dir)
+    if out.exists() and not out.is_dir():
+        raise plumbing.UsageError(f"--output_dir {out} is a file; give a folder")
+    if (args.resume or args.auto_resume) and args.overwrite_output_dir:
+        raise plumbing.UsageError("--resume continues the run in --output_dir and --overwrite_output_dir replaces "
+                                  "it: give one of them")
+    name, why = state(out)
+    if args.overwrite_output_dir:
+        return name  # cleared when the run starts (clear), under its lock
+    flag = "--auto_resume" if args.auto_resume else "--resume"
+    refusals = {
+        "completed": f"{flag}: {out} holds a completed run ({why}); nothing is rewritten: give another "
+                     "--output_dir, or --overwrite_output_dir to replace it",
+        "stopped": f"{flag}: {out} holds a run that stopped itself ({why}); resumed, it would stop again: start it "
+                   "with other settings in another --output_dir, or with --overwrite_output_dir",
+        "lost": f"{flag}: {out} holds {why}: it cannot continue; give another --output_dir, or "
+                "--overwrite_output_dir to start it again",
+        "damaged": f"{flag}: {why}; give another --output_dir, or --overwrite_output_dir to replace the run"}
+    if args.auto_resume:
+        if name in refusals:
+            raise plumbing.UsageError(refusals[name])
+        args.resume = name in ("resumable", "evaluating")
+        if name == "started":
+            resume.check_restart(args)  # the same run, stopped before its first save: it starts again
+    elif args.resume:
+        if name in refusals:
+            raise plumbing.UsageError(refusals[name])
+    elif name != "empty":
+        raise plumbing.UsageError(f"--output_dir {out} already holds a run; pass --overwrite_output_dir or "
+                                  "another folder")
+    if args.resume:
+        resume.check(args, evaluating=name == "evaluating")  # what it resumes from, whole, and its arguments
+    return name
+
+
+def size(path: Path) -> int:
+    """Bytes of a file or folder (0 if absent)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def check_room(out, best_bytes: int, last_bytes: int) -> None:
+    """Room on --output_dir's disk for the saves of a run whose best/ takes `best_bytes` and last/ `last_bytes`: each
+    is written beside its previous copy and swapped in, so the peak is best/ and two last/. What the folder holds
+    already counts as room. One line before training otherwise."""
+    out = Path(out)
+    need = best_bytes + 2 * last_bytes
+    held = sum(size(out / name) for name in ("best", "last", "last.old", "best.old"))
+    free = plumbing.free_bytes(out)
+    if free + held < need:
+        raise plumbing.UsageError(
+            f"--output_dir {out}: {free / 2**20:,.0f} MiB free, but this run's saves need up to {need / 2**20:,.0f} "
+            f"MiB (best/ {best_bytes / 2**20:,.0f} MiB and last/ {last_bytes / 2**20:,.0f} MiB, each written beside "
+            "its previous copy); free some space or give a folder on another disk")
+
+
+def clear(out) -> None:
+    """--overwrite_output_dir: what the run being replaced left (its record, checkpoints, TensorBoard events), removed
+    before the new run writes anything, so that nothing of it is read as the new run's. Other files stay."""
+    found = [Path(out) / name for name in CLEARED if (Path(out) / name).exists()]
+    if found:
+        progress.write(f"--overwrite_output_dir: removing the previous run's {', '.join(p.name for p in found)} "
+                       f"from {out}")
+    for path in found:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
