@@ -1,17 +1,18 @@
 """What every method file shares: the training flags, SimCSE's poolers and MLP head, the encoder,
-the embeddings, InfoNCE, mixed precision and the optimiser. It imports nothing of the suite, so a
-copy works on its own. Each method file runs its own loop; data.py holds the data, eval_sts.py the
-STS metric of the dev gate, plumbing/ what a first reading skips."""
+the embeddings, InfoNCE, mixed precision, the optimiser and GradCache's backward. It imports nothing
+of the suite, so a copy works on its own. Each method file runs its own loop; data.py holds the
+data, eval_sts.py the STS metric of the dev gate, plumbing/ what a first reading skips."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
 
-# avg_first_last averages the first transformer layer with the last (SimCSE's code); the SimCSE++,
-# SSCL and miCSE code, forked before SimCSE fixed it, averages the embedding output instead:
-# avg_embeddings_last.
+# avg_first_last averages the first transformer layer and the last (SimCSE's code); the SimCSE++,
+# SSCL and miCSE forks average the embedding output and the last instead: avg_embeddings_last.
 POOLERS = ("cls", "cls_before_pooler", "avg", "avg_top2", "avg_first_last", "avg_embeddings_last")
 # (flag, type, default, help): unsupervised SimCSE, BERT-base (Table A.1); a method's presets come
 # on top, the user's flags win. --pooler, --precision, the run's flags: plumbing/options.py.
@@ -202,3 +203,48 @@ def make_optimizer(params, args, total_steps: int):
     scheduler = transformers.get_linear_schedule_with_warmup(optimizer, args.warmup_steps,
                                                              total_steps)
     return optimizer, scheduler
+
+
+def grad_cache(encode, loss_of, examples: int, size: int, scale, model, row_loss=None):
+    """loss_of(*encode(all)) + row_loss(all) back-propagated with `size` examples' activations at a
+    time, the loss and gradients the whole batch's (GradCache, Gao et al. 2021): 1. encode(part) of
+    each part, no gradients, its RNG state kept; 2. loss_of on all parts, its gradients to them and
+    its own parameters (WhitenedCSE's head); 3. each part encoded again, its dropout replayed, back-
+    propagated with its rows of those gradients and row_loss(part), a term of its rows (the MLM
+    loss). scale: fp16's GradScaler.scale; model: DDP's no_sync but for the last part. The loss."""
+    parts = [slice(start, min(start + size, examples)) for start in range(0, examples, size)]
+    states, cached = [], []
+    with torch.no_grad():
+        for part in parts:
+            states.append(_rng())
+            cached.append(encode(part))
+    end_state = _rng()
+    reps = [torch.cat(p).requires_grad_() for p in zip(*cached)]
+    loss = loss_of(*reps)
+    own = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(scale(loss), reps + own, allow_unused=True)
+    own_grads = [(p, g) for p, g in zip(own, grads[len(reps):]) if g is not None]
+    total = loss.detach()
+    for i, (part, state) in enumerate(zip(parts, states)):
+        _rng(state)
+        last = i == len(parts) - 1
+        with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            pairs = [(out, g[part]) for out, g in zip(encode(part), grads) if g is not None]
+            if row_loss is not None:
+                term = row_loss(part)
+                total = total + term.detach()
+                pairs.append((scale(term), None))
+            if last and own_grads:  # in the backward DDP averages: d/dp of p . g is g
+                pairs.append((sum((p * g).sum() for p, g in own_grads), None))
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    _rng(end_state)
+    return total
+
+
+def _rng(state=None):  # the RNG streams dropout draws from: read, or set back to `state`
+    cuda = torch.cuda.is_initialized()
+    if state is None:
+        return torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])

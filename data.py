@@ -203,6 +203,14 @@ def make_loader(corpus: TokenizedCorpus, args, device,
                                        generator=torch.Generator().manual_seed(args.seed))
 
 
+def part_of(batch: dict, part: slice | None, blocks: int = 1) -> dict:
+    """Some of a batch's examples (part None: all of it), for a batch laid out in `blocks` blocks
+    of rows (NLI's columns, repeated views): each block's rows of those examples."""
+    if part is None:
+        return batch
+    return {k: torch.cat([block[part] for block in v.chunk(blocks)]) for k, v in batch.items()}
+
+
 def batches(loader):
     """(rows, batch): the loader's batches, epoch after epoch, each with the global batch's row
     count (known from the sampler, no collective), which distributed.gather takes; each opens a

@@ -269,23 +269,33 @@ def main(argv=None):
             rows, batch = next(batches)  # rows: the global batch's, which each gather takes
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             sentence_ids = distributed.gather(batch.pop("example_ids"), rows)  # the queue's ids
-            views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two views
-            with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                outputs = ddp_model(**views, output_hidden_states=True, output_attentions=True)
-            z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
-            z1, z2 = z.chunk(2)
-            z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
-            # --no_negatives (Table 4): the positive pairs alone, no in-batch or queued negatives
-            # a sentence seen in an earlier step is no negative of itself: its own keys left out
-            loss = common.positive_only_loss(z1, z2, args.temp) if args.no_negatives else \
-                moco_info_nce(z1, z2, queue.tensor, args.temp, queue.ids == sentence_ids[:, None])
-            # AMI's layers only, stacked (N, K, H, n, n), in fp32; per sample, so it stays local.
-            attentions = torch.stack(outputs.attentions[ami_min:ami_max], 1).float()
-            attn1, attn2 = attentions.chunk(2)
-            loss = loss + args.ami_lambda * ami_loss(attn1, attn2, 0, ami_max - ami_min,
-                                                     args.ami_samples, generator)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+
+            def encode_part(part):  # two dropout views of some sentences (None: all), one pass
+                views = common.repeat_views(data.part_of(batch, part), 2)  # the batch repeated
+                with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
+                    outputs = ddp_model(**views, output_hidden_states=True, output_attentions=True)
+                z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
+                # AMI's layers only, stacked (N, K, H, n, n), in fp32
+                attentions = torch.stack(outputs.attentions[ami_min:ami_max], 1).float()
+                return (*z.chunk(2), *attentions.chunk(2))
+
+            def micse_loss(z1, z2, attn1, attn2):
+                z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
+                # --no_negatives (Table 4): the positive pairs alone, no in-batch or queued ones;
+                # a sentence seen in an earlier step is no negative of itself: its own keys left out
+                own_keys = queue.ids == sentence_ids[:, None]
+                loss = common.positive_only_loss(z1, z2, args.temp) if args.no_negatives else \
+                    moco_info_nce(z1, z2, queue.tensor, args.temp, own_keys)
+                # AMI per sample, on this process's rows
+                return loss + args.ami_lambda * ami_loss(attn1, attn2, 0, ami_max - ami_min,
+                                                         args.ami_samples, generator)
+            optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+            if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
+                loss = common.grad_cache(encode_part, micse_loss, len(batch["input_ids"]),
+                                         args.micro_batch_size, scaler.scale, ddp_model)
+            else:
+                loss = micse_loss(*encode_part(None))
+                scaler.scale(loss).backward()
             scaler.unscale_(optimizer)  # fp16: clip the true gradients
             # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)

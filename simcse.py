@@ -109,13 +109,15 @@ def parse_args(argv=None):
     return options.parse(parser, argv, PRESETS, rows)
 
 
-def masked_lm_loss(prediction_scores, labels) -> torch.Tensor:
+def masked_lm_loss(prediction_scores, labels, num_masked=None) -> torch.Tensor:
     """The auxiliary MLM term of Appendix D.2 (l + lambda * l_mlm): mean cross-entropy of the
     vocabulary scores (..., V) at the masked positions; label -100 marks a position that is not
-    scored. A batch with nothing masked gives 0 (the released code's mean over none is NaN)."""
+    scored. A batch with nothing masked gives 0 (the released code's mean over none is NaN).
+    `num_masked`: the whole batch's count, when these are some of its rows (--micro_batch_size)."""
     total = F.cross_entropy(prediction_scores.reshape(-1, prediction_scores.shape[-1]).float(),
                             labels.reshape(-1), ignore_index=-100, reduction="sum")
-    return total / (labels != -100).sum().clamp_min(1)  # no host sync
+    count = (labels != -100).sum() if num_masked is None else num_masked
+    return total / count.clamp_min(1)  # no host sync
 
 
 def keep_first_layers(backbone, k: int) -> None:
@@ -221,37 +223,54 @@ def main(argv=None):
         if step > 0:
             rows, batch = next(batches)  # rows: the global batch's, which each gather takes
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            if args.supervised:  # one pass: anchors, entailments, contradictions (dropout on)
-                with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                    outputs = ddp_model(**batch, output_hidden_states=True)
-                z = common.embed(outputs.hidden_states, batch["attention_mask"], args.pooler, head)
-                # (anchors, positives, hard negatives), or (anchors, positives): Table 4's pairs
-                parts = [distributed.gather(part, rows) for part in z.chunk(corpus.num_columns)]
-                # contradictions (then neutrals with --neutral_hard_negatives: Table 7)
-                hard_negative = torch.cat(parts[2:]) if len(parts) > 2 else None
-                loss = common.info_nce(parts[0], parts[1], args.temp, hard_negative,
-                                       args.hard_negative_weight)
-            else:  # one pass over the batch repeated: two dropout masks, two views
-                views = common.repeat_views(batch, 1 if args.fixed_dropout_mask else 2)
+            blocks = corpus.num_columns  # NLI: a block of rows a column (anchors, positives, ...)
+
+            def encode_part(part):  # the embeddings of some of the examples (None: all), one pass
+                inputs = data.part_of(batch, part, blocks)
+                # supervised: anchors, entailments, contradictions; else two dropout masks: views
+                views = inputs if args.supervised else common.repeat_views(
+                    inputs, 1 if args.fixed_dropout_mask else 2)
                 with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
                     outputs = ddp_model(**views, output_hidden_states=True)
                 z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
-                z1, z2 = (z, z) if args.fixed_dropout_mask else z.chunk(2)  # Table 3, "Fixed 0.1"
+                if args.supervised:  # (anchors, positives, hard negatives) or Table 4's pairs
+                    return z.chunk(blocks)
+                return (z, z) if args.fixed_dropout_mask else z.chunk(2)  # Table 3, "Fixed 0.1"
+
+            def contrastive_loss(z1, z2, *hard):  # InfoNCE over the global batch
                 z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
-                loss = common.positive_only_loss(z1, z2, args.temp) if args.no_negatives else \
-                    common.info_nce(z1, z2, args.temp)  # --no_negatives: miCSE Table 4
+                if args.no_negatives:  # miCSE Table 4
+                    return common.positive_only_loss(z1, z2, args.temp)
+                # contradictions (then neutrals with --neutral_hard_negatives: Table 7)
+                hard = torch.cat([distributed.gather(h, rows) for h in hard]) if hard else None
+                return common.info_nce(z1, z2, args.temp, hard, args.hard_negative_weight)
+
+            mlm_term = None
             if args.do_mlm:  # Appendix D.2: + lambda * MLM on masked copies of the same inputs
-                encoded = batch if args.supervised else views
+                mlm_blocks = blocks if args.supervised else 1 if args.fixed_dropout_mask else 2
+                encoded = batch if args.supervised else common.repeat_views(batch, mlm_blocks)
                 masked_ids, mlm_labels = mask_tokens(encoded["input_ids"], special_ids,
                                                      args.mlm_probability, tokenizer.mask_token_id,
                                                      len(tokenizer), mlm_generator)
-                # the head under autocast too, as the released fp16 runs; its loss in fp32
-                with common.autocast(device, args.precision):
-                    mlm_outputs = ddp_model(**dict(encoded, input_ids=masked_ids))
-                    prediction_scores = lm_head(mlm_outputs.last_hidden_state)
-                loss = loss + args.mlm_weight * masked_lm_loss(prediction_scores, mlm_labels)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+                num_masked = (mlm_labels != -100).sum()  # the mean's denominator: the whole batch's
+
+                def mlm_term(part):  # the head under autocast too, as the released fp16 runs
+                    masked = data.part_of(dict(encoded, input_ids=masked_ids, labels=mlm_labels),
+                                          part, mlm_blocks)
+                    labels = masked.pop("labels")
+                    with common.autocast(device, args.precision):
+                        prediction_scores = lm_head(ddp_model(**masked).last_hidden_state)
+                    return args.mlm_weight * masked_lm_loss(prediction_scores, labels, num_masked)
+            optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+            if args.micro_batch_size:  # GradCache: the same loss and gradients, K examples at once
+                num_examples = len(batch["input_ids"]) // blocks
+                loss = common.grad_cache(encode_part, contrastive_loss, num_examples,
+                                         args.micro_batch_size, scaler.scale, ddp_model, mlm_term)
+            else:
+                loss = contrastive_loss(*encode_part(None))
+                if mlm_term is not None:
+                    loss = loss + mlm_term(None)
+                scaler.scale(loss).backward()
             scaler.unscale_(optimizer)  # fp16: clip the true gradients
             # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)

@@ -123,12 +123,20 @@ def dropout_off(module: nn.Module):
         if isinstance(m, nn.Dropout):
             m.eval()
         setattr(m, slot, 0.0)
+    # --gradient_checkpointing: this pass keeps its activations (recomputed in the backward pass, it
+    # would run with dropout back on)
+    checkpointed = [m for m in module.modules()
+                    if getattr(m, "gradient_checkpointing", False) is True]
+    for m in checkpointed:
+        m.gradient_checkpointing = False
     try:
         yield
     finally:
         for m, slot, training, rate in saved:
             m.train(training)
             setattr(m, slot, rate)
+        for m in checkpointed:
+            m.gradient_checkpointing = True
 
 
 def main(argv=None):
@@ -167,30 +175,43 @@ def main(argv=None):
         if step > 0:
             rows, batch = next(batches)  # rows: the global batch's, which each gather takes
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            views = common.repeat_views(batch, 2)  # one pass over the batch repeated: two views
-            with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                outputs = ddp_model(**views, output_hidden_states=True)
-            z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
-            z1, z2 = z.chunk(2)
-            z1, z2, z_dropout_off = distributed.gather(z1, rows), distributed.gather(z2, rows), None
-            # a third pass with every dropout off gives the negatives (with grads)
-            if not (args.no_off_dropout or args.dcl_only):
+
+            def encode_part(part):  # two dropout views of some sentences (None: all), one pass
+                inputs = data.part_of(batch, part)
+                views = common.repeat_views(inputs, 2)  # one pass over the batch repeated
+                with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
+                    outputs = ddp_model(**views, output_hidden_states=True)
+                z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
+                if args.no_off_dropout or args.dcl_only:
+                    return z.chunk(2)
+                # a third pass with every dropout off gives the negatives (with grads)
                 with dropout_off(backbone), common.autocast(device, args.precision):
-                    outputs_off = ddp_model(**batch, output_hidden_states=True)
-                z_dropout_off = common.embed(outputs_off.hidden_states, batch["attention_mask"],
+                    outputs_off = ddp_model(**inputs, output_hidden_states=True)
+                z_dropout_off = common.embed(outputs_off.hidden_states, inputs["attention_mask"],
                                              args.pooler, head)
-                z_dropout_off = distributed.gather(z_dropout_off, rows)
-            # DCL's statistics are the global batch's (the released code under torchrun divides C by
-            # the local batch size: docs/fidelity.md)
-            if args.dcl_only:  # Table 4: DCL alone
-                loss = dcl_loss(z1, z2, args.dcl_temp)
-            else:
-                loss = view_negatives_info_nce(z1, z2, args.temp, args.m) if args.no_off_dropout \
-                    else off_dropout_info_nce(z1, z2, z_dropout_off, args.temp, args.m)
+                return (*z.chunk(2), z_dropout_off)
+
+            def simcsepp_loss(z1, z2, z_dropout_off=None):  # over the global batch
+                z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
+                # DCL's statistics are the global batch's (the released code under torchrun divides
+                # C by the local batch size: docs/fidelity.md)
+                if args.dcl_only:  # Table 4: DCL alone
+                    return dcl_loss(z1, z2, args.dcl_temp)
+                if args.no_off_dropout:
+                    loss = view_negatives_info_nce(z1, z2, args.temp, args.m)
+                else:
+                    loss = off_dropout_info_nce(z1, z2, distributed.gather(z_dropout_off, rows),
+                                                args.temp, args.m)
                 if args.dcl_weight > 0:
                     loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+                return loss
+            optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+            if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
+                loss = common.grad_cache(encode_part, simcsepp_loss, len(batch["input_ids"]),
+                                         args.micro_batch_size, scaler.scale, ddp_model)
+            else:
+                loss = simcsepp_loss(*encode_part(None))
+                scaler.scale(loss).backward()
             scaler.unscale_(optimizer)  # fp16: clip the true gradients
             # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)

@@ -178,29 +178,41 @@ def main(argv=None):
         if step > 0:
             rows, batch = next(batches)  # rows: the global batch's, which each gather takes
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            # one pass over the batch repeated: two dropout views (SSCL-BERT: one view, used twice)
             num_views = 1 if args.no_dropout_positive else 2
-            views = common.repeat_views(batch, num_views)
-            with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                outputs = ddp_model(**views, output_hidden_states=True)
-            mask = views["attention_mask"]
-            z = common.embed(outputs.hidden_states, mask, args.pooler, head)
-            # The negatives come from the same pass: intermediate layers of both views.
-            reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head,
-                                         num_views)
-            if projection is not None:  # Table 5: every representation projected to d dimensions
-                z = projection(z)
-                reps = [tuple(projection(n) for n in layer) for layer in reps]
-            z1, z2 = (z, z) if args.no_dropout_positive else z.chunk(2)
-            # Code over paper: both views' layers (2N a layer); the paper adds N (--layer_negatives)
-            views_used = 2 if args.layer_negatives == "both" else 1
-            # Released code under torchrun: each process's own layer negatives; gathered here
-            layer_negatives = [tuple(distributed.gather(n, rows) for n in layer[:views_used])
-                               for layer in reps]
-            z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
-            loss = sscl_loss(z1, z2, layer_negatives, args.temp)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+            per_layer = min(num_views, 2 if args.layer_negatives == "both" else 1)  # views a layer
+
+            def encode_part(part):  # some of the sentences (None: all), one pass
+                # the batch repeated: two dropout views (SSCL-BERT: one view, used twice)
+                views = common.repeat_views(data.part_of(batch, part), num_views)
+                with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
+                    outputs = ddp_model(**views, output_hidden_states=True)
+                mask = views["attention_mask"]
+                z = common.embed(outputs.hidden_states, mask, args.pooler, head)
+                # The negatives come from the same pass: intermediate layers of both views.
+                reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler,
+                                             head, num_views)
+                if projection is not None:  # Table 5: every representation projected to d dims
+                    z = projection(z)
+                    reps = [tuple(projection(n) for n in layer) for layer in reps]
+                z1, z2 = (z, z) if args.no_dropout_positive else z.chunk(2)
+                # Code over paper: both views' layers (2N a layer); the paper adds N
+                # (--layer_negatives)
+                return (z1, z2, *(n for layer in reps for n in layer[:per_layer]))
+
+            def sscl_objective(z1, z2, *negatives):  # over the global batch
+                # Released code under torchrun: each process's own layer negatives; gathered here
+                negatives = [distributed.gather(n, rows) for n in negatives]
+                layer_negatives = [tuple(negatives[i:i + per_layer])
+                                   for i in range(0, len(negatives), per_layer)]
+                z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
+                return sscl_loss(z1, z2, layer_negatives, args.temp)
+            optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+            if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
+                loss = common.grad_cache(encode_part, sscl_objective, len(batch["input_ids"]),
+                                         args.micro_batch_size, scaler.scale, ddp_model)
+            else:
+                loss = sscl_objective(*encode_part(None))
+                scaler.scale(loss).backward()
             scaler.unscale_(optimizer)  # fp16: clip the true gradients
             # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)

@@ -175,23 +175,34 @@ def main(argv=None):
         if step > 0:
             rows, batch = next(batches)  # rows: the global batch's, which each gather takes
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                outputs = ddp_model(**common.repeat_views(batch, args.num_pos))  # m views, one pass
-            cls_views = outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)  # [CLS]
-            if args.global_whitening:  # each covariance over the global batch
-                cls_views = [distributed.gather(c, rows) for c in cls_views]
-            # Eq. 11: a fresh shuffle per view and step (the identity with --no_shuffle)
-            perms = [torch.arange(hidden, device=device) if args.no_shuffle else
-                     torch.randperm(hidden, generator=generator, device=device) for _ in cls_views]
-            if args.no_whitening:  # Table 6: the positives differ by dropout alone
-                perms = [None] * len(cls_views)
-            views = [head(cls, perm) for cls, perm in zip(cls_views, perms)]
-            # Code over paper: the released code whitens each GPU's own rows, then gathers
-            if not args.global_whitening:
-                views = [distributed.gather(v, rows) for v in views]
-            loss = multi_positive_info_nce(views, args.temp)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
+
+            def encode_part(part):  # [CLS] of m dropout views of some sentences (None: all)
+                views = common.repeat_views(data.part_of(batch, part), args.num_pos)  # one pass
+                with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
+                    outputs = ddp_model(**views)
+                return outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)
+
+            def whitened_loss(*cls_views):  # the whitening and the loss: over the batch
+                if args.global_whitening:  # each covariance over the global batch
+                    cls_views = [distributed.gather(c, rows) for c in cls_views]
+                # Eq. 11: a fresh shuffle per view and step (the identity with --no_shuffle)
+                perms = [torch.arange(hidden, device=device) if args.no_shuffle else
+                         torch.randperm(hidden, generator=generator, device=device)
+                         for _ in cls_views]
+                if args.no_whitening:  # Table 6: the positives differ by dropout alone
+                    perms = [None] * len(cls_views)
+                views = [head(cls, perm) for cls, perm in zip(cls_views, perms)]
+                # Code over paper: the released code whitens each GPU's own rows, then gathers
+                if not args.global_whitening:
+                    views = [distributed.gather(v, rows) for v in views]
+                return multi_positive_info_nce(views, args.temp)
+            optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+            if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
+                loss = common.grad_cache(encode_part, whitened_loss, len(batch["input_ids"]),
+                                         args.micro_batch_size, scaler.scale, ddp_model)
+            else:
+                loss = whitened_loss(*encode_part(None))
+                scaler.scale(loss).backward()
             scaler.unscale_(optimizer)  # fp16: clip the true gradients
             # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)

@@ -113,3 +113,22 @@ def check(backbone, tokenizer, args, prebuilt_mask, attentions: bool = False, la
         notes.append("no dropout in this model, and the views need it: --dropout 0.1 (SimCSE's; --dropout 0 keeps "
                      "none)")
     return use_prebuilt, notes
+
+
+def checkpoint_layers(backbone, name: str) -> None:
+    """--gradient_checkpointing: transformers' own, with PyTorch's non-reentrant torch.utils.checkpoint, which keeps
+    each layer's RNG state so that the recomputation in the backward pass draws the same dropout masks. A family
+    without it is one line."""
+    if not getattr(backbone, "supports_gradient_checkpointing", False):
+        raise UsageError(f"--gradient_checkpointing: {name} ({backbone.config.model_type}) has no gradient "
+                         "checkpointing in transformers; use --micro_batch_size to save memory")
+    enable_checkpointing(backbone, use_reentrant=False)
+
+
+def enable_checkpointing(backbone, **kwargs) -> None:
+    """transformers' checkpointing of each layer, with these torch.utils.checkpoint arguments."""
+    backbone.config.use_cache = False  # an encoder caches nothing; transformers warns otherwise
+    if hasattr(backbone, "activation_checkpointing_enable"):  # its name since transformers 5.x
+        backbone.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

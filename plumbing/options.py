@@ -61,6 +61,14 @@ def add_run_flags(parser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms on CUDA (torch.use_deterministic_algorithms, "
                         "CUBLAS_WORKSPACE_CONFIG): a resumed GPU run is then bit-identical; slower")
+    g.add_argument("--gradient_checkpointing", action="store_true",
+                   help="recompute each encoder layer's activations in the backward pass (dropout "
+                        "replayed): the same losses and gradients in less memory, about 1/3 more "
+                        "compute (docs/engineering.md#memory)")
+    g.add_argument("--micro_batch_size", type=int, default=None, metavar="K",
+                   help="encode each process's batch K examples at a time (GradCache): the loss "
+                        "and gradients of the whole batch, its negatives included, with K "
+                        "examples' activations; an extra forward pass")
     g.add_argument("--count_host_syncs", type=int, default=None, metavar="N",
                    help="count the host-device syncs of training steps 2..N+1 into results.json "
                         "(plumbing/syncs.py; slow while it counts: for tests and bench.py)")
@@ -139,7 +147,8 @@ def refuse_method_only_flags(args) -> None:
     """The ablation scripts' run flags: one process, no last/, no --compile, the end without transfer tasks; a
     method file's flags given to them are one line, not ignored."""
     plumbing.refuse_flags(args, ("resume", "auto_resume", "save_steps", "keep_last", "compile", "eval_transfer",
-                                 "align_uniform_steps"), "not in the ablation scripts (method files have them)")
+                                 "align_uniform_steps", "gradient_checkpointing", "micro_batch_size"),
+                          "not in the ablation scripts (method files have them)")
 
 
 def check_args(args) -> torch.device:
@@ -151,7 +160,7 @@ def check_args(args) -> torch.device:
     check(args, "batch_size", lambda v: v >= 2, "at least 2 (one sentence has no negatives)")
     check(args, "max_seq_length", lambda v: 2 <= v <= 512, "2..512 tokens")
     for name in ("lr", "temp", "epochs", "eval_steps", "logging_steps", "align_uniform_steps", "save_steps",
-                 "count_host_syncs"):
+                 "count_host_syncs", "micro_batch_size"):
         check(args, name, lambda v: v > 0, "a positive number")
     for name in ("max_steps", "warmup_steps", "max_grad_norm", "num_workers", "save_minutes"):
         check(args, name, lambda v: v >= 0, "a non-negative number")

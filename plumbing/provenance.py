@@ -114,7 +114,8 @@ def device_name(device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 

@@ -72,6 +72,10 @@ METHOD_FLAGS = {
     # bf16 (--precision auto on a GPU): each process rounds its own rows' activations, so the gradients differ from
     # one process's in bf16's last bits (BF16_ATOL)
     "simcse-bf16": ["--precision", "bf16"],
+    # GradCache under DDP (#53): parts of 3 and 1 of each process's 4 rows, DDP's no_sync but for the last part,
+    # recomputed layers; the global whitening's head is in the loss (its gradient joins the synced backward)
+    "simcse-micro": ["--micro_batch_size", "3", "--gradient_checkpointing", "--count_host_syncs", "2"],
+    "whitenedcse-global-micro": ["--num_groups", "16", "--global_whitening", "--micro_batch_size", "2"],
 }
 # Adam moves a parameter by about lr a step whatever the gradient's size: a gradient whose bf16 rounding differs
 # can at most reverse a step, 2 lr, in each of the 4 steps (measured on gloo: 8.8e-5; lr 3e-5: 2.4e-4)
@@ -82,7 +86,8 @@ DEVICE = os.environ.get("SUITE_DISTRIBUTED_DEVICE", "cpu")  # cuda: NCCL on 2 GP
 # parameters after 4 steps can only agree to Adam's step size (a test that could not fail). Step 1's loss and
 # gradient norm carry the proof there: a whitening with the global statistics misses step 1's loss by 25%.
 ADAM_NOISE = {"whitenedcse"}
-PASSES = {"simcsepp": 2, "simcse-sup-mlm": 2}  # DDP forward passes a step (SimCSE++'s dropout-off pass)
+# DDP forward passes a step (SimCSE++'s dropout-off pass; GradCache: each part twice)
+PASSES = {"simcsepp": 2, "simcse-sup-mlm": 2, "simcse-micro": 4, "whitenedcse-global-micro": 4}
 
 
 @pytest.fixture(scope="module")

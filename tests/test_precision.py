@@ -32,13 +32,18 @@ LOSSES = {
     "noise": [("simcsepp_noise_barlow", "noisy_info_nce")],
     "barlow": [("simcsepp_noise_barlow", "barlow_twins_loss"), (common, "info_nce")],
     "whitening": [("whitenedcse_whitening", "full_whitening"), ("whitenedcse", "multi_positive_info_nce")],
+    # GradCache and recomputed layers (#53): the losses see the cached fp32 embeddings
+    "simcse_mlm_micro": [("simcse", "masked_lm_loss"), (common, "info_nce")],
+    "micse_micro": [("micse", "moco_info_nce"), ("micse", "ami_loss")],
 }
 FLAGS = {"simcse_sup": ["--supervised"], "sscl": ["--neg_layers", "1"], "whitenedcse": ["--num_groups", "16"],
          "micse": ["--queue_size", "16"], "simcse_mlm": ["--do_mlm"],
          "sscl_projection": ["--neg_layers", "1", "--output_dim", "8"],
          "augmentations": ["--positive", "word_deletion", "--rate", "0.2", "--two_encoders"],
          "noise": ["--positive_noise", "add", "--negative_noise", "reduce", "--mean_passes", "2"],
-         "barlow": ["--barlow", "--barlow_padding", "10"], "whitening": ["--whitening", "zca"]}
+         "barlow": ["--barlow", "--barlow_padding", "10"], "whitening": ["--whitening", "zca"],
+         "simcse_mlm_micro": ["--do_mlm", "--micro_batch_size", "3", "--gradient_checkpointing"],
+         "micse_micro": ["--queue_size", "16", "--micro_batch_size", "3", "--gradient_checkpointing"]}
 # What a loss receives under half precision, when not the fp32 embeddings: --do_mlm's vocabulary scores come from the
 # head run under autocast, as the released code's fp16 runs did (the loss casts them to fp32 before its cross-entropy).
 INPUTS = {"masked_lm_loss": "half"}

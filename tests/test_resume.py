@@ -26,7 +26,9 @@ CASES = {"simcse": [], "simcse-sup": ["--supervised"], "simcsepp": [], "sscl": [
          # the MLM head and the masking generator (#30), SSCL's projection (Table 5)
          "simcse-mlm": ["--do_mlm"], "sscl-projection": ["--neg_layers", "1", "--output_dim", "8"],
          # fp16 on CPU: the GradScaler's scale and growth tracker travel with last/ (#46)
-         "simcse-fp16": ["--precision", "fp16"]}
+         "simcse-fp16": ["--precision", "fp16"],
+         # GradCache (#53): its parts' RNG states and the queue travel with last/ like the rest
+         "micse-micro": ["--queue_size", "12", "--micro_batch_size", "3", "--gradient_checkpointing"]}
 
 
 def case_args(case, tiny_model, corpus, senteval_dir, out, tmp_path):

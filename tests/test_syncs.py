@@ -24,6 +24,10 @@ RUNS = {
     "sscl": (["--neg_layers", "1"], 0), "sscl_projection": (["--neg_layers", "1", "--output_dim", "8"], 0),
     "whitenedcse": (["--num_groups", "16"], 3), "whitenedcse_no_whitening": (["--no_whitening"], 0),
     "micse": (["--queue_size", "16"], 0), "micse_no_queue": (["--queue_size", "0"], 0),
+    # GradCache and recomputed layers (#53): still none (WhitenedCSE's eigh once a view, as before)
+    "simcse_sup_mlm_micro": (["--supervised", "--do_mlm", "--micro_batch_size", "3", "--gradient_checkpointing"], 0),
+    "micse_micro": (["--queue_size", "16", "--micro_batch_size", "3", "--gradient_checkpointing"], 0),
+    "whitenedcse_micro": (["--num_groups", "16", "--micro_batch_size", "3"], 3),
     "augmentations": (["--positive", "word_deletion", "--rate", "0.2", "--two_encoders"], 0),
     "noise": (["--positive_noise", "add", "--negative_noise", "reduce", "--mean_passes", "2"], 0),
     "barlow": (["--barlow", "--barlow_padding", "10"], 0),
