@@ -45,6 +45,11 @@ def cli(main) -> None:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except torch.OutOfMemoryError as err:
+        print(f"error: the GPU ran out of memory ({str(err).splitlines()[0][:120]}): --gradient_checkpointing and "
+              "--micro_batch_size K train the same objective in less (python tools/bench.py --memory says what "
+              "each needs); best/ and last/ hold the last complete save", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
 

@@ -37,8 +37,8 @@ import common
 import data
 import eval_sts
 import plumbing
-from plumbing import (backbones, checkpoint, distributed, files, lock, options, outdir, progress, provenance,
-                      resume, syncs)
+from plumbing import (backbones, checkpoint, distributed, files, lock, memory, options, outdir, progress,
+                      provenance, resume, syncs)
 
 
 FP16_SKIP_LIMIT = 25  # fp16: this many skipped steps in a row stop the run (the scale has fallen 2^25-fold)
@@ -120,12 +120,14 @@ class Run:
     def check_encoder(self, backbone, tokenizer, attentions: bool = False, layers: bool = False,
                       mlm_head: bool = False) -> bool:
         """What the method needs of the loaded encoder, before any training (plumbing/backbones.py): one line where it
-        cannot work (attention weights, a layer list, an MLM head); --dropout 0.1 for a model without dropout. Whether
-        a training pass may give it the prebuilt 4-D mask (common.BackboneWithHeads's prebuilt_mask); the run summary
-        says."""
+        cannot work (attention weights, a layer list, an MLM head); --dropout 0.1 for a model without dropout;
+        --gradient_checkpointing switched on. Whether a training pass may give it the prebuilt 4-D mask
+        (common.BackboneWithHeads's prebuilt_mask); the run summary says."""
         prebuilt, self.encoder_notes = backbones.check(
             backbone, tokenizer, self.args, lambda mask: common.attention_mask_4d(
                 mask, backbone.config._attn_implementation), attentions, layers, mlm_head)
+        if self.args.gradient_checkpointing:  # recomputed in the backward pass, dropout replayed
+            backbones.checkpoint_layers(backbone, self.args.model_name_or_path)
         return prebuilt
 
     def start(self, loader, total_steps: int, encode, modules, train_file, subset, **state) -> None:
@@ -147,6 +149,10 @@ class Run:
         self.summary = summary(args, self.data, len(loader), total_steps, self.device, self.encoder_notes)
         self.provenance = provenance.collect(self.device, args.precision, distributed.world_size(), self.started)
         self._take_folder(state)
+        if state.get("backbone") is not None:  # on a GPU: the estimated peak against its free memory (one line)
+            note = memory.check_device(args, state["backbone"].config, self.device, distributed.world_size())
+            if note:
+                distributed.log(note)
         self.stop = distributed.StopSignal()
         evaluating = self.folder_state == "evaluating"  # the training ended: the final evaluation alone
         saved = resume.restore(args, state, loader, self.device, evaluating) if args.resume else resume.new_run()
@@ -334,6 +340,7 @@ class Run:
         processes."""
         self.stop.phase = "writing best/"  # a signal now lets best/ be written whole, then stops the run
         self.flush_best()
+        self._free_training_memory()
         distributed.shutdown()
         if distributed.rank() != 0:
             return None
@@ -368,6 +375,18 @@ class Run:
                 results["interrupted"] = False
                 del results["interrupted_during"]
         return results
+
+    def _free_training_memory(self) -> None:
+        """Once best/ is written, what only training needs is freed before the final evaluation loads best/ and the
+        pretrained model beside the trained one: the gradients, AdamW's moments, the best model's copy (on a GPU:
+        four times the weights; plumbing/memory.py counts the evaluation's peak so)."""
+        for thing in self.state.values():
+            if isinstance(thing, torch.optim.Optimizer):
+                thing.zero_grad(set_to_none=True)
+                thing.state.clear()
+        self.best_copy = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def write(self, results: dict | None) -> None:
         """results.json (process 0) with its provenance's end time, best/'s model card with the test scores, the

@@ -35,7 +35,7 @@ def test_the_top_level_shows_the_papers():
     assert sorted(p.name for p in ROOT.glob("*.py")) == sorted(
         METHOD_FILES + ["common.py", "data.py", "eval_sts.py", "eval_transfer.py"])
     assert {p.name for p in (ROOT / "tools").glob("*.py")} == {"report.py", "protocols.py", "analyze.py", "bench.py",
-                                                                    "parity.py", "tables.py"}
+                                                                    "parity.py", "tables.py", "memory.py"}
     assert "what a first reading skips" in (ROOT / "plumbing" / "__init__.py").read_text().lower()
 
 
@@ -175,7 +175,7 @@ def test_eval_sts_is_the_protocol():
 FLOORS = [{"common"},
           {"plumbing", "plumbing.progress", "plumbing.files", "plumbing.distributed", "plumbing.syncs",
            "plumbing.backbones", "plumbing.hub", "plumbing.provenance", "plumbing.resume", "plumbing.lock",
-           "plumbing.outdir", "plumbing.checkpoint"},
+           "plumbing.outdir", "plumbing.checkpoint", "plumbing.memory"},
           {"data", "eval_sts", "eval_transfer"},
           {"plumbing.options", "plumbing.run"}]  # then the method files, the ablations and the tools
 

@@ -177,8 +177,59 @@ def bench_saves(device, repeats: int = 3) -> dict:
             "train_s": train_s}
 
 
+FLAG_SETTINGS = {"neither": [], "--gradient_checkpointing": ["--gradient_checkpointing"],
+                 "--micro_batch_size B/4": ["--micro_batch_size", "{quarter}"],
+                 "both": ["--gradient_checkpointing", "--micro_batch_size", "{quarter}"]}
+
+
+def bench_flags(args) -> dict:
+    """--gradient_checkpointing and --micro_batch_size against neither, on args.model_name_or_path at
+    --batch_size: the step's peak above the training state (plumbing/memory.measured_step: the allocator's events
+    of the step's model on real tensors) and the estimate's, then steps/s of simcse.py itself, the four settings
+    run one after another twice (the machine's slower spells hit every setting)."""
+    import types
+    import simcse
+    from plumbing import memory
+    config = hub.local_config(args.model_name_or_path)
+    quarter = str(max(args.batch_size // 4, 1))
+    flags = {name: [f.format(quarter=quarter) for f in value] for name, value in FLAG_SETTINGS.items()}
+    found = {}
+    for name, extra in flags.items():
+        method = simcse.parse_args(["--model_name_or_path", args.model_name_or_path, "--batch_size",
+                                    str(args.batch_size), "--max_seq_length", str(args.max_seq_length),
+                                    "--precision", "fp32", *extra])
+        estimate = memory.estimate(method, config, evaluations=False)
+        found[name] = {"measured": memory.measured_step(method, config),  # above the step's starting state
+                       "estimated": estimate["activations"] + estimate["gradients"], "rates": []}
+    with tempfile.TemporaryDirectory() as workdir:
+        for _ in range(2):
+            for name, extra in flags.items():
+                found[name]["rates"].append(bench_method("simcse", args, extra, workdir)["timed_steps_per_second"])
+                for p in Path(workdir).iterdir():  # the next run's folder
+                    subprocess.run(["rm", "-rf", str(p)])
+    base = found["neither"]
+    print(f"\nflags, {args.model_name_or_path}, batch {args.batch_size} x {args.max_seq_length} tokens, fp32, "
+          f"{types.SimpleNamespace(cpu=plumbing.resolve_device(args.device)).cpu}")
+    print(f"{'setting':<26}{'step peak MiB':>15}{'x neither':>11}{'estimated MiB':>15}{'steps/s':>9}"
+          f"{'x neither':>11}")
+    for name, row in found.items():
+        rate, base_rate = sum(row["rates"]) / 2, sum(base["rates"]) / 2
+        print(f"{name:<26}{row['measured'] / 2**20:>15.0f}{row['measured'] / base['measured']:>11.2f}"
+              f"{row['estimated'] / 2**20:>15.0f}{rate:>9.3f}{rate / base_rate:>11.2f}")
+    return found
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--memory" in argv:  # the GPU memory of each paper recipe, estimated: tools/memory.py, its flags
+        import memory
+        return memory.main([a for a in argv if a != "--memory"])
     parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--memory", action="store_true",
+                        help="estimate the GPU memory of each paper recipe instead (tools/memory.py: its flags)")
+    parser.add_argument("--flag_cost", action="store_true",
+                        help="only measure --gradient_checkpointing and --micro_batch_size against neither "
+                             "(bench_flags)")
     parser.add_argument("--save_cost", action="store_true",
                         help="only measure what saving a BERT-base-sized checkpoint costs (bench_saves)")
     parser.add_argument("--model_name_or_path", default=None, help="the model to train (required but with "
@@ -206,6 +257,12 @@ def main(argv=None):
         return
     if not (args.model_name_or_path and args.train_file):
         parser.error("--model_name_or_path and --train_file are required (but with --save_cost)")
+    if args.flag_cost:
+        for name in ("model_name_or_path", "train_file", "senteval_dir"):  # the runs' cwd is the suite
+            if getattr(args, name) and Path(getattr(args, name)).exists():
+                setattr(args, name, str(Path(getattr(args, name)).resolve()))
+        bench_flags(args)
+        return
     plumbing.check_range(args, "steps", lambda v: v >= 1, "a positive integer")
     plumbing.check_range(args, "warmup", lambda v: v >= 0, "a non-negative integer")
     if args.compare_with and not (Path(args.compare_with) / "simcse.py").is_file():
