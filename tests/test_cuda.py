@@ -1,7 +1,7 @@
 """What only a GPU can show, skipped without CUDA: every script and ablation flag in bf16 and fp16 with fp32 losses,
 no host sync in a step (the dispatch-mode counter, and torch's own check set to "error"), fused AdamW, --compile
 with inductor and no recompiles after warm-up, DDP under NCCL (2 GPUs), resume with and without --deterministic,
-and a checkpoint trained on CUDA evaluated on CPU.
+a checkpoint trained on CUDA evaluated on CPU, and the memory estimate against the GPU's own peak.
 
 Its logic runs on CPU too, where that is honest: the tables' scripts import (tests/test_syncs.py), the counter and
 its CUDA window with torch.cuda's debug mode faked (test_syncs.py), the same runs with --precision bf16 and fp16

@@ -267,3 +267,13 @@ def test_the_memory_table_of_a_local_model(tiny_model, capsys):
     assert len(lines) == 4 and lines[2].startswith("| simcse | ") and lines[3].startswith("| micse | ")
     assert all(line.endswith("| fits |") for line in lines[2:])
     assert "| 64 | fp16 |" in lines[2] and "| 50 | fp32 |" in lines[3]  # the presets, the released precision
+
+
+def test_a_model_the_estimate_cannot_trace_still_trains(tiny_model, corpus, senteval_dir, tmp_path, monkeypatch,
+                                                        capsys):
+    import simcse
+    from plumbing import memory
+    monkeypatch.setattr(memory, "device_free", lambda device: 1 << 40)
+    monkeypatch.setattr(memory, "estimate", lambda *a, **k: (_ for _ in ()).throw(NotImplementedError("an op")))
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "run", "--no_test_eval")])
+    assert "memory: no estimate for this model (NotImplementedError); going on" in capsys.readouterr().out
