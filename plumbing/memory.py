@@ -50,53 +50,6 @@ FP32 = {"softmax", "log_softmax", "softmin", "layer_norm", "group_norm", "rms_no
 PROMOTE = {"cat", "stack", "addcdiv", "addcmul", "index_put", "scatter_add", "where"}
 
 
-class CudaAutocast(TorchFunctionMode):
-    """CUDA's autocast on any device's tensors: the ops of LOWER get their floating-point inputs in `dtype`, those
-    of FP32 in fp32, those of PROMOTE the widest; a weight's cast is cached until the context ends. Above autograd,
-    as autocast is, so that the backward pass saves what a GPU's saves."""
-
-    def __init__(self, dtype):
-        super().__init__()
-        self.dtype, self.cache = dtype, {}
-
-    def __enter__(self):
-        _ACTIVE.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _ACTIVE.pop()
-        return super().__exit__(*exc)
-
-    def cast(self, value, dtype):
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.cast(v, dtype) for v in value)
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == dtype:
-            return value
-        if value.is_leaf and value.requires_grad:  # a weight: cast once a pass
-            key = (id(value), dtype)
-            if key not in self.cache:
-                self.cache[key] = value.to(dtype)
-            return self.cache[key]
-        return value.to(dtype)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in LOWER:
-            args, kwargs = self.cast(args, self.dtype), {k: self.cast(v, self.dtype) for k, v in kwargs.items()}
-        elif name in FP32:
-            args, kwargs = self.cast(args, torch.float32), {k: self.cast(v, torch.float32) for k, v in kwargs.items()}
-        elif name in PROMOTE:
-            floats = [t.dtype for t in _tensors(args) if t.is_floating_point()]
-            if len(set(floats)) > 1:
-                widest = torch.float32 if torch.float32 in floats else floats[0]
-                args = self.cast(args, widest)
-        if name == "scaled_dot_product_attention":
-            return FusedAttention.apply(*args, *[kwargs.get(k) for k in ("attn_mask", "dropout_p", "is_causal",
-                                                                            "scale")])
-        return func(*args, **kwargs)
-
-
 def _tensors(values):
     for v in values:
         if isinstance(v, torch.Tensor):
@@ -123,7 +76,8 @@ class FusedAttention(torch.autograd.Function):
 
 
 class SdpaTrace(TorchFunctionMode):
-    """fp32 passes (the evaluations, fp32 training): SDPA as the fused kernel a GPU picks, nothing else changed."""
+    """A pass traced as a GPU runs it: SDPA as the fused kernel a GPU picks (FusedAttention), the rest as it is (fp32:
+    the evaluations, fp32 training); on `_ACTIVE` while on, for a checkpointed layer's recomputation."""
 
     def __enter__(self):
         _ACTIVE.append(self)
@@ -139,6 +93,42 @@ class SdpaTrace(TorchFunctionMode):
             return FusedAttention.apply(*args, *[kwargs.get(k) for k in ("attn_mask", "dropout_p", "is_causal",
                                                                             "scale")])
         return func(*args, **kwargs)
+
+
+class CudaAutocast(SdpaTrace):
+    """CUDA's autocast on any device's tensors: the ops of LOWER get their floating-point inputs in `dtype`, those
+    of FP32 in fp32, those of PROMOTE the widest; a weight's cast is cached until the context ends. Above autograd,
+    as autocast is, so that the backward pass saves what a GPU's saves."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype, self.cache = dtype, {}
+
+    def cast(self, value, dtype):
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.cast(v, dtype) for v in value)
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == dtype:
+            return value
+        if value.is_leaf and value.requires_grad:  # a weight: cast once a pass
+            key = (id(value), dtype)
+            if key not in self.cache:
+                self.cache[key] = value.to(dtype)
+            return self.cache[key]
+        return value.to(dtype)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in LOWER:
+            args, kwargs = self.cast(args, self.dtype), {k: self.cast(v, self.dtype) for k, v in kwargs.items()}
+        elif name in FP32:
+            args, kwargs = self.cast(args, torch.float32), {k: self.cast(v, torch.float32) for k, v in kwargs.items()}
+        elif name in PROMOTE:
+            floats = [t.dtype for t in _tensors(args) if t.is_floating_point()]
+            if len(set(floats)) > 1:
+                widest = torch.float32 if torch.float32 in floats else floats[0]
+                args = self.cast(args, widest)
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 _ACTIVE = []  # the passes' modes now on: a checkpointed layer's recomputation runs under the one of its pass
