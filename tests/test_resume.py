@@ -277,7 +277,7 @@ def test_resume_under_torchrun(tiny_model, corpus, senteval_dir, tmp_path):
 def test_last_is_saved_at_dev_gates_after_save_minutes_every_save_steps_and_at_a_signal(
         tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
     """--save_minutes 0: at every gate; the default (10 minutes of training): a short run saves at --save_steps and
-    at the signal only. best/ is written where last/ is (and at the end), from the host copy of the best model."""
+    at the signal only. best/ is written where last/ is (and at the end), from the device copy of the best model."""
     saved_at, written_at = [], []
     real_save, real_write = resume.save, checkpoint.BestCopy.write
     monkeypatch.setattr(resume, "save", lambda args, step, *rest: saved_at.append(step) or real_save(args, step,
