@@ -112,7 +112,9 @@ class StepWindow:
         if self.caught is not None:
             torch.cuda.set_sync_debug_mode(self.debug_mode)
             self.caught.__exit__(None, None, None)
-            self.cuda_warnings.append(sum("synchroniz" in str(w.message) for w in self.warnings))
+            # torch's own warning (c10's warn_or_error_on_sync), not any warning that mentions synchronising
+            self.cuda_warnings.append(sum("called a synchronizing CUDA operation" in str(w.message)
+                                          for w in self.warnings))
             self.caught = None
         self.counter.__exit__(None, None, None)
         self.ops.update(self.counter.ops)

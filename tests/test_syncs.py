@@ -121,13 +121,17 @@ def test_the_window_counts_steps_two_to_n_plus_one_and_sets_cuda_debug_mode(monk
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
     monkeypatch.setattr(syncs, "CUDA_DEBUG", "error")
     window = syncs.StepWindow(2, torch.device("cuda"))
-    for _ in range(4):
+    import warnings
+    for step in range(4):
         window.begin()
         torch.ones(2).sum().item()  # a CPU value: not a sync of a CUDA run
+        warnings.warn("a module imported now says that it synchronizes", DeprecationWarning)  # not torch's
+        if step == 2:
+            warnings.warn("called a synchronizing CUDA operation")  # torch's own (set_sync_debug_mode "warn")
         window.end()
     assert modes == ["error", 0, "error", 0]  # set for steps 2 and 3 only, then restored
     assert window.record() == {"steps": [2, 3], "per_step": [0, 0], "ops": {}, "device": "cuda",
-                               "cuda_sync_warnings_per_step": [0, 0]}
+                               "cuda_sync_warnings_per_step": [0, 1]}
     assert syncs.StepWindow(None, torch.device("cpu")).record() is None
 
 
