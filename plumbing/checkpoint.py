@@ -79,8 +79,3 @@ def save(out_dir, backbone, head, tokenizer, eval_pooler: str, projection=None, 
         files.swap_in(tmp, target)  # a kill leaves the previous best whole (best.old at worst)
     if barrier:
         distributed.barrier()
-
-
-def nbytes(*modules) -> int:
-    """Bytes of the modules' weights and buffers (what best/ holds of them; last/ adds AdamW's two moments)."""
-    return sum(t.numel() * t.element_size() for m in modules if m is not None for t in m.state_dict().values())

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 import common
+import data
 from plumbing import backbones
 
 # Tokens (bert-base-uncased's WordPiece) of the longest sentence the dev gate encodes (STS-B dev) and the final
@@ -204,12 +205,6 @@ def ami_layers(args, num_layers: int) -> tuple[int, int]:
     return (num_layers - 5, num_layers - 1) if num_layers >= 6 else (0, num_layers - num_layers % 2)
 
 
-def part_of(batch: dict, part, blocks: int) -> dict:  # data.part_of (which plumbing cannot import)
-    if part is None:
-        return batch
-    return {k: torch.cat([block[part] for block in v.chunk(blocks)]) for k, v in batch.items()}
-
-
 @contextlib.contextmanager
 def stored_activations(module):
     """SimCSE++'s dropout-off pass keeps its activations under --gradient_checkpointing (simcsepp.dropout_off)."""
@@ -232,7 +227,7 @@ def training_step(args, layout: dict, model, head, lm_head, momentum_model, opti
     ami = ami_layers(args, model.backbone.config.num_hidden_layers)
 
     def encode_part(part):
-        inputs = part_of(batch, part, layout["columns"])
+        inputs = data.part_of(batch, part, layout["columns"])
         views = common.repeat_views(inputs, layout["views"]) if layout["views"] > 1 else inputs
         with autocast_of(args.precision):
             outputs = model(**views, output_hidden_states=True, output_attentions=layout["attentions"])
@@ -252,7 +247,8 @@ def training_step(args, layout: dict, model, head, lm_head, momentum_model, opti
         return loss + sum(r.float().square().mean() for r in reps if r.dim() > 2)
 
     def mlm_term(part):  # the masked copies of the encoded rows through the encoder and the MLM head
-        masked = part_of(common.repeat_views(batch, blocks) if layout["columns"] == 1 else batch, part, blocks)
+        masked = data.part_of(common.repeat_views(batch, blocks) if layout["columns"] == 1 else batch, part,
+                              blocks)
         with autocast_of(args.precision):
             scores = lm_head(model(**masked).last_hidden_state)
         return F.cross_entropy(scores.reshape(-1, scores.shape[-1]).float(), masked["input_ids"].reshape(-1))
@@ -343,7 +339,7 @@ def recipe(args, config, world_size: int = 1) -> SimpleNamespace:
     step = training_step(args, layout, model, head, lm_head, momentum, optimizer,
                          {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     return SimpleNamespace(step=step, model=model, trainable=trainable, optimizer=optimizer, momentum=momentum,
-                           copies=nbytes(backbone, head) + queue, best_copy=nbytes(backbone, head), head=head)
+                           copies=nbytes(backbone, head) + queue, best_copy=nbytes(backbone, head))
 
 
 def persistent(run: SimpleNamespace) -> list:
@@ -392,11 +388,10 @@ def estimate(args, config, world_size: int = 1, evaluations: bool = True) -> dic
         found["step"] = sum(found.values())
         if not evaluations:
             return found
-        found["dev_gate"] = found["weights"] + nbytes(*run.trainable) + optimizer + evaluation_activations(
-            config, DEV_GATE_TOKENS)
-        found["final_eval"] = trained + run.copies + max(
-            evaluation_activations(config, FINAL_EVAL_TOKENS),
-            run.best_copy + evaluation_activations(config, DEV_GATE_TOKENS))
+        dev_batch = evaluation_activations(config, DEV_GATE_TOKENS)
+        found["dev_gate"] = found["weights"] + nbytes(*run.trainable) + optimizer + dev_batch
+        found["final_eval"] = trained + run.copies + max(evaluation_activations(config, FINAL_EVAL_TOKENS),
+                                                         run.best_copy + dev_batch)
     return found
 
 

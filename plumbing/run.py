@@ -149,7 +149,8 @@ class Run:
         self.summary = summary(args, self.data, len(loader), total_steps, self.device, self.encoder_notes)
         self.provenance = provenance.collect(self.device, args.precision, distributed.world_size(), self.started)
         self._take_folder(state)
-        if state.get("backbone") is not None:  # on a GPU: the estimated peak against its free memory (one line)
+        evaluating = self.folder_state == "evaluating"  # the training ended: the final evaluation alone
+        if state.get("backbone") is not None and not evaluating:  # on a GPU: its peak against its free memory
             try:
                 note = memory.check_device(args, state["backbone"].config, self.device, distributed.world_size())
             except Exception as err:  # a family whose ops the trace lacks: the run does not depend on it
@@ -157,7 +158,6 @@ class Run:
             if note:
                 distributed.log(note)
         self.stop = distributed.StopSignal()
-        evaluating = self.folder_state == "evaluating"  # the training ended: the final evaluation alone
         saved = resume.restore(args, state, loader, self.device, evaluating) if args.resume else resume.new_run()
         if evaluating and saved["next_step"] != total_steps + 1:
             raise plumbing.UsageError(f"--resume: the run in {args.output_dir} trained {saved['next_step'] - 1} "
@@ -197,9 +197,9 @@ class Run:
         if args.overwrite_output_dir:
             outdir.clear(out)
         modules = [m for m in state.values() if isinstance(m, torch.nn.Module)]
-        trained = sum(p.numel() * p.element_size() for m in modules for p in m.parameters() if p.requires_grad)
-        best = checkpoint.nbytes(state.get("backbone"), state.get("head"), state.get("projection"))
-        outdir.check_room(out, best, checkpoint.nbytes(*modules) + 2 * trained)  # AdamW: two moments
+        trained = memory.nbytes(*[p for m in modules for p in m.parameters() if p.requires_grad])
+        best = memory.nbytes(state.get("backbone"), state.get("head"), state.get("projection"))
+        outdir.check_room(out, best, memory.nbytes(*modules) + 2 * trained)  # AdamW: two moments
 
     def steps(self):
         """The steps from 0 (only the initial model's dev gate) or where --resume continues, to the last; between
@@ -253,11 +253,10 @@ class Run:
         self.checkpoint_time["best_writes"] += 1
         self.checkpoint_time["best_write_s"] += time.perf_counter() - start
 
-    def card(self, test: dict | None = None, eval_pooler: str | None = None) -> str:
+    def card(self, test: dict | None = None) -> str:
         """best/README.md: the model card (plumbing/provenance.py), with the STS test scores once they exist."""
-        eval_pooler = self.eval_pooler or eval_pooler
-        sentence_transformers = not self.projection and files.pooling_mode(eval_pooler) is not None
-        return provenance.model_card(self.args, eval_pooler, self.provenance,
+        sentence_transformers = not self.projection and files.pooling_mode(self.eval_pooler) is not None
+        return provenance.model_card(self.args, self.eval_pooler, self.provenance,
                                      {"step": self.best_step, "stsb_dev": self.best_dev, "test": test},
                                      sentence_transformers)
 
@@ -401,7 +400,7 @@ class Run:
             self._write_results(results)
             if results.get("test") and (out / "best").is_dir():  # a resumed run too, with or without a new best
                 self.projection = self.projection or (out / "best" / files.PROJECTION_FILE).is_file()
-                files.write_text(out / "best" / "README.md", self.card(results["test"], results["eval_pooler"]))
+                files.write_text(out / "best" / "README.md", self.card(results["test"]))
             resume.drop(self.args, results)
             distributed.log(in_context(results))
             distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")

@@ -175,9 +175,9 @@ def test_eval_sts_is_the_protocol():
 FLOORS = [{"common"},
           {"plumbing", "plumbing.progress", "plumbing.files", "plumbing.distributed", "plumbing.syncs",
            "plumbing.backbones", "plumbing.hub", "plumbing.provenance", "plumbing.resume", "plumbing.lock",
-           "plumbing.outdir", "plumbing.checkpoint", "plumbing.memory"},
+           "plumbing.outdir", "plumbing.checkpoint"},
           {"data", "eval_sts", "eval_transfer"},
-          {"plumbing.options", "plumbing.run"}]  # then the method files, the ablations and the tools
+          {"plumbing.options", "plumbing.run", "plumbing.memory"}]  # then the method files, the ablations and the tools
 
 
 def suite_imports(path) -> set[str]:

@@ -187,7 +187,7 @@ def bench_flags(args) -> dict:
     --batch_size: the step's peak above the training state (plumbing/memory.measured_step: the allocator's events
     of the step's model on real tensors) and the estimate's, then steps/s of simcse.py itself, the four settings
     run one after another twice (the machine's slower spells hit every setting)."""
-    import types
+    import shutil
     import simcse
     from plumbing import memory
     config = hub.local_config(args.model_name_or_path)
@@ -206,10 +206,10 @@ def bench_flags(args) -> dict:
             for name, extra in flags.items():
                 found[name]["rates"].append(bench_method("simcse", args, extra, workdir)["timed_steps_per_second"])
                 for p in Path(workdir).iterdir():  # the next run's folder
-                    subprocess.run(["rm", "-rf", str(p)])
+                    shutil.rmtree(p)
     base = found["neither"]
     print(f"\nflags, {args.model_name_or_path}, batch {args.batch_size} x {args.max_seq_length} tokens, fp32, "
-          f"{types.SimpleNamespace(cpu=plumbing.resolve_device(args.device)).cpu}")
+          f"{plumbing.resolve_device(args.device)}")
     print(f"{'setting':<26}{'step peak MiB':>15}{'x neither':>11}{'estimated MiB':>15}{'steps/s':>9}"
           f"{'x neither':>11}")
     for name, row in found.items():
