@@ -41,9 +41,14 @@ def failed_write(what, partial: Path | None = None, kept: str = ""):
     try:
         yield
     except BaseException as err:
-        if partial is not None and (isinstance(err, plumbing.UsageError) or is_write_error(err)):
-            shutil.rmtree(partial, ignore_errors=True) if Path(partial).is_dir() else Path(partial).unlink(True)
-        if isinstance(err, plumbing.UsageError) or not is_write_error(err):
+        inner = isinstance(err, plumbing.UsageError)  # a write inside this one failed, and said so
+        if not (inner or is_write_error(err)):
+            raise
+        if partial is not None and Path(partial).is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+        elif partial is not None:
+            Path(partial).unlink(missing_ok=True)
+        if inner:
             raise
         reason = getattr(err, "strerror", None) or str(err).strip().splitlines()[0][:160]
         if not isinstance(err, OSError) and disk_full(Path(what).parent):  # torch.save's zip writer says "pos 64"
