@@ -210,15 +210,15 @@ def grad_cache(encode, loss_of, examples: int, size: int, scale, model, row_loss
     time, the loss and gradients the whole batch's (GradCache, Gao et al. 2021): 1. encode(part) of
     each part, no gradients, its RNG state kept; 2. loss_of on all parts, its gradients to them and
     its own parameters (WhitenedCSE's head); 3. each part encoded again, its dropout replayed, back-
-    propagated with its rows of those gradients and row_loss(part), a term of its rows (the MLM
-    loss). scale: fp16's GradScaler.scale; model: DDP's no_sync but for the last part. The loss."""
+    propagated with its rows of those gradients and row_loss(part) (the MLM term; fresh dropout,
+    after all encodings'). scale: GradScaler.scale; model: DDP's no_sync but for the last part."""
     parts = [slice(start, min(start + size, examples)) for start in range(0, examples, size)]
     states, cached = [], []
     with torch.no_grad():
         for part in parts:
             states.append(_rng())
             cached.append(encode(part))
-    end_state = _rng()
+    stream = _rng()  # after every encoding: the RNG that row_loss's passes draw from, in turn
     reps = [torch.cat(p).requires_grad_() for p in zip(*cached)]
     loss = loss_of(*reps)
     own = [p for p in model.parameters() if p.requires_grad]
@@ -230,14 +230,15 @@ def grad_cache(encode, loss_of, examples: int, size: int, scale, model, row_loss
         last = i == len(parts) - 1
         with contextlib.nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
             pairs = [(out, g[part]) for out, g in zip(encode(part), grads) if g is not None]
-            if row_loss is not None:
+            if row_loss is not None:  # fresh masks: not the next part's replayed ones
+                _rng(stream)
                 term = row_loss(part)
-                total = total + term.detach()
+                stream, total = _rng(), total + term.detach()
                 pairs.append((scale(term), None))
             if last and own_grads:  # in the backward DDP averages: d/dp of p . g is g
                 pairs.append((sum((p * g).sum() for p, g in own_grads), None))
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    _rng(end_state)
+    _rng(stream)  # where the whole batch's passes leave it
     return total
 
 

@@ -33,7 +33,8 @@ def random_sentence(rng, lo=3, hi=9):
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
 
-def write_tiny_model(path: Path, num_layers=2, hidden=32, heads=4, with_pooler=True, dropout=0.1):
+def write_tiny_model(path: Path, num_layers=2, hidden=32, heads=4, with_pooler=True, dropout=0.1,
+                     initializer_range=0.02):
     from transformers import BertConfig, BertModel, BertTokenizerFast
     path.mkdir(parents=True, exist_ok=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + WORDS
@@ -42,7 +43,8 @@ def write_tiny_model(path: Path, num_layers=2, hidden=32, heads=4, with_pooler=T
     tokenizer.save_pretrained(path)
     config = BertConfig(vocab_size=len(vocab), hidden_size=hidden, num_hidden_layers=num_layers,
                         num_attention_heads=heads, intermediate_size=2 * hidden, max_position_embeddings=64,
-                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+                        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                        initializer_range=initializer_range)
     import torch
     torch.manual_seed(0)
     BertModel(config, add_pooling_layer=with_pooler).save_pretrained(path)
