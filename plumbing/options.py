@@ -58,6 +58,10 @@ def add_run_flags(parser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the encoder for the training passes (batches padded to a "
                         "multiple of 8, so that few shapes compile)")
+    g.add_argument("--pad_to_max_length", action="store_true",
+                   help="pad every batch to --max_seq_length (the released train.py's flag): one "
+                        "shape for every step, as a CUDA graph needs; the losses of padding to the "
+                        "longest row (dropout draws other masks for another shape), more compute")
     g.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms on CUDA (torch.use_deterministic_algorithms, "
                         "CUBLAS_WORKSPACE_CONFIG): a resumed GPU run is then bit-identical; slower")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import common
+import data
 import plumbing
 from conftest import cli_in_process, smoke_args, write_nli, write_tiny_model
 
@@ -104,6 +105,30 @@ def test_micro_batches_train_what_the_whole_batch_trains(name, well_conditioned_
                            tmp_path, monkeypatch, steps=2)
         assert_same_steps(parts, whole)
     assert not all(torch.equal(a, b) for a, b in zip(whole[0]["grads"], whole[1]["grads"]))  # two real steps
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if "mlm" not in name])
+def test_padding_every_batch_to_max_seq_length_trains_what_padding_to_its_longest_row_trains(
+        name, well_conditioned_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """--pad_to_max_length (#57: one shape a step, as a CUDA graph needs) changes no loss and no gradient beyond fp32's
+    rounding (the attention's sums run over the masked positions too, which add exact zeros), in fp32 with dropout
+    off (the momentum encoder's too): dropout and --do_mlm's masking draw over the padded shape. miCSE with AMI off:
+    the released AMI scales by the valid share of the padded tiles, so padding changes its weight
+    (docs/arguments.md)."""
+    flags = ["--dropout", "0", "--lr", "1e-9"]
+    flags += ["--ami_lambda", "0", "--momentum_dropout", "0"] if name == "micse" else []
+    shapes = []
+    real_collate = data.TokenizedCorpus.collate
+    monkeypatch.setattr(data.TokenizedCorpus, "collate", lambda self, rows: shapes.append(
+        real_collate(self, rows)["input_ids"].shape[1]) or real_collate(self, rows))
+    dynamic = first_step(name, flags, well_conditioned_model, corpus, senteval_dir, tmp_path, monkeypatch, steps=2)
+    widths, shapes[:] = list(shapes), []
+    padded = first_step(name, flags + ["--pad_to_max_length", "--max_seq_length", 24], well_conditioned_model, corpus,
+                        senteval_dir, tmp_path, monkeypatch, steps=2)
+    assert max(widths) < 24 and set(shapes) == {24}, (widths, shapes)
+    assert_same_steps(padded, dynamic, rtol=1e-4)  # the whole gradient to 1e-5, each parameter to 1e-4
+    for a, b in zip(padded, dynamic):
+        assert torch.allclose(a["loss"], b["loss"], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("name", ["simcse-mlm", "simcse-sup-mlm"])
