@@ -62,9 +62,8 @@ class MLPHead(nn.Sequential):
 
 class BackboneWithHeads(nn.Module):
     """What a step trains, one module, so that DDP averages every gradient: the backbone and its
-    heads. Its forward is the backbone's alone (the loop applies the heads to what it returns).
-    BERT's pooler is in no loss (SimCSE trains its own head): frozen. `prebuilt_mask`: pass the 4-D
-    mask, where it gives the model's own outputs (Run.check_encoder)."""
+    heads; its forward is the backbone's alone. BERT's pooler is in no loss (SimCSE trains its own
+    head): frozen. `prebuilt_mask`: pass the 4-D mask, where it gives the model's own outputs."""
 
     def __init__(self, backbone, *heads, prebuilt_mask: bool = True):
         super().__init__()
@@ -130,30 +129,31 @@ def eval_pooler(args) -> str:
     return "cls_before_pooler" if args.pooler == "cls" and args.mlp_only_train else args.pooler
 
 
-def model_encode(backbone, head, tokenizer, pooler: str, device):
-    """encode(list[str]) -> np.ndarray with an evaluation pooler ("cls" with a head: the trained
-    head on [CLS]); fp32, no grad, sentences cut at the model's length (512 at most)."""
-    max_length = min(getattr(tokenizer, "model_max_length", 512) or 512, 512)
+class Encoder:
+    """encode(list[str]) -> np.ndarray: `backbone` (or BackboneWithHeads: its prebuilt mask), the
+    evaluation pooler ("cls" with a head: the trained head), then `projection` (SSCL Table 5); fp32,
+    no grad, <= 512 tokens. Halves tokenize / on_device (kept on the device): the gate's."""
+    def __init__(self, backbone, head, tokenizer, pooler: str, device, projection=None):
+        self.backbone, self.head, self.tokenizer, self.pooler = backbone, head, tokenizer, pooler
+        self.device, self.projection = device, projection
+        self.max_length = min(getattr(tokenizer, "model_max_length", 512) or 512, 512)
+
+    def tokenize(self, sentences):
+        return self.tokenizer(sentences, padding=True, truncation=True, max_length=self.max_length,
+                              return_tensors="pt").to(self.device)
 
     @torch.no_grad()
-    def encode(sentences):
-        batch = tokenizer(sentences, padding=True, truncation=True, max_length=max_length,
-                          return_tensors="pt").to(device)
-        outputs = backbone(**batch, output_hidden_states=True)
-        if pooler == "cls" and head is not None:
-            return head(outputs.last_hidden_state[:, 0]).float().cpu().numpy()
-        return pool(outputs.hidden_states, batch["attention_mask"], pooler,
-                    getattr(outputs, "pooler_output", None)).float().cpu().numpy()
-    return encode
+    def on_device(self, batch) -> torch.Tensor:
+        outputs = self.backbone(**batch, output_hidden_states=True)
+        if self.pooler == "cls" and self.head is not None:
+            z = self.head(outputs.last_hidden_state[:, 0]).float()
+        else:
+            z = pool(outputs.hidden_states, batch["attention_mask"], self.pooler,
+                     getattr(outputs, "pooler_output", None)).float()
+        return z if self.projection is None else self.projection(z)
 
-
-def project(encode, projection: nn.Module):
-    """encode(list[str]) followed by a linear `projection` (SSCL Table 5), fp32, no grad."""
-    @torch.no_grad()
-    def projected(sentences):
-        x = torch.from_numpy(encode(sentences)).to(projection.weight.device)
-        return projection(x).cpu().numpy()
-    return projected
+    def __call__(self, sentences):
+        return self.on_device(self.tokenize(sentences)).cpu().numpy()
 
 
 # --------------------------------------------------------------------------------------------- loss
@@ -200,9 +200,8 @@ def make_optimizer(params, args, total_steps: int):
     params = [p for p in params if p.requires_grad]
     fused = params[0].device.type in ("cuda", "cpu") or None
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=fused)
-    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, args.warmup_steps,
-                                                             total_steps)
-    return optimizer, scheduler
+    return optimizer, transformers.get_linear_schedule_with_warmup(optimizer, args.warmup_steps,
+                                                                   total_steps)
 
 
 def grad_cache(encode, loss_of, examples: int, size: int, scale, model, row_loss=None):

@@ -21,16 +21,18 @@ common.py's; plumbing/ gives the one-line errors, the hub download of senteval.t
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from scipy.stats import spearmanr
 
 import common
 import plumbing
-from plumbing import files, hub, progress
+from plumbing import backbones, files, hub, progress
 
 STS_SUBSETS = {
     "STS12": ["MSRpar", "MSRvid", "SMTeuroparl", "surprise.OnWN", "surprise.SMTnews"],
@@ -56,9 +58,12 @@ def load_encode(name_or_path: str, pooler: str, device):
         if head is None and getattr(backbone, "pooler", None) is None:
             raise plumbing.UsageError(f"--pooler cls: {name_or_path} has no pooler layer and no trained MLP head "
                                       f"({files.HEAD_FILE}); use --pooler cls_before_pooler")
-    encode = common.model_encode(backbone.to(device).eval(), head, tokenizer, pooler, device)
     projection = files.load_linear(name_or_path, files.PROJECTION_FILE)
-    return encode if projection is None else common.project(encode, projection.to(device))
+    # the prebuilt 4-D mask (no host check a batch, as the dev gate's) where it gives exactly the model's own outputs
+    difference, _ = backbones.mask_probe(backbone, backbones.probe_batch(tokenizer, 32), lambda mask: (
+        common.attention_mask_4d(mask, backbone.config._attn_implementation)))
+    model = common.BackboneWithHeads(backbone.to(device).eval(), prebuilt_mask=difference == 0.0)
+    return common.Encoder(model, head, tokenizer, pooler, device, None if projection is None else projection.to(device))
 
 
 def checkpoint_pooler(name_or_path: str, pooler: str | None) -> str:
@@ -113,15 +118,38 @@ def load_pairs(senteval_dir, task: str, split: str = "test") -> list[tuple[str, 
 
 
 # -------------------------------------------------------------------------------------------- metric
+class Sentences:
+    """Distinct sentences to encode, once or at every dev gate: sorted by length into batches of `batch_size`, the
+    longest first, and where `encode` is a common.Encoder sorted by their token count (a batch pads little: STS's
+    test sentences in batches sorted by characters were 44% padding, by tokens 1%) and each batch tokenised once;
+    `index` maps a sentence to its row of `embed`'s matrix."""
+
+    def __init__(self, sentences, encode=None, batch_size: int = 128):
+        unique = sorted(set(sentences), key=lambda s: (len(s), s))
+        if hasattr(encode, "tokenizer"):  # a stable sort: alike counts stay in the characters' order
+            ids = encode.tokenizer(unique, truncation=True, max_length=encode.max_length)["input_ids"]
+            unique = [s for _, s in sorted(zip(map(len, ids), unique), key=lambda pair: pair[0])]
+        self.batches = [unique[i:i + batch_size] for i in reversed(range(0, len(unique), batch_size))]
+        self.index = {s: i for i, s in enumerate(s for batch in self.batches for s in batch)}
+        self.tokens = [encode.tokenize(batch) for batch in self.batches] if hasattr(encode, "tokenize") else None
+
+    def embed(self, encode, desc: str = "encoding") -> torch.Tensor:
+        """Every sentence's embedding, a row each: computed and kept on the encoder's device by its on_device half
+        (no host copy; the caller makes one), else encode(list[str])'s rows."""
+        rows = []
+        with progress.Progress(len(self.index), desc, unit="sentence") as bar:
+            for i, batch in enumerate(self.batches):
+                rows.append(encode.on_device(self.tokens[i]) if self.tokens is not None else
+                            torch.from_numpy(np.asarray(encode(batch))))
+                bar.update(len(batch))
+        return torch.cat(rows)
+
+
 def encode_unique(encode, sentences, batch_size: int = 128, desc: str = "encoding") -> dict:
     """{sentence: vector}: each distinct sentence once, length-sorted batches, the longest first."""
-    unique = sorted(set(sentences), key=lambda s: (len(s), s))
-    table = {}
-    with progress.Progress(len(unique), desc, unit="sentence") as bar:
-        for i in reversed(range(0, len(unique), batch_size)):
-            table.update(zip(unique[i:i + batch_size], encode(unique[i:i + batch_size])))
-            bar.update(len(unique[i:i + batch_size]))
-    return table
+    table = Sentences(sentences, encode, batch_size)
+    vectors = table.embed(encode, desc).cpu().numpy()
+    return {s: vectors[i] for s, i in table.index.items()}
 
 
 def unit_rows(a: np.ndarray) -> np.ndarray:
@@ -137,16 +165,40 @@ def spearman(pairs, embed) -> float:
     return round(float(spearmanr(cosine, np.array(gold)).correlation) * 100, 2)
 
 
-def alignment_uniformity(pairs, table: dict) -> dict:
-    """l_align / l_uniform (Wang & Isola 2020, SimCSE Eq. 2-3) on unit vectors, four decimals: the pairs with gold
-    score > 4 as positives, every distinct sentence of `table` as the data."""
-    def unit(rows):  # in fp64
-        return unit_rows(np.asarray(rows, dtype=np.float64))
-    x, y = (unit([table[p[i]] for p in pairs if p[2] > 4.0]) for i in (0, 1))
-    data = unit(list(table.values()))
-    exponent = -2.0 * np.maximum(2.0 - 2.0 * data @ data.T, 0.0)[np.triu_indices(len(data), k=1)]
-    uniform = np.log(np.mean(np.exp(exponent - exponent.max()))) + exponent.max()
-    return {"align": round(float(np.mean(np.sum((x - y) ** 2, axis=1))), 4), "uniform": round(float(uniform), 4)}
+def alignment_uniformity(pairs, table: dict, vectors: torch.Tensor | None = None) -> dict:
+    """l_align / l_uniform (Wang & Isola 2020, SimCSE Eq. 2-3) on unit vectors in fp64, four decimals: the pairs with
+    gold score > 4 as positives, every distinct sentence of `table` as the data. `table`: {sentence: vector}; or
+    {sentence: row} of `vectors`, a tensor on any device, where it is computed (the dev gate's: on the GPU)."""
+    if vectors is None:
+        vectors, table = torch.as_tensor(np.stack(list(table.values()))), {s: i for i, s in enumerate(table)}
+    vectors = F.normalize(vectors.double(), dim=1)  # a zero row stays zero
+
+    def rows(column):
+        return vectors[[table[p[column]] for p in pairs if p[2] > 4.0]]
+    align = (rows(0) - rows(1)).square().sum(1).mean()
+    exponent = -2.0 * (2.0 - 2.0 * vectors @ vectors.T).clamp_min(0.0)  # -2 |x - y|^2 of each pair
+    pairs_above = torch.ones_like(exponent, dtype=torch.bool).triu(1)  # each pair once (no boolean index: no sync)
+    uniform = torch.logsumexp(exponent.masked_fill(~pairs_above, -math.inf).flatten(), 0) - \
+        math.log(len(vectors) * (len(vectors) - 1) / 2)
+    align, uniform = torch.stack([align, uniform]).tolist()
+    return {"align": round(align, 4), "uniform": round(uniform, 4)}
+
+
+class DevGate:
+    """STS-B dev as a training run's dev gate measures it (plumbing/run.py): its pairs read and its distinct sentences
+    tokenised once a run, then at each gate encoded in fp32 with the embeddings kept on the device: l_align /
+    l_uniform computed there, one host copy for the Spearman (on the host, as `evaluate`'s)."""
+
+    def __init__(self, senteval_dir, encode, batch_size: int = 128):
+        self.pairs = load_pairs(senteval_dir, "STSBenchmark", "dev")
+        self.sentences = Sentences([s for p in self.pairs for s in p[:2]], encode, batch_size)
+
+    def __call__(self, encode) -> dict:
+        """{"stsb_dev": Spearman x 100, "align", "uniform"} of `encode` (the same encoder, in eval mode)."""
+        vectors = self.sentences.embed(encode, "dev gate: STS-B dev")
+        measures = alignment_uniformity(self.pairs, self.sentences.index, vectors)
+        host, index = vectors.cpu().numpy(), self.sentences.index
+        return {"stsb_dev": spearman(self.pairs, lambda sentences: host[[index[s] for s in sentences]]), **measures}
 
 
 # ---------------------------------------------------------------------------------------- evaluation
@@ -164,12 +216,12 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
         raise plumbing.UsageError(f"--mode dev has only {', '.join(DEV_TASKS)}")
     pairs = {task: load_pairs(senteval_dir, task, "dev" if mode == "dev" else "test") for task in tasks}
 
-    if fast:
-        table = encode_unique(encode, [s for task_pairs in pairs.values() for p in task_pairs for s in p[:2]],
-                              batch_size, desc or f"STS {mode}: encoding")
+    if fast:  # one host copy of the embeddings
+        table = Sentences([s for task_pairs in pairs.values() for p in task_pairs for s in p[:2]], encode, batch_size)
+        vectors = table.embed(encode, desc or f"STS {mode}: encoding").cpu().numpy()
 
         def embed(sentences):
-            return np.stack([table[s] for s in sentences])
+            return vectors[[table.index[s] for s in sentences]]
     else:
         def embed(sentences):
             return np.concatenate([encode(sentences[i:i + batch_size]) for i in range(0, len(sentences), batch_size)])
@@ -182,8 +234,8 @@ def evaluate(encode, senteval_dir, tasks=None, mode: str = "test", batch_size: i
 def align_uniform(encode, senteval_dir, batch_size: int = 128, desc: str = "alignment/uniformity") -> dict:
     """SimCSE's alignment/uniformity: STS-B dev pairs with gold score > 4 as positives, all its sentences as data."""
     pairs = load_pairs(senteval_dir, "STSBenchmark", "dev")
-    return alignment_uniformity(pairs, encode_unique(encode, [s for p in pairs for s in p[:2]], batch_size,
-                                                            desc))
+    table = Sentences([s for p in pairs for s in p[:2]], encode, batch_size)
+    return alignment_uniformity(pairs, table.index, table.embed(encode, desc))
 
 
 def print_table(scores: dict) -> None:

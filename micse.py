@@ -257,7 +257,7 @@ def main(argv=None):
                                                   prebuilt_mask=prebuilt_mask)
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
     eval_pooler = common.eval_pooler(args)
-    encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
+    encode = common.Encoder(model, head, tokenizer, eval_pooler, device)
 
     run.start(loader, total_steps, encode, [backbone, head], train_file, subset, backbone=backbone,
               head=head, optimizer=optimizer, scheduler=scheduler, scaler=scaler,

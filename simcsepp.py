@@ -166,7 +166,7 @@ def main(argv=None):
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     eval_pooler = common.eval_pooler(args)
-    encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
+    encode = common.Encoder(model, head, tokenizer, eval_pooler, device)
 
     run.start(loader, total_steps, encode, [backbone, head], train_file, subset, backbone=backbone,
               head=head, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # for last/

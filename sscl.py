@@ -156,13 +156,12 @@ def main(argv=None):
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     eval_pooler = common.eval_pooler(args)
-    encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
     projection = None
     if args.output_dim:  # Table 5: a linear projection after the pooler, at evaluation too
         projection = torch.nn.Linear(backbone.config.hidden_size, args.output_dim).to(device)
-        encode = common.project(encode, projection)
     # what trains, one module: the backbone (its forward) and the heads, for DDP
     model = common.BackboneWithHeads(backbone, head, projection, prebuilt_mask=prebuilt_mask)
+    encode = common.Encoder(model, head, tokenizer, eval_pooler, device, projection)
     params = [p for p in model.parameters() if p.requires_grad]
     ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)

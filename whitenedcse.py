@@ -165,7 +165,7 @@ def main(argv=None):
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     generator = torch.Generator(device).manual_seed(args.seed)  # the shuffles, alike everywhere
     eval_pooler = "cls_before_pooler"
-    encode = common.model_encode(backbone, None, tokenizer, eval_pooler, device)
+    encode = common.Encoder(model, None, tokenizer, eval_pooler, device)
 
     run.start(loader, total_steps, encode, [backbone, head], train_file, subset, backbone=backbone,
               head=head, optimizer=optimizer, scheduler=scheduler, scaler=scaler,

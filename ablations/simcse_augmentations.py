@@ -225,7 +225,7 @@ def main(argv=None):
     model = common.BackboneWithHeads(backbone, prebuilt_mask=prebuilt_mask)
     positive_model = common.BackboneWithHeads(positive_encoder, prebuilt_mask=prebuilt_mask)
     eval_pooler = common.eval_pooler(args)
-    encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
+    encode = common.Encoder(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)
 

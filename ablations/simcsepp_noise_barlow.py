@@ -126,7 +126,7 @@ def main(argv=None):
     params = list(backbone.parameters()) + list(head.parameters())
     model = common.BackboneWithHeads(backbone, prebuilt_mask=prebuilt_mask)  # 4-D mask where it may
     eval_pooler = common.eval_pooler(args)
-    encode = common.model_encode(backbone, head, tokenizer, eval_pooler, device)
+    encode = common.Encoder(backbone, head, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)
     generator = torch.Generator(device).manual_seed(args.seed)  # the Gaussian noise and padding

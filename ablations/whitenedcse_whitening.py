@@ -138,7 +138,7 @@ def main(argv=None):
     model = common.BackboneWithHeads(backbone, prebuilt_mask=prebuilt_mask)  # 4-D mask where it may
     eval_pooler = "cls_before_pooler"
     generator = torch.Generator(device).manual_seed(args.seed)  # the channel shuffles
-    encode = common.model_encode(backbone, None, tokenizer, eval_pooler, device)
+    encode = common.Encoder(backbone, None, tokenizer, eval_pooler, device)
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)
 

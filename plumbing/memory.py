@@ -273,7 +273,7 @@ def training_step(args, layout: dict, model, head, lm_head, momentum_model, opti
 
 def evaluation_activations(config, tokens: int) -> int:
     """Bytes above the weights of an evaluation batch (EVAL_BATCH sentences of `tokens`): fp32, eval mode, no
-    gradients, every hidden state kept for the pooler (common.model_encode), SDPA's fused kernel."""
+    gradients, every hidden state kept for the pooler (common.Encoder), SDPA's fused kernel."""
     model = common.BackboneWithHeads(build(config, "sdpa")).eval()
     tokens = min(tokens, config.max_position_embeddings - 2)  # cut at the model's length (RoBERTa's 514 - 2)
     tracker = PeakTracker()

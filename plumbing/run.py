@@ -29,7 +29,6 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import transformers
 
@@ -141,7 +140,7 @@ class Run:
                 import eval_transfer
                 for task in eval_transfer.TASKS:
                     eval_transfer.load_task(self.senteval_dir, task)
-        self.dev_pairs = eval_sts.load_pairs(self.senteval_dir, "STSBenchmark", "dev")
+        self.dev_set = eval_sts.DevGate(self.senteval_dir, encode)  # STS-B dev tokenised once
         self.loader, self.total_steps, self.encode = loader, total_steps, encode
         self.modules = [m for m in modules if m is not None]  # switched to eval mode at the dev gates
         self.state, self.scheduler = state, state["scheduler"]
@@ -222,7 +221,7 @@ class Run:
         """STS-B dev at a dev gate (dev_measures: eval mode, fp32, one encoding, with l_align / l_uniform),
         after the steps so far are done (their time is the training time): the score."""
         self._read()
-        self.measures, self.gate_step = dev_measures(self.modules, self.encode, self.dev_pairs), step
+        self.measures, self.gate_step = dev_measures(self.modules, self.encode, self.dev_set), step
         return self.measures["stsb_dev"]
 
     def save_best(self, step: int, backbone, head, tokenizer, eval_pooler: str, projection=None) -> None:
@@ -308,7 +307,7 @@ class Run:
             message += f"  STS-B dev {self.measures['stsb_dev']:.2f}  best {self.best_dev:.2f} " \
                        f"(step {self.best_step})"
         elif align_step:  # STS-B dev encoded between the gates, for the trajectory's l_align / l_uniform
-            point.update(dev_measures(self.modules, self.encode, self.dev_pairs), gate=False)
+            point.update(dev_measures(self.modules, self.encode, self.dev_set), gate=False)
         self.history.record(point)
         # last/ at a dev gate once --save_minutes of training have passed since the last save (the processes agree)
         due = gate and self.train_time - self.saved_at >= 60 * args.save_minutes
@@ -443,17 +442,15 @@ class Run:
         return results
 
 
-def dev_measures(modules, encode, dev_pairs) -> dict:
+def dev_measures(modules, encode, dev_set) -> dict:
     """The dev gate, on process 0 (every process gets the score): STS-B dev in eval mode and fp32, one encoding (the
-    metric of eval_sts.py): {"stsb_dev": Spearman x 100 (-inf if undefined), "align", "uniform"}."""
+    metric of eval_sts.py; `dev_set`: eval_sts.DevGate): {"stsb_dev": Spearman x 100 (-inf if undefined), "align",
+    "uniform"}."""
     measures = {"stsb_dev": math.nan}
     if distributed.rank() == 0:
         for m in modules:
             m.eval()
-        sentences = [s for p in dev_pairs for s in p[:2]]
-        table = eval_sts.encode_unique(encode, sentences, desc="dev gate: STS-B dev")
-        score = eval_sts.spearman(dev_pairs, lambda sentences: np.stack([table[t] for t in sentences]))
-        measures = {"stsb_dev": score, **eval_sts.alignment_uniformity(dev_pairs, table)}
+        measures = dev_set(encode)
         if not math.isfinite(measures["stsb_dev"]):  # constant embeddings have no Spearman
             distributed.log("note: the STS-B dev score is undefined (constant embeddings: a collapsed or degenerate "
                             "model); it counts as the worst score")

@@ -274,7 +274,7 @@ def test_the_norm_clipping_returns_is_the_norm_before_clipping_and_zero_does_not
 def test_dev_measures_are_the_dev_score_and_align_uniform_of_the_same_model(tiny_model, senteval_dir):
     """The gate's l_align / l_uniform come from its own encoding, and equal eval_sts.align_uniform's."""
     tokenizer, backbone = hub.load_pretrained(str(tiny_model))
-    encode = common.model_encode(backbone, None, tokenizer, "avg", torch.device("cpu"))
+    encode = common.Encoder(backbone, None, tokenizer, "avg", torch.device("cpu"))
     calls = []
 
     def counting_encode(sentences):
@@ -282,7 +282,7 @@ def test_dev_measures_are_the_dev_score_and_align_uniform_of_the_same_model(tiny
         return encode(sentences)
     pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", "dev")
     from plumbing.run import dev_measures
-    measures = dev_measures([backbone], counting_encode, pairs)
+    measures = dev_measures([backbone], counting_encode, eval_sts.DevGate(senteval_dir, counting_encode))
     assert backbone.training  # the gate hands the model back in training mode
     assert sum(calls) == len({s for p in pairs for s in p[:2]})  # one encoding of each distinct sentence
     backbone.eval()

@@ -51,10 +51,10 @@ def recording_dev_measures(real_dev_measures, out):
     is what remains: the parameters after the last step)."""
     from plumbing import distributed
 
-    def dev_measures(modules, encode, dev_pairs):
+    def dev_measures(modules, encode, dev_set):
         state = {f"{i}.{k}": v.detach().clone() for i, m in enumerate(modules) for k, v in m.state_dict().items()}
         torch.save(state, Path(out) / f"params_rank{distributed.rank()}.pt")
-        return real_dev_measures(modules, encode, dev_pairs)
+        return real_dev_measures(modules, encode, dev_set)
     return dev_measures
 
 

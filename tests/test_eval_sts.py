@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from scipy.stats import spearmanr
 
 import common
@@ -243,10 +244,38 @@ def test_a_checkpoint_whose_cosines_spread_scores_the_same_in_fp32_and_fp64(tiny
     simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval", *SPREAD_FLAGS)])
     fp32 = eval_sts.load_encode(str(out / "best"), "avg", "cpu")
     tokenizer, backbone = hub.load_pretrained(str(out / "best"))
-    fp64 = common.model_encode(backbone.double().eval(), None, tokenizer, "avg", "cpu")
+    fp64 = common.Encoder(backbone.double().eval(), None, tokenizer, "avg", "cpu")
     pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", "test")
     a, b = (fp32([p[i] for p in pairs]) for i in (0, 1))
     cosines = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     assert cosines.max() - cosines.min() > 0.05  # spread: no ties of cosines near 1
     scores32, scores64 = eval_sts.evaluate(fp32, senteval_dir), eval_sts.evaluate(fp64, senteval_dir)
     assert all(abs(scores32[k] - scores64[k]) <= DEVICE_SCORE_TOLERANCE for k in scores32), (scores32, scores64)
+
+
+def test_the_dev_gate_tokenises_once_a_run_keeps_the_embeddings_on_the_device_and_scores_as_encode_does(
+        tiny_model, senteval_dir, monkeypatch):
+    """#57: eval_sts.DevGate tokenises STS-B dev's distinct sentences once (when the run starts), then each gate
+    encodes the kept batches: the scores of eval_sts.evaluate's and align_uniform's encoding (bit for bit), and no host
+    sync while it encodes and measures (the model's prebuilt mask spares transformers' check of the 2-D one, a sync
+    a batch; l_align / l_uniform without a boolean index): the reads at its end (the embeddings for the host's
+    Spearman, the two measures) are copies, which the CPU counter does not see."""
+    from plumbing import hub, syncs
+    tokenizer, backbone = hub.load_pretrained(str(tiny_model))
+    model = common.BackboneWithHeads(backbone.eval(), prebuilt_mask=True)
+    encode = common.Encoder(model, None, tokenizer, "avg", torch.device("cpu"))
+    calls = []
+    real_call = type(tokenizer).__call__
+    monkeypatch.setattr(type(tokenizer), "__call__", lambda self, *a, **k: calls.append(1) or real_call(self, *a, **k))
+    gate = eval_sts.DevGate(senteval_dir, encode, batch_size=16)
+    tokenised = len(calls)  # the token counts (for the batches' order), then each batch
+    assert tokenised == 1 + len(gate.sentences.batches) and len(gate.sentences.batches) > 1
+    with syncs.HostSyncCounter("cpu") as counter:
+        first, second = gate(encode), gate(encode)
+    assert len(calls) == tokenised  # nothing tokenised again
+    assert first == second and not counter.ops, counter.ops
+    assert first == {"stsb_dev": eval_sts.evaluate(encode, senteval_dir, ["STSBenchmark"], "dev", 16)["STSBenchmark"],
+                     **eval_sts.align_uniform(encode, senteval_dir, 16)}
+    with syncs.HostSyncCounter("cpu") as counter:  # transformers' own 2-D mask: a sync a batch
+        gate(common.Encoder(backbone, None, tokenizer, "avg", torch.device("cpu")))
+    assert sum(counter.ops.values()) >= len(gate.sentences.batches)

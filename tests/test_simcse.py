@@ -107,7 +107,7 @@ def test_sentence_transformers_matches_eval_sts(tiny_model, corpus, senteval_dir
     sentences = ["a man runs in the park", "the dog eats"]
     best = out / "best"
     tok, backbone = AutoTokenizer.from_pretrained(best), AutoModel.from_pretrained(best).eval()
-    encode = common.model_encode(backbone, None, tok, pooler, "cpu")
+    encode = common.Encoder(backbone, None, tok, pooler, "cpu")
     np.testing.assert_allclose(st.SentenceTransformer(str(best), device="cpu").encode(sentences), encode(sentences),
                                atol=1e-5)
 
