@@ -48,6 +48,9 @@ def add_run_flags(parser) -> None:
                    help="tensorboard: loss, lr, gradient norm, STS-B dev and l_align / l_uniform "
                         "as scalars under <output_dir>/tb (pip install tensorboard)")
     g.add_argument("--no_test_eval", action="store_true", help="skip the final STS test evaluation")
+    g.add_argument("--no_align_uniform", action="store_true",
+                   help="skip the final l_align / l_uniform of the pretrained model and of best/ (two "
+                        "encodings of STS-B dev; the dev gates' own are in the trajectory)")
     g.add_argument("--eval_transfer", nargs="?", const="test", choices=["test", "fasttest"],
                    default=None, help="also evaluate the best checkpoint on SentEval's 7 transfer "
                                       "tasks (eval_transfer.py)")

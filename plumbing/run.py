@@ -355,18 +355,20 @@ class Run:
         self._write_results(results)
         with self.stop.final_evaluation(results):  # a signal now stops it; results.json records that
             if self.stop.signum is None:  # else it came while best/ was written
-                distributed.log(f"best STS-B dev {self.best_dev:.2f} at step {self.best_step}; evaluating it")
-                encode = eval_sts.load_encode(str(out / "best"), eval_pooler, self.device)
+                wanted = not (args.no_test_eval and args.no_align_uniform) or args.eval_transfer
+                if wanted:
+                    distributed.log(f"best STS-B dev {self.best_dev:.2f} at step {self.best_step}; evaluating it")
+                    encode = eval_sts.load_encode(str(out / "best"), eval_pooler, self.device)
                 if not args.no_test_eval:
                     results["test"] = eval_sts.evaluate(encode, self.senteval_dir, mode="test")
                     eval_sts.print_table(results["test"])
-                # the pretrained encoder under the evaluation pooler (a fresh head is not "initial")
-                initial = eval_sts.load_encode(args.model_name_or_path, "cls_before_pooler" if eval_pooler == "cls"
-                                               else eval_pooler, self.device)
-                results["align_uniform"] = {
-                    "initial": eval_sts.align_uniform(initial, self.senteval_dir,
-                                                      desc="initial model: alignment/uniformity"),
-                    "best": eval_sts.align_uniform(encode, self.senteval_dir)}
+                if not args.no_align_uniform:  # the pretrained encoder under the evaluation pooler (not a fresh head)
+                    initial = eval_sts.load_encode(args.model_name_or_path, "cls_before_pooler" if eval_pooler == "cls"
+                                                   else eval_pooler, self.device)
+                    results["align_uniform"] = {
+                        "initial": eval_sts.align_uniform(initial, self.senteval_dir,
+                                                          desc="initial model: alignment/uniformity"),
+                        "best": eval_sts.align_uniform(encode, self.senteval_dir)}
                 if args.eval_transfer:  # what is done so far first: an error in this long evaluation loses nothing
                     self._write_results(results)
                     import eval_transfer

@@ -52,15 +52,19 @@ def test_the_trajectory_ends_are_the_initial_and_best_checkpoints_align_uniform(
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_every_method_records_the_trajectory(script, tiny_model, corpus, senteval_dir, tmp_path):
+def test_every_method_records_the_trajectory(script, tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """... and the quick check (--no_test_eval --no_align_uniform) ends without encoding anything after training."""
     import importlib
+    import eval_sts
+    monkeypatch.setattr(eval_sts, "load_encode", lambda *a: pytest.fail("the final evaluation encoded"))
     out = tmp_path / "run"
     importlib.import_module(script).main([str(a) for a in smoke_args(
-        tiny_model, corpus, senteval_dir, out, "--no_test_eval", "--max_steps", 2, *METHOD_FLAGS.get(script, []))])
+        tiny_model, corpus, senteval_dir, out, "--no_test_eval", "--no_align_uniform", "--max_steps", 2,
+        *METHOD_FLAGS.get(script, []))])
     results = json.loads((out / "results.json").read_text())
     assert [(row["step"], row["gate"]) for row in results["trajectory"]] == [(0, True), (2, True)]
     assert all(isinstance(row["align"], float) for row in results["trajectory"])
-    assert len(results["grad_norm"]) == 2 and "dev_curve" not in results
+    assert len(results["grad_norm"]) == 2 and "dev_curve" not in results and "align_uniform" not in results
 
 
 def test_the_older_format_still_loads():
