@@ -5,8 +5,8 @@
   STS-B and SICK-R only). Cosine similarity, no regressor. Scores x100 with two decimals; the average is taken
   over the two-decimal scores, as SimCSE's evaluation.py does.
 - Sentences are whitespace-split and re-joined with single spaces, as SentEval's batcher does.
-- Fast: every distinct sentence is encoded once, in batches sorted by length; the numbers equal encoding in
-  file order (to 0.01, padding changes float rounding only).
+- Fast: every distinct sentence is encoded once, in batches sorted by token count (little padding), kept on the
+  device until one copy; the numbers equal encoding in file order (to 0.01, padding changes float rounding only).
 - Alignment and uniformity (Wang & Isola 2020, SimCSE Section 2 / Figure 2) with --align_uniform, on the STS-B
   dev split: the split the training runs' dev gate already reads, so the test split stays untouched.
 
