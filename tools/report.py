@@ -662,7 +662,7 @@ def check_gpus(text: str | None) -> list[int] | None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["run", "write", "commands"])
     parser.add_argument("--protocol", default="smoke",
                         help="smoke (RESULTS.md), paper, fewshot, sweep, or a protocol JSON file (protocols.py)")
