@@ -233,3 +233,22 @@ def test_tools_inputs_that_users_type_are_one_line(tmp_path, capsys):
     sweep = protocols.sweep_protocol("simcse.py", "model_name_or_path", ["/m/a", "/m/b"], [1], [], "paper")
     assert [run["out"].name for run in protocols.runs(sweep)] == ["model_name_or_path=_m_a.seed1",
                                                                  "model_name_or_path=_m_b.seed1"]
+
+
+def test_rows_that_would_share_a_run_folder_are_one_line(tmp_path, capsys):
+    """#58: file_name makes '\\' and '/' '_', so the rows a\\b and a_b (and a sweep's values m/a and m_a) would write
+    one runs/<protocol>/<row>.seed<S> folder and one kept results file: refused before any run, naming both."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "p", "seeds": [1], "rows": [{"name": "a\\b", "script": "simcse.py"},
+                                                                   {"name": "a_b", "script": "simcse.py"}]}))
+    for argv, needle in ((["commands", "--protocol", str(bad)], "the rows 'a\\\\b' and 'a_b' would share one folder, "
+                                                                "a_b.seed<S>"),
+                         (["commands", "--protocol", "sweep", "--script", "simcse.py", "--flag", "model_name_or_path",
+                           "--values", "m/a", "m_a"], "the rows 'model_name_or_path=m/a' and 'model_name_or_path=m_a' "
+                                                      "would share one folder")):
+        with pytest.raises(SystemExit) as stop:
+            report.main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert len({run["out"] for run in protocols.runs(protocols.sweep_protocol(
+        "simcse.py", "model_name_or_path", ["m/a", "m/b"], [1], [], "paper"))}) == 2  # distinct folders still run
