@@ -188,6 +188,9 @@ def test_row_names_users_type_keep_the_tables_whole_and_damaged_runs_are_named(t
     (folder / protocols.kept_name({"row": "e&f", "seed": 1})).write_text('{"STS12": 1.0}')  # eval_sts.py --json
     page = protocols.write_page(protocol, tmp_path, plots=False).read_text()
     assert "Skipped, not a run's record:" in page and "cannot be read (JSONDecodeError" in page
+    skipped = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped")]  # #58: and says so
+    assert len(skipped) == 1 and skipped[0].startswith(f"skipped 3 file(s) that are not a run's record (named on "
+                                                       f"{folder / 'RESULTS.md'}): ")
     assert page.count("not a run's results.json") == 2
     tables_ = tables.markdown_tables(page.splitlines())
     for table in tables_:

@@ -217,6 +217,12 @@ def read_run(path: Path) -> tuple[dict | None, str]:
     return results, ""
 
 
+def skipped_line(damaged: list, page: Path) -> str:
+    """The terminal's one line for the files a page names as skipped ((path, why) each)."""
+    return (f"skipped {len(damaged)} file(s) that are not a run's record (named on {page}): "
+            + "; ".join(f"{path} ({why})" for path, why in damaged))
+
+
 def collect(protocol: dict, results_dir: Path, damaged: list | None = None) -> dict[str, dict[int, dict]]:
     """{row: {seed: results.json}}: results/<name>/ first, then any completed run under runs/<name>/ (made by
     `commands` on another machine, say), copied in. A file that is not a run's record is skipped and added to
@@ -352,6 +358,8 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
     page = folder / "RESULTS.md"
     page.write_text("\n".join(lines))
     print(f"wrote {page}")
+    if damaged:
+        print(skipped_line(damaged, page))
     # for a paper: the page's tables in LaTeX (the papers' averages beside ours) and every run in a CSV
     paper = {row["name"]: paper_cell(PAPER[row["paper"]][1]["avg"]).split(" ")[0] for row in protocol["rows"]
              if "avg" in PAPER.get(row.get("paper"), (None, {}))[1]}
