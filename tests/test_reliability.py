@@ -298,7 +298,8 @@ MISTYPED = [
 ]
 
 
-@pytest.mark.parametrize("script, before, flag, nearest", MISTYPED, ids=[f"{s} {' '.join(f)}" for s, _, f, _ in MISTYPED])
+@pytest.mark.parametrize("script, before, flag, nearest", MISTYPED,
+                         ids=[f"{s} {' '.join(f)}" for s, _, f, _ in MISTYPED])
 def test_a_mistyped_or_abbreviated_flag_is_refused_naming_the_nearest(script, before, flag, nearest, tiny_model,
                                                                       corpus, senteval_dir, tmp_path, capsys):
     """#58: argparse took a flag's abbreviation silently (`--micro_batch 8` ran as --micro_batch_size): every script
