@@ -57,14 +57,36 @@ def cli(main) -> None:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line instead of usage + error; a training script's arguments also
-    record the exact command (`command`: results.json, the model card)."""
+    """argparse that reports a bad flag in one line instead of usage + error, takes flags only as spelled out (no
+    abbreviation: `--max_step 5` is not `--max_steps`, and a flag added later cannot change what an old command
+    means) and names the nearest flag of an unknown one; a training script's arguments also record the exact
+    command (`command`: results.json, the model card)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)  # parse_known_args too: a method's first pass over its flags
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
+    def unrecognized(self, extras: list[str]) -> str:
+        """The error for flags this parser does not have, naming the flag the first unknown one is nearest to: the
+        shortest it begins (an abbreviation: `--micro_batch`), else a close spelling (difflib, 70% alike: `--batchsize`;
+        below that the suggestions were more often wrong than right)."""
+        import difflib
+        message = f"unrecognized arguments: {' '.join(extras)}"
+        flags = [s for action in self._actions for s in action.option_strings if s.startswith("--")]
+        unknown = next((extra.split("=", 1)[0] for extra in extras if extra.startswith("--")), None)
+        if unknown is None:
+            return message
+        close = sorted((f for f in flags if f.startswith(unknown)), key=len)[:1] or \
+            difflib.get_close_matches(unknown, flags, n=1, cutoff=0.7)
+        return message + (f"; did you mean {close[0]}?" if close else "")
+
     def parse_args(self, args=None, namespace=None):
-        parsed = super().parse_args(args, namespace)
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self.unrecognized(extras))
         if getattr(parsed, "method", None):
             root = Path(__file__).resolve().parents[1]
             script = f"{parsed.method}.py" if (root / f"{parsed.method}.py").is_file() else \

@@ -115,14 +115,14 @@ def check(backbone, tokenizer, args, prebuilt_mask, attentions: bool = False, la
     return use_prebuilt, notes
 
 
-def checkpoint_layers(backbone, name: str) -> None:
+def checkpoint_layers(backbone, name: str, **kwargs) -> None:
     """--gradient_checkpointing: transformers' own, with PyTorch's non-reentrant torch.utils.checkpoint, which keeps
-    each layer's RNG state so that the recomputation in the backward pass draws the same dropout masks. A family
-    without it is one line."""
+    each layer's RNG state so that the recomputation in the backward pass draws the same dropout masks (`kwargs`:
+    more of its arguments, plumbing/memory.py's context_fn). A family without it (ALBERT, MPNet) is one line."""
     if not getattr(backbone, "supports_gradient_checkpointing", False):
         raise UsageError(f"--gradient_checkpointing: {name} ({backbone.config.model_type}) has no gradient "
                          "checkpointing in transformers; use --micro_batch_size to save memory")
-    enable_checkpointing(backbone, use_reentrant=False)
+    enable_checkpointing(backbone, use_reentrant=False, **kwargs)
 
 
 def enable_checkpointing(backbone, **kwargs) -> None:

@@ -8,7 +8,8 @@ The trace follows what a GPU runs where that changes memory:
   CUDA's autocast caches it;
 - the attention kernel: a GPU's SDPA runs memory-efficient or flash attention, which keeps no attention matrix
   (`FusedAttention` stands in for it: the output and the log-sum-exp saved, as those kernels save them), while
-  miCSE's eager attention keeps its probabilities;
+  eager attention keeps its probabilities: miCSE's, and that of a family without SDPA in transformers (DeBERTa-v2,
+  MPNet), which a run of it gets too;
 - the order of a step: the gradients set to None before the passes, all passes' graphs alive until the backward
   (or, with --micro_batch_size, one part's: common.grad_cache), AdamW's two moments, the best model's copy
   (checkpoint.BestCopy) and miCSE's momentum encoder beside them.
@@ -34,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import common
 import data
-from plumbing import backbones
+from plumbing import UsageError, backbones
 
 # Tokens (bert-base-uncased's WordPiece) of the longest sentence the dev gate encodes (STS-B dev) and the final
 # evaluation does (STS13 test), in batches of eval_sts.encode_unique's 128, longest first
@@ -159,12 +160,18 @@ def nbytes(*things) -> int:
 
 
 # --------------------------------------------------------------------------------------------------- the step
-def build(config, attn_implementation: str):
-    """The encoder of `config` with fake weights (AutoModel.from_config: no download)."""
+def build(config, attention: str):
+    """The encoder of `config` with fake weights (AutoModel.from_config: no download). `attention`: "eager" (miCSE's
+    online encoder: attention weights), or "sdpa", which the family gets where it has SDPA and its eager attention
+    otherwise (DeBERTa-v2, MPNet): transformers' default, what hub.load_pretrained gives a run."""
     import transformers
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers.initialization import no_init_weights
     config = copy.deepcopy(config)
-    config._attn_implementation = attn_implementation
-    return transformers.AutoModel.from_config(config)
+    config._attn_implementation = "eager" if attention == "eager" else None  # None: transformers' default
+    fake = isinstance(torch.empty(()), FakeTensor)  # under estimate's FakeTensorMode: weights without values
+    with no_init_weights() if fake else contextlib.nullcontext():  # ModernBERT's initialiser reads one on the host
+        return transformers.AutoModel.from_config(config)
 
 
 def passes(args) -> dict:
@@ -325,8 +332,9 @@ def recipe(args, config, world_size: int = 1) -> SimpleNamespace:
     rows, width = args.batch_size // world_size, args.max_seq_length
     backbone = build(config, "eager" if layout["attentions"] else "sdpa").train()
     common.set_dropout(backbone, getattr(args, "dropout", None))
-    if getattr(args, "gradient_checkpointing", False):
-        backbones.enable_checkpointing(backbone, use_reentrant=False, context_fn=recompute_as_traced)
+    if getattr(args, "gradient_checkpointing", False):  # a family without it is the run's own line
+        backbones.checkpoint_layers(backbone, getattr(args, "model_name_or_path", "this model"),
+                                    context_fn=recompute_as_traced)
     head = common.MLPHead(config) if args.pooler == "cls" or args.method == "whitenedcse" else None
     lm_head = _mlm_head(config) if layout["mlm"] else None
     model = common.BackboneWithHeads(backbone, head, lm_head)
@@ -365,13 +373,41 @@ def measured_step(args, config) -> int:
     return top
 
 
+class NoEstimate(UsageError):
+    """A model the trace cannot follow (an op that needs the tensors' values, or one fake tensors lack): one line."""
+
+
+def no_estimate(err: Exception, args, config) -> UsageError:
+    """The one line for an estimate that failed with `err`: what no trace on fake tensors can know, named."""
+    from torch._subclasses import fake_tensor
+    if isinstance(err, UsageError):  # already one line (NoEstimate, a flag the model cannot take)
+        return err
+    op = getattr(err, "func", None)
+    if isinstance(err, (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException)):
+        why = f"its step reads a tensor's value on the host ({op}), and the trace has shapes, no values"
+    elif isinstance(err, fake_tensor.UnsupportedOperatorException):
+        why = f"its step runs {op}, which the trace's fake tensors do not implement"
+    else:
+        why = f"{type(err).__name__}: {(str(err).strip().splitlines() or ['?'])[0][:160]}"
+    name = getattr(args, "model_name_or_path", "this model")
+    return NoEstimate(f"no memory estimate is possible for {name} ({config.model_type}): {why}")
+
+
 def estimate(args, config, world_size: int = 1, evaluations: bool = True) -> dict:
     """Bytes of one process at its peaks: the training step's, split into "weights" (the model and its heads, the
     best model's copy, miCSE's momentum encoder and queue), "gradients" (those alive at the peak), "optimizer"
     (AdamW's moments) and "activations" (the rest of the peak: activations, their gradients, temporaries), with
     "step" their sum; the dev gate's ("dev_gate": the training state, all its gradients included, and an fp32
     evaluation batch) and the final evaluation's ("final_eval": the trained model, best/ and the pretrained model
-    loaded beside it; the gradients, AdamW's moments and the copy freed)."""
+    loaded beside it; the gradients, AdamW's moments and the copy freed). A model the trace cannot follow is one
+    line (NoEstimate)."""
+    try:
+        return _estimate(args, config, world_size, evaluations)
+    except Exception as err:
+        raise no_estimate(err, args, config) from err
+
+
+def _estimate(args, config, world_size: int, evaluations: bool) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     with FakeTensorMode(allow_non_fake_inputs=True):
         run = recipe(args, config, world_size)
@@ -409,15 +445,24 @@ def peak(found: dict) -> int:
     return max(found["step"], found["dev_gate"], found["final_eval"])
 
 
-def settings(batch_per_process: int):
+def settings(batch_per_process: int, checkpointing: bool = True):
     """The settings that train the same objective in less memory, the cheapest first: recomputed layers, then
-    GradCache's parts from half the batch down to 8 examples, then both ({flag: value})."""
+    GradCache's parts from half the batch down to 8 examples, then both ({flag: value}); GradCache's alone where the
+    family has no gradient checkpointing (`checkpointing` False: ALBERT, MPNet)."""
     sizes, size = [], batch_per_process // 2
     while size >= 8:
         sizes.append(size)
         size //= 2
+    if not checkpointing:
+        return [{"micro_batch_size": k} for k in sizes]
     return ([{"gradient_checkpointing": True}] + [{"micro_batch_size": k} for k in sizes]
             + [{"gradient_checkpointing": True, "micro_batch_size": k} for k in sizes])
+
+
+def checkpointing(config) -> bool:
+    """Whether transformers has gradient checkpointing for the family of `config` (backbones.checkpoint_layers)."""
+    import transformers
+    return transformers.MODEL_MAPPING[type(config)].supports_gradient_checkpointing
 
 
 def describe(setting: dict) -> str:
@@ -428,7 +473,7 @@ def first_fit(args, config, capacity: int, world_size: int = 1, found: dict | No
     """(the first of `settings` whose peak fits `capacity` bytes, its estimate), or (None, None); `found`: the
     estimate of args as they are (its evaluations' peaks do not change with the settings)."""
     found = found or estimate(args, config, world_size)
-    for setting in settings(args.batch_size // world_size):
+    for setting in settings(args.batch_size // world_size, checkpointing(config)):
         trial = copy.copy(args)
         for name, value in setting.items():
             setattr(trial, name, value)
@@ -453,15 +498,19 @@ def device_free(device) -> int | None:
 def check_device(args, config, device, world_size: int = 1) -> str | None:
     """Before training on a GPU: one line when the estimated peak exceeds what the GPU has free, naming the setting
     that fits; None when it fits or off a GPU. The run goes on either way: the estimate leaves out what it cannot
-    know (the allocator's fragmentation, other processes), and an out-of-memory error, if it comes, is one line."""
+    know (the allocator's fragmentation, other processes), and an out-of-memory error, if it comes, is one line.
+    A model the trace cannot follow is one line saying why, and the run goes on."""
     free = device_free(device)
     if free is None:
         return None
-    found = estimate(args, config, world_size)
-    if peak(found) <= usable(free):
-        return None
-    setting, fitted = (None, None) if getattr(args, "micro_batch_size", None) and getattr(
-        args, "gradient_checkpointing", False) else first_fit(args, config, usable(free), world_size, found)
+    try:
+        found = estimate(args, config, world_size)
+        if peak(found) <= usable(free):
+            return None
+        setting, fitted = (None, None) if getattr(args, "micro_batch_size", None) and getattr(
+            args, "gradient_checkpointing", False) else first_fit(args, config, usable(free), world_size, found)
+    except Exception as err:  # the run does not depend on the estimate
+        return f"memory: {no_estimate(err, args, config)}; going on"
     advice = f"{describe(setting)} fits (about {gib(peak(fitted))}), the same objective" if setting else \
         "no setting of --gradient_checkpointing and --micro_batch_size fits: a smaller --batch_size or " \
         "--max_seq_length, or more GPUs (torchrun)"

@@ -150,11 +150,8 @@ class Run:
         self._take_folder(state)
         evaluating = self.folder_state == "evaluating"  # the training ended: the final evaluation alone
         if state.get("backbone") is not None and not evaluating:  # on a GPU: its peak against its free memory
-            try:
-                note = memory.check_device(args, state["backbone"].config, self.device, distributed.world_size())
-            except Exception as err:  # a family whose ops the trace lacks: the run does not depend on it
-                note = f"memory: no estimate for this model ({type(err).__name__}); going on"
-            if note:
+            note = memory.check_device(args, state["backbone"].config, self.device, distributed.world_size())
+            if note:  # too little free memory, or no estimate for this model (one line either way)
                 distributed.log(note)
         self.stop = distributed.StopSignal()
         saved = resume.restore(args, state, loader, self.device, evaluating) if args.resume else resume.new_run()

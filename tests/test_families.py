@@ -226,3 +226,45 @@ def test_a_model_folder_that_cannot_be_read_is_one_line_naming_the_file(tool, da
     assert code == 2 and DAMAGES[damage][1] in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists() and not (tmp_path / "analysis").exists()
     assert sorted((p.name, p.stat().st_size) for p in model.iterdir()) == before  # touched nothing
+
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_memory_estimate_of_every_family(family, family_models, monkeypatch, capsys):
+    """#58: `tools/bench.py --memory --model_name_or_path DIR` traces each family with the attention a run of it
+    gets (its SDPA, else its eager attention: DeBERTa-v2, MPNet; miCSE's online encoder eager); the check before a
+    GPU run, given the loaded model's config as Run.start gives it, estimates too (None: it fits, no 'no estimate'
+    line)."""
+    import bench
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from plumbing import memory
+    path = family_models[family]
+    code, err = cli_in_process(bench, "--memory", "--recipes", "micse", "--model_name_or_path", path, "--gpus", 80)
+    assert code == 0, err
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.startswith(f"| micse | {family} | 50 | fp32 |") and row.endswith("| fits |"), row
+    _, backbone = hub.load_pretrained(str(path))  # as a run loads it
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        traced = memory.build(hub.local_config(str(path)), "sdpa")
+    assert traced.config._attn_implementation == backbone.config._attn_implementation
+    assert backbone.config._attn_implementation == ("eager" if family in ("deberta-v2", "mpnet") else "sdpa")
+    monkeypatch.setattr(memory, "device_free", lambda device: 1 << 40)
+    args = simcse.parse_args(["--model_name_or_path", str(path), "--batch_size", "16"])
+    assert memory.check_device(args, backbone.config, torch.device("cpu")) is None
+
+
+def test_a_family_without_gradient_checkpointing_is_offered_micro_batches_alone(family_models):
+    """MPNet and ALBERT have no gradient checkpointing in transformers: the planner's settings for a GPU too small
+    leave it out (it raised before), and asking for it is the run's own line."""
+    import bench
+    from plumbing import memory
+    path = str(family_models["mpnet"])
+    config = hub.local_config(path)
+    assert not memory.checkpointing(config) and memory.checkpointing(hub.local_config(str(family_models["bert"])))
+    assert memory.settings(16, memory.checkpointing(config)) == [{"micro_batch_size": 8}]
+    args = simcse.parse_args(["--model_name_or_path", path, "--batch_size", "16"])
+    assert memory.first_fit(args, config, 0) == (None, None)  # nothing fits 0 bytes; no exception
+    code, err = cli_in_process(bench, "--memory", "--recipes", "simcse", "--model_name_or_path", path,
+                               "--gradient_checkpointing")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--gradient_checkpointing: " in err and "has no gradient checkpointing in transformers" in err

@@ -350,11 +350,32 @@ def test_the_memory_table_of_a_local_model(tiny_model, capsys):
     assert "| 64 | fp16 |" in lines[2] and "| 50 | fp32 |" in lines[3]  # the presets, the released precision
 
 
-def test_a_model_the_estimate_cannot_trace_still_trains(tiny_model, corpus, senteval_dir, tmp_path, monkeypatch,
-                                                        capsys):
+READS_A_VALUE = "its step reads a tensor's value on the host (aten._local_scalar_dense.default), and the trace has " \
+                "shapes, no values"
+
+
+def reading_a_value(monkeypatch):
+    """Injected: a step that reads a tensor's value on the host (as ModernBERT's initialiser did), which a trace on
+    fake tensors cannot; a real step runs it."""
+    info_nce = common.info_nce
+    monkeypatch.setattr(common, "info_nce", lambda *a, **k: info_nce(*a, **k) + 0 * a[0].sum().item())
+
+
+def test_a_model_the_estimate_cannot_trace_is_one_line_and_still_trains(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                        monkeypatch, capsys):
     import simcse
     from plumbing import memory
     monkeypatch.setattr(memory, "device_free", lambda device: 1 << 40)
-    monkeypatch.setattr(memory, "estimate", lambda *a, **k: (_ for _ in ()).throw(NotImplementedError("an op")))
-    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "run", "--no_test_eval")])
-    assert "memory: no estimate for this model (NotImplementedError); going on" in capsys.readouterr().out
+    reading_a_value(monkeypatch)
+    out = tmp_path / "run"
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval")])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("memory: ")]
+    assert lines == [f"memory: no memory estimate is possible for {tiny_model} (bert): {READS_A_VALUE}; going on"]
+    assert json.loads((out / "results.json").read_text())["steps"] == 4
+
+
+def test_the_planner_on_a_model_it_cannot_trace_is_one_line(tiny_model, monkeypatch):
+    import bench
+    reading_a_value(monkeypatch)
+    code, err = cli_in_process(bench, "--memory", "--recipes", "simcse", "--model_name_or_path", tiny_model)
+    assert code == 2 and err == f"error: no memory estimate is possible for {tiny_model} (bert): {READS_A_VALUE}\n"

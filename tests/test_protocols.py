@@ -188,6 +188,9 @@ def test_row_names_users_type_keep_the_tables_whole_and_damaged_runs_are_named(t
     (folder / protocols.kept_name({"row": "e&f", "seed": 1})).write_text('{"STS12": 1.0}')  # eval_sts.py --json
     page = protocols.write_page(protocol, tmp_path, plots=False).read_text()
     assert "Skipped, not a run's record:" in page and "cannot be read (JSONDecodeError" in page
+    skipped = [line for line in capsys.readouterr().out.splitlines() if line.startswith("skipped")]  # #58: and says so
+    assert len(skipped) == 1 and skipped[0].startswith(f"skipped 3 file(s) that are not a run's record (named on "
+                                                       f"{folder / 'RESULTS.md'}): ")
     assert page.count("not a run's results.json") == 2
     tables_ = tables.markdown_tables(page.splitlines())
     for table in tables_:
@@ -233,3 +236,22 @@ def test_tools_inputs_that_users_type_are_one_line(tmp_path, capsys):
     sweep = protocols.sweep_protocol("simcse.py", "model_name_or_path", ["/m/a", "/m/b"], [1], [], "paper")
     assert [run["out"].name for run in protocols.runs(sweep)] == ["model_name_or_path=_m_a.seed1",
                                                                  "model_name_or_path=_m_b.seed1"]
+
+
+def test_rows_that_would_share_a_run_folder_are_one_line(tmp_path, capsys):
+    """#58: file_name makes '\\' and '/' '_', so the rows a\\b and a_b (and a sweep's values m/a and m_a) would write
+    one runs/<protocol>/<row>.seed<S> folder and one kept results file: refused before any run, naming both."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "p", "seeds": [1], "rows": [{"name": "a\\b", "script": "simcse.py"},
+                                                                   {"name": "a_b", "script": "simcse.py"}]}))
+    for argv, needle in ((["commands", "--protocol", str(bad)], "the rows 'a\\\\b' and 'a_b' would share one folder, "
+                                                                "a_b.seed<S>"),
+                         (["commands", "--protocol", "sweep", "--script", "simcse.py", "--flag", "model_name_or_path",
+                           "--values", "m/a", "m_a"], "the rows 'model_name_or_path=m/a' and 'model_name_or_path=m_a' "
+                                                      "would share one folder")):
+        with pytest.raises(SystemExit) as stop:
+            report.main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert len({run["out"] for run in protocols.runs(protocols.sweep_protocol(
+        "simcse.py", "model_name_or_path", ["m/a", "m/b"], [1], [], "paper"))}) == 2  # distinct folders still run

@@ -110,6 +110,20 @@ def test_write_reproduces_a_known_page(tmp_path):
     assert not (results / "dev_curves.png").exists()
 
 
+def test_a_damaged_results_file_is_named_on_the_page_and_in_one_terminal_line(tmp_path, capsys):
+    """#58: `report.py write` skips a results file that is not a run's record and names it on the page; the terminal
+    says so too, in one line, so that a user who reads only the terminal knows the page has fewer runs."""
+    results = fake_results(tmp_path / "results")
+    (results / "sscl.seed43.json").write_text('{"best_step": 1, "te')  # truncated (a full disk, a killed copy)
+    report.write(results, tmp_path / "RESULTS.md", plots=False)
+    why = "cannot be read (JSONDecodeError: truncated or damaged)"
+    assert f"Skipped, not a run's record: `sscl.seed43.json` ({why})." in (tmp_path / "RESULTS.md").read_text()
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "sscl.seed43.json" in line] == [
+        f"skipped 1 file(s) that are not a run's record (named on {tmp_path / 'RESULTS.md'}): "
+        f"{results / 'sscl.seed43.json'} ({why})"]
+
+
 def test_complete_page_with_untimed_runs_still_states_the_full_cost(tmp_path):
     """Every run present, one made before report.py timed its runs: the measured total is short, so the page
     keeps the estimate of a full `report.py run`; with every run timed, the measured total is the cost."""

@@ -12,6 +12,9 @@ A protocol is a dict (built in below, or a JSON file of the same shape given as 
      "sweep": {"flag": "m", "values": [...]}  # only for a sweep: the rows are its values
     }
 
+A row's name names its runs' folders, runs/<protocol>/<row>.seed<S>, and kept files, with '/' and '\\' as '_': two rows
+whose names would give the same folder (`a\\b` and `a_b`) are refused in one line.
+
 Built in: `paper` (SimCSE Table 5 and its followers' BERT-base rows at each script's paper defaults), `fewshot`
 (miCSE Table 2 on the authors' subsets, seeds 48-52, and its Figure 3 curve) and `sweep` (one script, one flag,
 a list of values: `sweep_protocol`). `smoke` is report.py's own CPU protocol and page (RESULTS.md).
@@ -108,6 +111,7 @@ def sweep_protocol(script: str, flag: str, values: list[str], seeds: list[int], 
                    base: str) -> dict:
     """One script, one flag over `values`, the other flags fixed (e.g. SimCSE++ Table 5's m)."""
     name = f"sweep-{Path(script).stem}-{flag.lstrip('-')}"
+    check_folders([f"{flag.lstrip('-')}={value}" for value in values], f"--values {' '.join(values)}")
     return {"name": name, "description": f"{script} with --{flag.lstrip('-')} in {{{', '.join(values)}}}"
             + (f", {' '.join(flags)}" if flags else "") + (" on the smoke protocol's MiniLM CPU settings"
                                                            if base == "smoke" else " at the paper's defaults"),
@@ -139,8 +143,7 @@ def load(name_or_file: str) -> dict:
         if not isinstance(name, str) or not name.strip() or "/" in name or "\0" in name or name in (".", ".."):
             raise plumbing.UsageError(f"--protocol {path}: the name {name!r} cannot name a folder (no '/', not "
                                       "empty, not '.' or '..')")
-    if len(set(names[1:])) < len(names) - 1:
-        raise plumbing.UsageError(f"--protocol {path}: two rows have the same name")
+    check_folders(names[1:], f"--protocol {path}")
     return {"description": "", "args": [], "transfer": None, **protocol}
 
 
@@ -148,6 +151,20 @@ def load(name_or_file: str) -> dict:
 def file_name(name: str) -> str:
     """A row's name as a file or folder name (a sweep over paths has slashes in its values)."""
     return re.sub(r"[/\\\0]", "_", name)
+
+
+def check_folders(names: list[str], where: str) -> None:
+    """One line where two rows would share a run folder (runs/<protocol>/<row>.seed<S>) and a kept results file: the
+    same name, or names that file_name makes the same (`a\\b` and `a_b`)."""
+    seen = {}
+    for name in names:
+        folder = file_name(name)
+        if folder in seen and seen[folder] == name:
+            raise plumbing.UsageError(f"{where}: two rows have the same name ({name!r})")
+        if folder in seen:
+            raise plumbing.UsageError(f"{where}: the rows {seen[folder]!r} and {name!r} would share one folder, "
+                                      f"{folder}.seed<S> ('/' and '\\' become '_'); rename one")
+        seen[folder] = name
 
 
 def kept_name(run: dict) -> str:
@@ -198,6 +215,12 @@ def read_run(path: Path) -> tuple[dict | None, str]:
     if not isinstance(results, dict) or "best_step" not in results:
         return None, "not a run's results.json"
     return results, ""
+
+
+def skipped_line(damaged: list, page: Path) -> str:
+    """The terminal's one line for the files a page names as skipped ((path, why) each)."""
+    return (f"skipped {len(damaged)} file(s) that are not a run's record (named on {page}): "
+            + "; ".join(f"{path} ({why})" for path, why in damaged))
 
 
 def collect(protocol: dict, results_dir: Path, damaged: list | None = None) -> dict[str, dict[int, dict]]:
@@ -335,6 +358,8 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
     page = folder / "RESULTS.md"
     page.write_text("\n".join(lines))
     print(f"wrote {page}")
+    if damaged:
+        print(skipped_line(damaged, page))
     # for a paper: the page's tables in LaTeX (the papers' averages beside ours) and every run in a CSV
     paper = {row["name"]: paper_cell(PAPER[row["paper"]][1]["avg"]).split(" ")[0] for row in protocol["rows"]
              if "avg" in PAPER.get(row.get("paper"), (None, {}))[1]}

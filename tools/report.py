@@ -280,6 +280,8 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
              + commands_section(ctx))
     page.write_text("\n".join(lines))
     print(f"wrote {page}")
+    if damaged:
+        print(protocols.skipped_line(damaged, page))
     # for a paper: the page's tables in LaTeX (the papers' averages beside ours) and every run in a CSV
     paper = {name: cell.split(" ")[0] for name, _, _, cell, _ in RUNS + FEW_SHOT}
     tables.write_latex(lines, tables_dir / "latex", {"STS test (best STS-B dev checkpoint)": paper,
@@ -662,7 +664,7 @@ def check_gpus(text: str | None) -> list[int] | None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["run", "write", "commands"])
     parser.add_argument("--protocol", default="smoke",
                         help="smoke (RESULTS.md), paper, fewshot, sweep, or a protocol JSON file (protocols.py)")
