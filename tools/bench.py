@@ -226,7 +226,9 @@ def main(argv=None):
         return memory.main([a for a in argv if a != "--memory"])
     parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--memory", action="store_true",
-                        help="estimate the GPU memory of each paper recipe instead (tools/memory.py: its flags)")
+                        help="estimate the GPU memory of each paper recipe instead (tools/memory.py: its own flags, "
+                             "and the method's, e.g. --fraction, --precision, --batch_size, --gradient_checkpointing, "
+                             "--micro_batch_size, which each row takes as a run would)")
     parser.add_argument("--flag_cost", action="store_true",
                         help="only measure --gradient_checkpointing and --micro_batch_size against neither "
                              "(bench_flags)")
