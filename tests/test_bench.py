@@ -76,15 +76,17 @@ def test_compare_steps_times_each_way_of_the_same_step_on_cpu(tiny_model, thousa
 def test_recipe_minutes_from_a_measured_fraction_on_cpu(tiny_model, thousand_sentences, senteval_dir, tmp_path,
                                                         capsys):
     """--recipe_minutes end to end on CPU, two of the six rows (the NLI file; miCSE's 1%) at batch 8: each whole
-    recipe's steps and dev gates at that batch, and its minutes from the measured step, gate and final evaluation."""
+    recipe's steps and dev gates at that batch, and its minutes from the measured step, gate and final evaluation.
+    A row that fails (SSCL's default --neg_layers 2 on a 2-layer encoder) is its one line, and the next row runs."""
     from conftest import write_nli
     found = bench.main(["--recipe_minutes", "--model_name_or_path", str(tiny_model), "--train_file",
                         str(thousand_sentences), "--supervised_file", str(write_nli(tmp_path / "nli.csv", 24)),
-                        "--senteval_dir", str(senteval_dir), "--device", "cpu", "--recipes", "simcse-sup",
+                        "--senteval_dir", str(senteval_dir), "--device", "cpu", "--recipes", "simcse-sup", "sscl",
                         "micse-fewshot", "--recipe_steps", "2", "--gate_every", "1", "--method_args",
                         "simcse:--batch_size=8", "micse:--batch_size=8"])
     # 3 epochs of the 275,601 NLI triplets (a last batch of 1 is skipped), a gate every 250 steps, step 0 and the last;
     # 50 epochs of 1% of wiki1m (10,000 sentences), a gate every 500
+    assert found.pop("sscl").startswith("failed: UsageError: sscl.py: --neg_layers must be in 0..1")
     assert [(r["batch"], r["steps"], r["gates"]) for r in found.values()] == [(8, 3 * 34_450, 415), (8, 62_500, 126)]
     for row in found.values():
         assert row["step_s"] > 0 and row["gate_s"] > 0 and row["final_s"] > 0 and row["precision"] == "fp32"
@@ -93,8 +95,9 @@ def test_recipe_minutes_from_a_measured_fraction_on_cpu(tiny_model, thousand_sen
         assert minutes["final evaluation"] == pytest.approx(row["final_s"] / 60)
         assert minutes["training"] >= (row["steps"] - 1) * row["step_s"] / 60  # the first step as run, the rest
     table = table_rows(capsys.readouterr().out, "recipe")
-    assert [(row[0], row[2], row[3]) for row in table] == [("simcse-sup", "103,350", "415"),
+    assert [(row[0], row[2], row[3]) for row in table] == [("simcse-sup", "103,350", "415"), ("sscl", "", ""),
                                                            ("micse-fewshot", "62,500", "126")]
+    assert table[1][1].startswith("failed: UsageError")
 
 
 def test_the_six_recipes_are_the_papers_schedules(tiny_model):
@@ -119,3 +122,26 @@ def test_mfu_has_a_peak_only_where_the_datasheet_gives_one(monkeypatch):
     assert bench.peak_flops(cuda, "fp32") is None and bench.peak_flops(torch.device("cpu"), "bf16") is None
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     assert bench.peak_flops(cuda, "fp32") == 156e12  # TF32
+
+
+def test_gpu_check_fits_the_device_budget():
+    """tools/gpu_check.sh runs where a GPU is lent for 15 minutes of device time, one call at most 10 minutes, the
+    machine's start (about a minute) included: its default stages fit one call, and with its planned second call
+    (recipes_large) the session. The script parses (bash -n); an unknown stage is refused before any work."""
+    import os
+    import subprocess
+    from conftest import ROOT
+    script = str(ROOT / "tools" / "gpu_check.sh")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_S")}  # the limits' overrides
+
+    def plan(*stages):
+        out = subprocess.run(["bash", script, "--plan", *stages], capture_output=True, text=True, check=True,
+                             env=env).stdout
+        return dict((line.split()[0], int(line.split()[1])) for line in out.splitlines())
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    first, second = plan(), plan("recipes_large")
+    assert list(first) == ["machine", "compare", "recipes_base", "flags", "total"]
+    assert first["total"] == sum(v for k, v in first.items() if k != "total") <= 600 - 60
+    assert 60 + first["total"] + second["total"] <= 15 * 60 - 60
+    refused = subprocess.run(["bash", script, "--plan", "compare", "no_such_stage"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "no stage no_such_stage" in refused.stderr

@@ -17,6 +17,25 @@ runs every row a second time from another checkout of this suite (a git worktree
 session, and prints the ratio; its steps/s then include the warm-up on both sides, since an older checkout may not
 log at step W. Then the STS test evaluation of eval_sts.py (each distinct sentence once, length-sorted) is timed
 against a naive file-order evaluation.
+
+    python tools/bench.py --compare_steps --size bert-base --train_file ../shared/data/wiki1m_head.txt \\
+        --senteval_dir ../shared/data/senteval --batch_size 64 --max_seq_length 32 --steps 100 --warmup 10
+    python tools/bench.py --recipe_minutes --size bert-large --train_file ../shared/data/wiki1m_head.txt \\
+        --supervised_file ../shared/data/nli_snli_devtest.csv --senteval_dir ../shared/data/senteval \\
+        --recipe_steps 80 --gate_every 20
+
+--compare_steps times the same SimCSE step each way of --rows, on one device, model, batch and --max_seq_length, in
+this process one after another: simcse.py as a user runs it (eager; --compile; the suite's CUDA-graph path, a slot
+that says it is not built yet), a bare eager step (the batch already on the device and padded to --max_seq_length,
+fused AdamW, SDPA, autocast as --precision resolves, nothing recorded), that step captured in one torch.cuda.CUDAGraph
+and replayed (AdamW capturable, the learning rate a device tensor; CUDA only), and sentence-transformers' trainer
+with the same loss (MultipleNegativesRankingLoss at scale 20 = 1 / 0.05, [CLS] pooling; it needs accelerate). Each
+row: steps/s over --steps steps after --warmup, examples/s, MFU (6 x parameters x the tokens of both views, over the
+GPU's dense peak for the precision from PEAK_TFLOPS; blank where none is known) and simcse.py's steps/s over the
+row's. --recipe_minutes gives each paper's recipe (--recipes: the six rows at their presets) in minutes on this
+device: each runs --recipe_steps steps with a dev gate every --gate_every and its whole final evaluation, and the
+recipe's steps, dev gates and final evaluation are priced from them (recipe_row says how). --size builds a BERT of that
+size with random weights and the tokenizer of --model_name_or_path (default ../shared/models/all-MiniLM-L6-v2).
 """
 from __future__ import annotations
 
@@ -547,6 +566,21 @@ def describe_setting(args, model: str, device, precision: str) -> str:
             f"{transformers.__version__}")
 
 
+def one_row(measure):
+    """measure(), or where it fails, the row's one line saying how (its traceback on stderr): on a GPU lent for
+    minutes, one row's failure does not cost the others."""
+    try:
+        return measure()
+    except Exception as err:  # an interrupt or a signal's exit still ends the tool
+        if not isinstance(err, plumbing.UsageError):
+            import traceback
+            traceback.print_exc()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+
+
 def compare_steps(args) -> dict:
     """--compare_steps: the same SimCSE step timed each way of --rows, one after another in this process, on the
     same device, model, batch and --max_seq_length; steps/s over --steps steps after --warmup untimed ones,
@@ -566,7 +600,7 @@ def compare_steps(args) -> dict:
                 "sentence-transformers": lambda: sentence_transformers_trainer(args, model, device, precision,
                                                                                 workdir)}
         for row in args.rows:
-            found[row] = runs[row]()
+            found[row] = one_row(runs[row])
             print(f"measured {row}: {found[row]}", flush=True)  # what is done so far, should a limit stop the rest
         parameters = encoder_parameters(model)
     tokens = 2 * args.batch_size * args.max_seq_length  # two views
@@ -656,7 +690,7 @@ def recipe_minutes(args, extra: dict) -> dict:
         print("\n| recipe | batch | steps | dev gates | step ms | gate s | final eval s | training min | gates min "
               "| final eval min | total min |\n|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
         for name in args.recipes:
-            row = found[name] = recipe_row(name, args, model, workdir, extra)
+            row = found[name] = one_row(lambda: recipe_row(name, args, model, workdir, extra))
             if isinstance(row, str):
                 print(f"| {name} | {row} | | | | | | | | | |", flush=True)
                 continue
