@@ -687,8 +687,8 @@ def recipe_minutes(args, extra: dict) -> dict:
               "measured after them; gates = the recipe's dev gates (step 0 and the last included) x a gate's mean "
               "time; the final evaluation once (best/ written and reloaded, the 7 STS test tasks, "
               "alignment/uniformity)")
-        print("\n| recipe | batch | steps | dev gates | step ms | gate s | final eval s | training min | gates min "
-              "| final eval min | total min |\n|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        print("\n| recipe | batch | steps | gates | step ms | gate s | final s | steps min | gates min | final min "
+              "| total min |\n|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
         for name in args.recipes:
             row = found[name] = one_row(lambda: recipe_row(name, args, model, workdir, extra))
             if isinstance(row, str):
