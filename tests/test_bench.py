@@ -93,7 +93,7 @@ def test_recipe_minutes_from_a_measured_fraction_on_cpu(tiny_model, thousand_sen
         minutes = row["minutes"]
         assert minutes["gates"] == pytest.approx(row["gates"] * row["gate_s"] / 60)
         assert minutes["final evaluation"] == pytest.approx(row["final_s"] / 60)
-        assert minutes["training"] >= (row["steps"] - 1) * row["step_s"] / 60  # the first step as run, the rest
+        assert minutes["steps"] >= (row["steps"] - 1) * row["step_s"] / 60  # the first step as run, the rest
     table = table_rows(capsys.readouterr().out, "recipe")
     assert [(row[0], row[2], row[3]) for row in table] == [("simcse-sup", "103,350", "415"), ("sscl", "", ""),
                                                            ("micse-fewshot", "62,500", "126")]
@@ -145,3 +145,14 @@ def test_gpu_check_fits_the_device_budget():
     assert 60 + first["total"] + second["total"] <= 15 * 60 - 60
     refused = subprocess.run(["bash", script, "--plan", "compare", "no_such_stage"], capture_output=True, text=True)
     assert refused.returncode == 2 and "no stage no_such_stage" in refused.stderr
+
+
+def test_the_two_modes_refuse_a_bad_setting_in_one_line_before_any_run(tmp_path, corpus):
+    with pytest.raises(plumbing.UsageError, match="--size bert-base takes the tokenizer of --model_name_or_path"):
+        bench.main(["--compare_steps", "--size", "bert-base", "--model_name_or_path", str(tmp_path / "none"),
+                    "--train_file", str(corpus), "--device", "cpu"])
+    with pytest.raises(plumbing.UsageError, match="--recipe_steps .*more than --gate_every 5"):
+        bench.main(["--recipe_minutes", "--model_name_or_path", "m", "--train_file", str(corpus), "--recipe_steps",
+                    "5", "--gate_every", "5"])
+    with pytest.raises(plumbing.UsageError, match="--warmup"):
+        bench.main(["--compare_steps", "--model_name_or_path", "m", "--train_file", str(corpus), "--warmup", "0"])

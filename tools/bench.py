@@ -328,9 +328,6 @@ def run_in_process(script: str, argv: list[str]) -> tuple[dict, LineClock, float
             signal.signal(signum, handler)
     ended = time.perf_counter()
     results = json.loads((Path(argv[argv.index("--output_dir") + 1]) / "results.json").read_text())
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return results, clock, ended
 
 
@@ -575,10 +572,11 @@ def one_row(measure):
         if not isinstance(err, plumbing.UsageError):
             import traceback
             traceback.print_exc()
+        return f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+    finally:  # the row's model, optimizer and graph pool gone before the next row
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
 
 
 def compare_steps(args) -> dict:
@@ -666,7 +664,7 @@ def recipe_row(name: str, args, model: str, workdir, extra: dict) -> dict | str:
     gate_s = (clock.times[n] - clock.times[0] - curve[n]) / (len(gates) - 1)
     final_s = ended - clock.times[n]
     recipe_gates = steps // eval_steps + 1 + (steps % eval_steps > 0)  # step 0, every eval_steps, the last
-    minutes = {"training": (curve[m] + (steps - m) * step_s) / 60, "gates": recipe_gates * gate_s / 60,
+    minutes = {"steps": (curve[m] + (steps - m) * step_s) / 60, "gates": recipe_gates * gate_s / 60,
                "final evaluation": final_s / 60}
     return {"batch": batch, "steps": steps, "gates": recipe_gates, "step_s": step_s, "gate_s": gate_s,
             "final_s": final_s, "minutes": minutes, "precision": results["precision"]}
@@ -683,7 +681,7 @@ def recipe_minutes(args, extra: dict) -> dict:
         precision = options.resolve_precision(args.precision, device)
         print(f"each paper's recipe in minutes, {describe_setting(args, model, device, precision)}: "
               f"{args.recipe_steps} steps run with a dev gate every {args.gate_every} and the whole final evaluation; "
-              f"training = the first {args.gate_every} steps as run + the recipe's other steps at the step time "
+              f"steps = the first {args.gate_every} steps as run + the recipe's other steps at the step time "
               "measured after them; gates = the recipe's dev gates (step 0 and the last included) x a gate's mean "
               "time; the final evaluation once (best/ written and reloaded, the 7 STS test tasks, "
               "alignment/uniformity)")
@@ -696,7 +694,7 @@ def recipe_minutes(args, extra: dict) -> dict:
                 continue
             parts = row["minutes"]
             print(f"| {name} | {row['batch']} | {row['steps']:,} | {row['gates']} | {1e3 * row['step_s']:.1f} | "
-                  f"{row['gate_s']:.2f} | {row['final_s']:.1f} | {parts['training']:.1f} | {parts['gates']:.1f} | "
+                  f"{row['gate_s']:.2f} | {row['final_s']:.1f} | {parts['steps']:.1f} | {parts['gates']:.1f} | "
                   f"{parts['final evaluation']:.1f} | {sum(parts.values()):.1f} |", flush=True)
     return found
 
