@@ -379,3 +379,40 @@ def test_the_planner_on_a_model_it_cannot_trace_is_one_line(tiny_model, monkeypa
     reading_a_value(monkeypatch)
     code, err = cli_in_process(bench, "--memory", "--recipes", "simcse", "--model_name_or_path", tiny_model)
     assert code == 2 and err == f"error: no memory estimate is possible for {tiny_model} (bert): {READS_A_VALUE}\n"
+
+
+def table_rows(out: str) -> tuple[list[str], list[str]]:
+    """The printed memory table: (its header's column names, its rows), after checking the separator line."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| recipe |"))
+    names = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    assert lines[start + 1] == "|" + "---|" * len(names)
+    return names, [line for line in lines[start + 2:] if line.startswith("| ")]
+
+
+def test_bench_memory_prints_its_header_and_takes_the_methods_flags(tiny_model, capsys):
+    """`tools/bench.py --memory` (#58): the header names the columns above the rows; miCSE's few-shot preset is a
+    row (batch 64, fp32); the method's own flags (--batch_size, --precision, --fraction, the memory flags) apply."""
+    import bench
+    base = ["--memory", "--model_name_or_path", str(tiny_model), "--gpus", "16"]
+    bench.main([*base, "--recipes", "micse", "micse-fewshot"])
+    names, rows = table_rows(capsys.readouterr().out)
+    assert names == ["recipe", "backbone", "batch", "precision", "weights", "gradients", "optimizer", "activations",
+                     "step", "dev gate", "final eval", "16 GB"]
+    assert [row.split(" | ")[0] for row in rows] == ["| micse", "| micse-fewshot"]
+    assert "| 50 | fp32 |" in rows[0] and "| 64 | fp32 |" in rows[1]  # 100%'s preset, then 1%'s
+    bench.main([*base, "--recipes", "simcse", "--batch_size", "24", "--precision", "bf16", "--gradient_checkpointing"])
+    assert f"| simcse | {tiny_model.name} | 24 | bf16 |" in table_rows(capsys.readouterr().out)[1][0]
+    import memory as memory_tool
+    args = memory_tool.recipe_args("micse", str(tiny_model), ["--fraction", "0.01", "--gradient_checkpointing",
+                                                              "--micro_batch_size", "4", "--max_seq_length", "16"])
+    assert (args.batch_size, args.fraction, args.gradient_checkpointing, args.micro_batch_size,
+            args.max_seq_length) == (64, 0.01, True, 4, 16)  # what memory.estimate reads
+
+
+def test_bench_memory_refuses_a_flag_no_method_has_before_any_table(tiny_model, capsys):
+    import bench
+    with pytest.raises(SystemExit):
+        bench.main(["--memory", "--model_name_or_path", str(tiny_model), "--recipes", "simcse", "--no_such_flag"])
+    captured = capsys.readouterr()
+    assert "| recipe |" not in captured.out and "--no_such_flag" in captured.err

@@ -17,11 +17,35 @@ runs every row a second time from another checkout of this suite (a git worktree
 session, and prints the ratio; its steps/s then include the warm-up on both sides, since an older checkout may not
 log at step W. Then the STS test evaluation of eval_sts.py (each distinct sentence once, length-sorted) is timed
 against a naive file-order evaluation.
+
+    python tools/bench.py --compare_steps --size bert-base --train_file ../shared/data/wiki1m_head.txt \\
+        --senteval_dir ../shared/data/senteval --batch_size 64 --max_seq_length 32 --steps 100 --warmup 10
+    python tools/bench.py --recipe_minutes --size bert-large --train_file ../shared/data/wiki1m_head.txt \\
+        --supervised_file ../shared/data/nli_snli_devtest.csv --senteval_dir ../shared/data/senteval \\
+        --recipe_steps 80 --gate_every 20
+
+--compare_steps times the same SimCSE step each way of --rows, on one device, model, batch and --max_seq_length, in
+this process one after another: simcse.py as a user runs it (eager; --compile; the suite's CUDA-graph path, a slot
+that says it is not built yet), a bare eager step (the batch already on the device and padded to --max_seq_length,
+fused AdamW, SDPA, autocast as --precision resolves, nothing recorded), that step captured in one torch.cuda.CUDAGraph
+and replayed (AdamW capturable, the learning rate a device tensor; CUDA only), and sentence-transformers' trainer
+with the same loss (MultipleNegativesRankingLoss at scale 20 = 1 / 0.05, [CLS] pooling; it needs accelerate). Each
+row: steps/s over --steps steps after --warmup, examples/s, MFU (6 x parameters x the tokens of both views, over the
+GPU's dense peak for the precision from PEAK_TFLOPS; blank where none is known) and simcse.py's steps/s over the
+row's. --recipe_minutes gives each paper's recipe (--recipes: the six rows at their presets) in minutes on this
+device: each runs --recipe_steps steps with a dev gate every --gate_every and its whole final evaluation, and the
+recipe's steps, dev gates and final evaluation are priced from them (recipe_row says how). --size builds a BERT of that
+size with random weights and the tokenizer of --model_name_or_path (default ../shared/models/all-MiniLM-L6-v2).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import io
 import json
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,12 +77,13 @@ def bench_method(row, args, extra, workdir, root=ROOT, log_warmup=True) -> dict:
            *(["--logging_steps", str(args.warmup)] if log_warmup and args.warmup else []), *extra,
            *(["--count_host_syncs", str(args.warmup - 1)] if count else []),
            *(["--senteval_dir", args.senteval_dir] if args.senteval_dir else []),
-           *(["--device", args.device] if args.device else [])]
+           *(["--device", args.device] if args.device else []),
+           *(["--precision", args.precision] if getattr(args, "precision", None) else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=root)
     if proc.returncode != 0:
         raise plumbing.UsageError(f"{row} ({root}) failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     results = json.loads((out / "results.json").read_text())
-    curve = {row["step"]: row["train_time_s"] for row in files.trajectory(results) if "train_time_s" in row}
+    curve = training_curve(results)
     if log_warmup and args.warmup and args.warmup in curve:
         results["timed_steps_per_second"] = args.steps / (curve[total] - curve[args.warmup])
     else:
@@ -187,7 +212,6 @@ def bench_flags(args) -> dict:
     --batch_size: the step's peak above the training state (plumbing/memory.measured_step: the allocator's events
     of the step's model on real tensors) and the estimate's, then steps/s of simcse.py itself, the four settings
     run one after another twice (the machine's slower spells hit every setting)."""
-    import shutil
     import simcse
     from plumbing import memory
     config = hub.local_config(args.model_name_or_path)
@@ -219,6 +243,471 @@ def bench_flags(args) -> dict:
     return found
 
 
+# ------------------------------------------------------------------------ the same step, six ways (--compare_steps)
+TOKENIZER = ROOT.parent / "shared" / "models" / "all-MiniLM-L6-v2"  # bert-base-uncased's WordPiece vocabulary
+SIZES = ("bert-base", "bert-large")  # tools/memory.py's configs: bert-base-uncased's shape, and BERT-large's
+# Dense (no sparsity) tensor-core peaks in TFLOP/s from NVIDIA's datasheets, SXM parts but the H100 PCIe: MFU's
+# denominator. An "NVL" part, another GPU or a CPU: no MFU.
+PEAK_TFLOPS = (("H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7}),
+               ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0}),
+               ("H100", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7}),
+               ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0}))
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # autocast's dtype; fp32: no autocast
+LR, TEMP = 3e-5, 0.05  # unsupervised SimCSE's (Table A.1), which every row of the comparison trains with
+
+
+def peak_flops(device, precision: str) -> float | None:
+    """The device's dense peak for the matmuls of `precision` (fp32 runs them in TF32 only where torch allows it)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    kind = "tf32" if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32 else precision
+    peaks = next((peaks for part, peaks in PEAK_TFLOPS if part in name and "NVL" not in name), {})
+    return peaks[kind] * 1e12 if kind in peaks else None
+
+
+def encoder_folder(args, workdir) -> str:
+    """The model both modes train: --model_name_or_path as it is, or with --size a BERT of that size with random
+    weights (torch.manual_seed(0); tools/memory.py's config of it, the vocabulary the tokenizer's), saved with the
+    tokenizer of --model_name_or_path (default ../shared/models/all-MiniLM-L6-v2: bert-base-uncased's WordPiece)."""
+    source = args.model_name_or_path or str(TOKENIZER)
+    if not args.size:
+        return source
+    import transformers
+    import memory
+    if not Path(source).is_dir():
+        raise plumbing.UsageError(f"--size {args.size} takes the tokenizer of --model_name_or_path {source}: no "
+                                  "such folder; give a local model folder")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    config = memory.config_of(args.size)
+    config.vocab_size = len(tokenizer)
+    torch.manual_seed(0)
+    folder = Path(workdir) / f"{args.size}-random"
+    transformers.BertModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+class LineClock(io.TextIOBase):
+    """A run's stdout, kept, with the time at which each of its progress lines ("step k/N ...": plumbing/run.py's
+    progress_line, written after that step's log, dev gate included) came."""
+
+    def __init__(self):
+        super().__init__()
+        self.times, self.lines = {}, []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        now = time.perf_counter()
+        for line in text.splitlines():
+            match = re.match(r"step (\d+)/\d+", line)
+            if match:
+                self.times[int(match.group(1))] = now
+            self.lines.append(line)
+        return len(text)
+
+
+def run_in_process(script: str, argv: list[str]) -> tuple[dict, LineClock, float]:
+    """A method file's main(argv) in this process, as `python <script>.py ...` runs it (the imports and the GPU's
+    context once for every row): its results.json, its stdout's LineClock, and when main() returned."""
+    import importlib
+    import signal
+    module = importlib.import_module(script)
+    clock = LineClock()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with contextlib.redirect_stdout(clock):
+            module.main(argv)
+    except plumbing.UsageError as err:
+        raise plumbing.UsageError(f"{script}.py: {err}") from None
+    except BaseException:  # a traceback, or a signal's exit: what the run printed last, for its diagnosis
+        print("\n".join([f"{script}.py printed, last:", *clock.lines[-15:]]), file=sys.stderr)
+        raise
+    finally:  # a run's stop handlers end with it
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    ended = time.perf_counter()
+    results = json.loads((Path(argv[argv.index("--output_dir") + 1]) / "results.json").read_text())
+    return results, clock, ended
+
+
+def training_curve(results: dict) -> dict:
+    """{step: training time so far}, at the run's log rows (dev gates and logs are not training time)."""
+    return {row["step"]: row["train_time_s"] for row in files.trajectory(results) if "train_time_s" in row}
+
+
+def run_flags(args, model: str, out, train_file: str) -> list[str]:
+    """What every run of the two modes shares: the model, the data, the seed, the precision, where it runs."""
+    return ["--model_name_or_path", model, "--train_file", train_file, "--seed", str(args.seed), "--precision",
+            args.precision, "--output_dir", str(out), *(["--senteval_dir", args.senteval_dir] if args.senteval_dir
+                                                        else []), *(["--device", args.device] if args.device else [])]
+
+
+def suite_step(args, model: str, workdir, flags=()) -> float:
+    """simcse.py's steps/s (with `flags`) over --steps steps after --warmup, from its own training-time curve."""
+    total = args.warmup + args.steps
+    out = Path(workdir) / f"simcse{''.join(flags)}"
+    results = run_in_process("simcse", [*run_flags(args, model, out, args.train_file), "--batch_size",
+                                        str(args.batch_size), "--max_seq_length", str(args.max_seq_length),
+                                        "--max_steps", str(total), "--eval_steps", str(total), "--logging_steps",
+                                        str(args.warmup), "--no_test_eval", *flags])[0]
+    shutil.rmtree(out)
+    if flags:  # --compile: dynamo's caches hold the compiled model; the next rows do not need them
+        torch._dynamo.reset()
+    curve = training_curve(results)
+    return args.steps / (curve[total] - curve[args.warmup])
+
+
+def device_batches(args, model: str, device, count: int = 8) -> list[dict]:
+    """The suite's first `count` batches (data.TokenizedCorpus of --train_file, data.BatchSampler with --seed) padded
+    to --max_seq_length, the static shape a CUDA graph needs, and on the device: the bare steps' data."""
+    import transformers
+    import data
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    examples = data.training_examples(types.SimpleNamespace(train_file=args.train_file, fraction=1.0,
+                                                            seed=args.seed))[0]
+    corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
+    if len(corpus) < args.batch_size:
+        raise plumbing.UsageError(f"--train_file {args.train_file}: {len(corpus)} sentences, fewer than "
+                                  f"--batch_size {args.batch_size}")
+    batches = []
+    for rows, _ in zip(data.BatchSampler(len(corpus), args.batch_size, args.seed), range(count)):
+        batch = corpus.collate(rows)
+        pad = args.max_seq_length - batch["input_ids"].shape[1]
+        batches.append({k: torch.nn.functional.pad(v, (0, pad), value=corpus.pad_id if k == "input_ids" else 0)
+                        .to(device) for k, v in batch.items()})
+    return batches
+
+
+def bare_model(model: str, device, seed: int):
+    """The encoder with SDPA and SimCSE's MLP head, BERT's pooler frozen as the suite freezes it (it is in no loss):
+    (backbone, head, the trained parameters)."""
+    import common
+    backbone = hub.load_pretrained(model, attn_implementation="sdpa")[1].to(device).train()
+    if getattr(backbone, "pooler", None) is not None:
+        backbone.pooler.requires_grad_(False)
+    torch.manual_seed(seed)
+    head = common.MLPHead(backbone.config).to(device)
+    return backbone, head, [p for m in (backbone, head) for p in m.parameters() if p.requires_grad]
+
+
+def bare_loss(backbone, head, batch: dict, precision: str, cache: bool = True):
+    """SimCSE's loss on one batch and nothing else: both dropout views in one pass with the prebuilt 4-D mask (no
+    host check of the mask), the encoder under autocast, [CLS] through the head and InfoNCE (tau 0.05) in fp32.
+    `cache`: autocast's cache of each weight's cast, which a CUDA graph's capture cannot keep."""
+    import common
+    views = {k: v.repeat(2, 1) for k, v in batch.items()}
+    mask = common.attention_mask_4d(views.pop("attention_mask"), "sdpa")
+    device_type = batch["input_ids"].device.type
+    with torch.autocast(device_type, dtype=HALF.get(precision), enabled=precision in HALF, cache_enabled=cache):
+        hidden = backbone(attention_mask=mask, **views).last_hidden_state
+    z1, z2 = head(hidden[:, 0].float()).chunk(2)
+    return common.info_nce(z1, z2, TEMP)
+
+
+def timed(step, args, device) -> float:
+    """steps/s of step(i) for i in --warmup .. --warmup + --steps, after the --warmup untimed ones; the device's
+    queue is drained at both ends of the timed steps only."""
+    for i in range(args.warmup):
+        step(i)
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(args.warmup, args.warmup + args.steps):
+        step(i)
+    _sync(device)
+    return args.steps / (time.perf_counter() - start)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bare_eager(args, model: str, batches: list, device, precision: str) -> float:
+    """The step without the suite: the batch already on the device, fused AdamW and the linear schedule, fp16's
+    GradScaler, clipping at 1.0, nothing recorded."""
+    import transformers
+    backbone, head, params = bare_model(model, device, args.seed)
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True)
+    schedule = transformers.get_linear_schedule_with_warmup(optimizer, 0, args.warmup + args.steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    def step(i):
+        optimizer.zero_grad(set_to_none=True)
+        loss = bare_loss(backbone, head, batches[i % len(batches)], precision)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        schedule.step()
+    return timed(step, args, device)
+
+
+def bare_graph(args, model: str, batches: list, device, precision: str) -> float | str:
+    """The bare step captured once in a torch.cuda.CUDAGraph and replayed: forward, backward, clipping and AdamW
+    (fused, capturable, the learning rate a device tensor that the host sets before each replay: the linear
+    schedule without a sync); each batch copied into the graph's input buffers; dropout from the CUDA generator,
+    which the capture registers. PyTorch's whole-network recipe: a few steps on a side stream first, the gradients
+    set to None before the capture, so that the graph's backward makes them in its own memory pool."""
+    if device.type != "cuda":
+        return "needs CUDA (a torch.cuda.CUDAGraph)"
+    if precision == "fp16":
+        return "not with fp16: the GradScaler decides on the host whether to step (use --precision bf16)"
+    backbone, head, params = bare_model(model, device, args.seed)
+    lr = torch.tensor(LR, device=device)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True, capturable=True)
+    static = {k: v.clone() for k, v in batches[0].items()}  # the graph reads its batch here
+
+    def body():
+        loss = bare_loss(backbone, head, static, precision, cache=False)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        return loss
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        body()
+    total = args.warmup + args.steps
+
+    def step(i):
+        for k, v in static.items():
+            v.copy_(batches[i % len(batches)][k])
+        lr.fill_(LR * (1 - i / total))
+        graph.replay()
+    return timed(step, args, device)
+
+
+def sentence_transformers_trainer(args, model: str, device, precision: str, workdir) -> float | str:
+    """sentence-transformers' own trainer on the same step: MultipleNegativesRankingLoss at scale 20 (1 / tau),
+    [CLS] pooling, each sentence its own positive (dropout makes the views: two passes of the batch, the same
+    tokens), the same batch, --max_seq_length, learning rate, clipping at 1.0 and precision; steps/s between the
+    ends of step --warmup and of the last step (the device's queue drained at those two points only)."""
+    import importlib.util
+    missing = [name for name in ("sentence_transformers", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        return f"not installed here: {', '.join(missing)} (pip install sentence-transformers accelerate)"
+    try:
+        import sentence_transformers as st
+        import accelerate
+        del accelerate  # the transformers Trainer's, imported here so that a broken install is this row's line
+    except ImportError as err:
+        return f"cannot be imported here: {str(err).splitlines()[0]}"
+    try:  # sentence-transformers 5 and later; 3 and 4 call them models
+        from sentence_transformers.sentence_transformer import losses, modules
+    except ImportError:
+        from sentence_transformers import losses, models as modules
+    import datasets
+    import transformers
+    import data
+    encoder = modules.Transformer(model, max_seq_length=args.max_seq_length)
+    network = st.SentenceTransformer(modules=[encoder, modules.Pooling(hub.local_config(model).hidden_size,
+                                                                        pooling_mode="cls")], device=str(device))
+    total = args.warmup + args.steps
+    sentences = list(data.training_examples(types.SimpleNamespace(train_file=args.train_file, fraction=1.0,
+                                                                  seed=args.seed))[0]["text"])
+    sentences = (sentences * -(-total * args.batch_size // len(sentences)))[:total * args.batch_size]
+    marks = {}
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_end(self, training_args, state, control, **kwargs):
+            if state.global_step in (args.warmup, total):
+                _sync(device)
+                marks[state.global_step] = time.perf_counter()
+    training = st.SentenceTransformerTrainingArguments(
+        output_dir=str(Path(workdir) / "sentence-transformers"), per_device_train_batch_size=args.batch_size,
+        max_steps=total, learning_rate=LR, warmup_steps=0, max_grad_norm=1.0, bf16=precision == "bf16",
+        fp16=precision == "fp16", save_strategy="no", report_to="none", logging_steps=total, seed=args.seed,
+        use_cpu=device.type == "cpu", disable_tqdm=True, dataloader_drop_last=True)
+    trainer = st.SentenceTransformerTrainer(
+        model=network, args=training, train_dataset=datasets.Dataset.from_dict({"anchor": sentences,
+                                                                                "positive": sentences}),
+        loss=losses.MultipleNegativesRankingLoss(network, scale=1 / TEMP), callbacks=[Clock()])
+    with contextlib.redirect_stdout(io.StringIO()):  # its log lines: this table has its figures
+        trainer.train()
+    return args.steps / (marks[total] - marks[args.warmup])
+
+
+COMPARE_ROWS = {  # --rows: what each row of the comparison is
+    "suite": "`simcse.py` (eager, the default)",
+    "suite-compile": "`simcse.py --compile` (inductor's default mode)",
+    "suite-graph": "`simcse.py`, the training step in a CUDA graph",
+    "bare": "a bare eager step (the batch on the device, fused AdamW, SDPA, autocast)",
+    "bare-graph": "the bare step in one `torch.cuda.CUDAGraph`, replayed (AdamW capturable, lr a tensor)",
+    "sentence-transformers": "sentence-transformers' trainer (MultipleNegativesRankingLoss, scale 20, CLS)",
+}
+
+
+def encoder_parameters(model: str) -> int:
+    """The parameters a step runs: the encoder's (built on the meta device: no memory) and SimCSE's MLP head."""
+    import transformers
+    config = hub.local_config(model)
+    with torch.device("meta"):
+        encoder = transformers.AutoModel.from_config(config)
+    return sum(p.numel() for p in encoder.parameters()) + config.hidden_size * (config.hidden_size + 1)
+
+
+def describe_setting(args, model: str, device, precision: str) -> str:
+    import transformers
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    size = f"{args.size} with random weights" if args.size else model
+    return (f"{device} ({name}), {size}, precision {precision}; torch {torch.__version__}, transformers "
+            f"{transformers.__version__}")
+
+
+def one_row(measure):
+    """measure(), or where it fails, the row's one line saying how (its traceback on stderr): on a GPU lent for
+    minutes, one row's failure does not cost the others."""
+    try:
+        return measure()
+    except Exception as err:  # an interrupt or a signal's exit still ends the tool
+        if not isinstance(err, plumbing.UsageError):
+            import traceback
+            traceback.print_exc()
+        return f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+    finally:  # the row's model, optimizer and graph pool gone before the next row
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def compare_steps(args) -> dict:
+    """--compare_steps: the same SimCSE step timed each way of --rows, one after another in this process, on the
+    same device, model, batch and --max_seq_length; steps/s over --steps steps after --warmup untimed ones,
+    examples/s, MFU and simcse.py's steps/s over each row's. {row: steps/s, or why it did not run}."""
+    from plumbing import options
+    device = plumbing.resolve_device(args.device)
+    precision = args.precision = options.resolve_precision(args.precision, device)
+    found = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        model = encoder_folder(args, workdir)
+        batches = device_batches(args, model, device)
+        runs = {"suite": lambda: suite_step(args, model, workdir),
+                "suite-compile": lambda: suite_step(args, model, workdir, ["--compile"]),
+                "suite-graph": lambda: "not built yet (no CUDA-graph path in the suite)",
+                "bare": lambda: bare_eager(args, model, batches, device, precision),
+                "bare-graph": lambda: bare_graph(args, model, batches, device, precision),
+                "sentence-transformers": lambda: sentence_transformers_trainer(args, model, device, precision,
+                                                                                workdir)}
+        for row in args.rows:
+            found[row] = one_row(runs[row])
+            print(f"measured {row}: {found[row]}", flush=True)  # what is done so far, should a limit stop the rest
+        parameters = encoder_parameters(model)
+    tokens = 2 * args.batch_size * args.max_seq_length  # two views
+    flops, peak = 6 * parameters * tokens, peak_flops(device, precision)
+    print(f"\nthe same SimCSE step, {describe_setting(args, model, device, precision)}; batch {args.batch_size} x "
+          f"{args.max_seq_length} tokens, {args.steps} steps timed after {args.warmup}")
+    mfu = f"MFU against {peak / 1e12:.1f} TFLOP/s ({precision}, dense, the datasheet's)" if peak else \
+        f"no MFU: PEAK_TFLOPS has no {precision} peak for this device"
+    print(f"FLOPs a step: 6 x {parameters / 1e6:.1f}M parameters x {tokens} tokens (two views, padded to "
+          f"--max_seq_length; simcse.py and sentence-transformers pad a batch to its longest row) = "
+          f"{flops / 1e12:.3f} TFLOP; {mfu}")
+    print("\n| the same SimCSE step | steps/s | examples/s | MFU | simcse.py ÷ it |\n|---|---|---|---|---|")
+    suite = found.get("suite")
+    for row, rate in found.items():
+        if isinstance(rate, str):
+            print(f"| {COMPARE_ROWS[row]} | {rate} | | | |")
+            continue
+        mfu = f"{100 * rate * flops / peak:.1f}%" if peak else ""
+        ratio = f"{suite / rate:.2f}" if isinstance(suite, float) else ""
+        print(f"| {COMPARE_ROWS[row]} | {rate:.2f} | {rate * args.batch_size:.0f} | {mfu} | {ratio} |")
+    return found
+
+
+# ----------------------------------------------------------------------------- each paper's recipe (--recipe_minutes)
+WIKI1M, NLI = 1_000_000, 275_601  # wiki1m_for_simcse.txt's sentences, nli_for_simcse.csv's triplets
+# the paper protocol's six rows, by tools/memory.py's names (its RECIPES: the method file and flags), miCSE at 1%
+RECIPE_NAMES = ("simcse", "simcse-sup", "simcsepp", "sscl", "whitenedcse", "micse-fewshot")
+
+
+def recipe_schedule(script: str, flags: list, model: str, extra: list) -> tuple[int, int, int]:
+    """(batch, steps, eval_steps) of a whole recipe: the method's presets for these flags and model, on the papers'
+    data (wiki1m's sentences or --fraction of them, NLI's triplets with --supervised), each epoch's last short batch
+    kept as data.BatchSampler keeps it."""
+    import importlib
+    import data
+    recipe = importlib.import_module(script).parse_args(["--model_name_or_path", model, *flags, *extra])
+    examples = NLI if getattr(recipe, "supervised", False) else round(recipe.fraction * WIKI1M)
+    with contextlib.redirect_stdout(io.StringIO()):  # its note on a short last batch is for a run
+        sampler = data.BatchSampler(examples, recipe.batch_size, 0)
+    steps = recipe.max_steps or recipe.epochs * len(sampler)
+    return recipe.batch_size, steps, recipe.eval_steps
+
+
+def recipe_row(name: str, args, model: str, workdir, extra: dict) -> dict | str:
+    """One recipe run for --recipe_steps steps with a dev gate every --gate_every and its whole final evaluation:
+    the step's time after the first gate (training-time curve), a gate's (the wall time between the progress lines
+    of gate 0 and the last, less the training time between them, over the gates), the final evaluation's (from the
+    last gate's line to main()'s return); and the whole recipe's minutes from them."""
+    import memory
+    script, flags = memory.RECIPES[name]
+    train_file = args.supervised_file if "--supervised" in flags else args.train_file
+    if not train_file:
+        return "needs --supervised_file (NLI triplets)"
+    n, m = args.recipe_steps, args.gate_every
+    batch, steps, eval_steps = recipe_schedule(script, flags, model, extra.get(script, []))
+    out = Path(workdir) / name
+    results, clock, ended = run_in_process(script, [*run_flags(args, model, out, train_file), *flags,
+                                                    "--max_steps", str(n), "--eval_steps", str(m),
+                                                    *extra.get(script, [])])
+    shutil.rmtree(out)  # its best/: BERT-large's is 1.3 GB
+    curve, gates = training_curve(results), [row["step"] for row in results["trajectory"] if row.get("gate")]
+    step_s = (curve[n] - curve[m]) / (n - m)
+    gate_s = (clock.times[n] - clock.times[0] - curve[n]) / (len(gates) - 1)
+    final_s = ended - clock.times[n]
+    recipe_gates = steps // eval_steps + 1 + (steps % eval_steps > 0)  # step 0, every eval_steps, the last
+    minutes = {"steps": (curve[m] + (steps - m) * step_s) / 60, "gates": recipe_gates * gate_s / 60,
+               "final evaluation": final_s / 60}
+    return {"batch": batch, "steps": steps, "gates": recipe_gates, "step_s": step_s, "gate_s": gate_s,
+            "final_s": final_s, "minutes": minutes, "precision": results["precision"]}
+
+
+def recipe_minutes(args, extra: dict) -> dict:
+    """--recipe_minutes: each of --recipes as `python <method>.py` runs it (its presets), on one device and model,
+    one after another in this process, a row printed as each is measured. {recipe: its figures, or why not}."""
+    from plumbing import options
+    device = plumbing.resolve_device(args.device)
+    found = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        model = encoder_folder(args, workdir)
+        precision = options.resolve_precision(args.precision, device)
+        print(f"each paper's recipe in minutes, {describe_setting(args, model, device, precision)}: "
+              f"{args.recipe_steps} steps run with a dev gate every {args.gate_every} and the whole final evaluation; "
+              f"steps = the first {args.gate_every} steps as run + the recipe's other steps at the step time "
+              "measured after them; gates = the recipe's dev gates (step 0 and the last included) x a gate's mean "
+              "time; the final evaluation once (best/ written and reloaded, the 7 STS test tasks, "
+              "alignment/uniformity)")
+        print("\n| recipe | batch | steps | gates | step ms | gate s | final s | steps min | gates min | final min "
+              "| total min |\n|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        for name in args.recipes:
+            row = found[name] = one_row(lambda: recipe_row(name, args, model, workdir, extra))
+            if isinstance(row, str):
+                print(f"| {name} | {row} | | | | | | | | | |", flush=True)
+                continue
+            parts = row["minutes"]
+            print(f"| {name} | {row['batch']} | {row['steps']:,} | {row['gates']} | {1e3 * row['step_s']:.1f} | "
+                  f"{row['gate_s']:.2f} | {row['final_s']:.1f} | {parts['steps']:.1f} | {parts['gates']:.1f} | "
+                  f"{parts['final evaluation']:.1f} | {sum(parts.values()):.1f} |", flush=True)
+    return found
+
+
+def method_args(items) -> dict:
+    """--method_args' method:flag=value items: {method: [flag, value, ...]}."""
+    extra = {}
+    for item in items:
+        name, flag = item.split(":", 1)
+        extra.setdefault(name, []).extend(flag.split("=", 1))
+    return extra
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--memory" in argv:  # the GPU memory of each paper recipe, estimated: tools/memory.py, its flags
@@ -226,14 +715,37 @@ def main(argv=None):
         return memory.main([a for a in argv if a != "--memory"])
     parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--memory", action="store_true",
-                        help="estimate the GPU memory of each paper recipe instead (tools/memory.py: its flags)")
+                        help="estimate the GPU memory of each paper recipe instead (tools/memory.py: its own flags, "
+                             "and the method's, e.g. --fraction, --precision, --batch_size, --gradient_checkpointing, "
+                             "--micro_batch_size, which each row takes as a run would)")
     parser.add_argument("--flag_cost", action="store_true",
                         help="only measure --gradient_checkpointing and --micro_batch_size against neither "
                              "(bench_flags)")
     parser.add_argument("--save_cost", action="store_true",
                         help="only measure what saving a BERT-base-sized checkpoint costs (bench_saves)")
+    parser.add_argument("--compare_steps", action="store_true",
+                        help="time the same SimCSE step each way of --rows instead: simcse.py eager and --compile, "
+                             "a bare eager step, the bare step in a CUDA graph, sentence-transformers' trainer")
+    parser.add_argument("--recipe_minutes", action="store_true",
+                        help="give each of --recipes in minutes on this device instead, from --recipe_steps steps "
+                             "with a dev gate every --gate_every and the whole final evaluation")
+    parser.add_argument("--size", default=None, choices=SIZES,
+                        help="--compare_steps, --recipe_minutes: a BERT of this size with random weights "
+                             "(bert-base-uncased's config shape) and the tokenizer of --model_name_or_path "
+                             "(default ../shared/models/all-MiniLM-L6-v2); without it, --model_name_or_path itself")
+    parser.add_argument("--rows", nargs="+", default=list(COMPARE_ROWS), choices=list(COMPARE_ROWS),
+                        help="--compare_steps: the ways to time (default: all)")
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), choices=list(RECIPE_NAMES),
+                        help="--recipe_minutes: the recipes, each with its presets (default: the six)")
+    parser.add_argument("--recipe_steps", type=int, default=100, help="--recipe_minutes: steps run of each recipe")
+    parser.add_argument("--gate_every", type=int, default=25,
+                        help="--recipe_minutes: a dev gate every this many steps of them (the step time is "
+                             "measured after the first)")
+    parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                        help="each run's --precision (auto: bf16 on a GPU that has it, fp16 on an older one, fp32 "
+                             "on CPU); the bare steps' autocast follows it")
     parser.add_argument("--model_name_or_path", default=None, help="the model to train (required but with "
-                                                                   "--save_cost)")
+                                                                   "--save_cost and --size)")
     parser.add_argument("--train_file", default=None, help="sentences to draw the batches from")
     parser.add_argument("--senteval_dir", default=None, help="SentEval data (dev gate and evaluation timing)")
     parser.add_argument("--methods", nargs="+", default=["simcse"], help="method scripts; simcse is always included")
@@ -255,8 +767,19 @@ def main(argv=None):
     if args.save_cost:
         bench_saves(plumbing.resolve_device(args.device))
         return
-    if not (args.model_name_or_path and args.train_file):
-        parser.error("--model_name_or_path and --train_file are required (but with --save_cost)")
+    if not ((args.model_name_or_path or args.size) and args.train_file):
+        parser.error("--model_name_or_path (or --size) and --train_file are required (but with --save_cost)")
+    if args.compare_steps or args.recipe_minutes:
+        plumbing.check_range(args, "steps", lambda v: v >= 1, "a positive integer")
+        plumbing.check_range(args, "warmup", lambda v: v >= 1, "at least 1 (the timed steps start after it)")
+        plumbing.check_range(args, "gate_every", lambda v: v >= 1, "a positive integer")
+        plumbing.check_range(args, "recipe_steps", lambda v: v > args.gate_every,
+                             f"more than --gate_every {args.gate_every} (the step time is measured after the first "
+                             "gate)")
+        if args.size and args.model_name_or_path is None and not TOKENIZER.is_dir():
+            raise plumbing.UsageError(f"--size {args.size}: no tokenizer at {TOKENIZER}; give --model_name_or_path "
+                                      "a local folder with one")
+        return compare_steps(args) if args.compare_steps else recipe_minutes(args, method_args(args.method_args))
     if args.flag_cost:
         for name in ("model_name_or_path", "train_file", "senteval_dir"):  # the runs' cwd is the suite
             if getattr(args, name) and Path(getattr(args, name)).exists():
@@ -273,10 +796,7 @@ def main(argv=None):
         path = getattr(args, name)
         if path and Path(path).exists():
             setattr(args, name, str(Path(path).resolve()))
-    extra = {}
-    for item in args.method_args:
-        name, flag = item.split(":", 1)
-        extra.setdefault(name, []).extend(flag.split("=", 1))
+    extra = method_args(args.method_args)
 
     rows = ["simcse"] + [m for m in args.methods if m != "simcse"] + (["simcse-sup"] if args.supervised_file else [])
     compare = Path(args.compare_with).resolve() if args.compare_with else None

@@ -2,14 +2,39 @@
 # Does this GPU set-up work, and how fast is it? On a CUDA machine, from the suite's folder:
 #
 #     tools/gpu_check.sh --prepare ../shared   # once, anywhere: .gpu_data/ with the data and a WordPiece tokenizer
-#     tools/gpu_check.sh [OUT]                 # on the GPU: every figure and log under OUT (default runs/gpu_check)
+#     tools/gpu_check.sh [OUT [STAGE ...]]     # on the GPU: every figure and log under OUT (default runs/gpu_check)
+#     tools/gpu_check.sh --plan [STAGE ...]    # the stages and their time limits, without running anything
 #
-# It runs tests/test_cuda.py; builds a BERT-base-sized encoder with random weights (BertConfig(), no download);
-# times each method on it with tools/bench.py (batch 64 x 32 tokens, bf16: --precision auto on a GPU with bf16);
-# measures --gradient_checkpointing and --micro_batch_size on supervised SimCSE's batch of 512 against the memory
-# estimate; times the saves; and times --compile. Each stage has its own time limit and writes its file as it goes.
+# The budget (docs/gpu.md): 15 minutes of device time a session, the machine's start (about a minute) included, and
+# one call at most 10 minutes. Each stage has its own time limit in seconds (LIMIT below; an environment variable,
+# e.g. COMPARE_S=200, changes it) and writes its file under OUT as it goes, so a stage cut short keeps what it had.
+# With no STAGE the default stages run: one call of 430 s of limits. Then, on the same warm machine, the second
+# call `tools/gpu_check.sh OUT recipes_large` (300 s): 730 s in all, about 13.5 minutes with the start. The other
+# stages were measured once (docs/gpu.md) and run by name where a change needs them again, e.g. test_cuda.
+#
+#   machine        the GPU, driver, torch and transformers                                     gpu.txt
+#   compare        the same SimCSE step six ways, BERT-base-sized (random weights, bert-base-uncased's shape and
+#                  WordPiece), batch 64 x 32, --precision auto: simcse.py eager and --compile, the suite's graph
+#                  path (not built yet), a bare eager step, the bare step in a CUDA graph, sentence-transformers'
+#                  trainer; 100 steps timed after 10 (tools/bench.py --compare_steps)           compare_steps.txt
+#   recipes_base   the six rows' recipes in minutes at BERT-base size: 80 steps with a dev gate every 20 and the
+#                  whole final evaluation each (tools/bench.py --recipe_minutes)              recipes_bert_base.txt
+#   flags          the memory flags on supervised SimCSE's batch of 512, bf16, against the estimate      flags.txt
+#   recipes_large  the same at BERT-large size: 40 steps, a gate every 10                    recipes_bert_large.txt
+#   test_cuda      tests/test_cuda.py                                                                test_cuda.txt
+#   bench          each method as a user runs it, BERT-base-sized, batch 64 x 32 (tools/bench.py)      bench.txt
+#   saves          what writing best/ and last/ costs (tools/bench.py --save_cost)                     saves.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
+declare -A LIMIT=([machine]=15 [compare]=170 [recipes_base]=200 [flags]=45 [recipes_large]=300 [test_cuda]=240
+                  [bench]=170 [saves]=60)
+DEFAULT="machine compare recipes_base flags"
+ORDER="machine compare recipes_base flags recipes_large test_cuda bench saves"
+for stage in $ORDER; do  # COMPARE_S=200 and the like
+    override="${stage^^}_S"
+    LIMIT[$stage]=${!override:-${LIMIT[$stage]}}
+done
+
 if [ "${1:-}" = "--prepare" ]; then
     shared=${2:?give the folder that holds data/ and models/}
     mkdir -p .gpu_data/senteval .gpu_data/tokenizer
@@ -18,49 +43,85 @@ if [ "${1:-}" = "--prepare" ]; then
     for f in vocab.txt tokenizer.json tokenizer_config.json special_tokens_map.json; do
         cp "$shared/models/all-MiniLM-L6-v2/$f" .gpu_data/tokenizer/
     done
-    grep -qx '/.gpu_data/' .git/info/exclude 2>/dev/null || echo /.gpu_data/ >> .git/info/exclude
-    echo "prepared .gpu_data/ ($(du -sh .gpu_data | cut -f1)); carry it (and .whl/ where datasets is missing)"
+    exclude=$(git rev-parse --git-path info/exclude)  # a worktree's too
+    mkdir -p "$(dirname "$exclude")"
+    grep -qx '/.gpu_data/' "$exclude" 2>/dev/null || echo /.gpu_data/ >> "$exclude"
+    # the comparison's sentence-transformers row: its trainer needs accelerate (and psutil); a GPU machine without
+    # them installs these wheels below, and without them the row says so in one line
+    mkdir -p .whl
+    python3 -m pip download -q --no-deps -d .whl sentence-transformers accelerate psutil \
+        || echo "no wheels for sentence-transformers/accelerate (no registry here?): that row will say it is missing"
+    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
+    echo "prepared .gpu_data/ ($(du -sh .gpu_data | cut -f1)) and .whl/ ($(du -sh .whl | cut -f1)); carry both"
     exit 0
 fi
+if [ "${1:-}" = "--plan" ]; then
+    shift
+    total=0
+    for stage in ${*:-$DEFAULT}; do
+        [ -n "${LIMIT[$stage]:-}" ] || { echo "no stage $stage; the stages: $ORDER" >&2; exit 2; }
+        echo "$stage ${LIMIT[$stage]}"
+        total=$((total + LIMIT[$stage]))
+    done
+    echo "total $total"
+    exit 0
+fi
+
 OUT=${1:-${OUT:-runs/gpu_check}}
+shift || true
+STAGES=${*:-$DEFAULT}
+for stage in $STAGES; do
+    [ -n "${LIMIT[$stage]:-}" ] || { echo "no stage $stage; the stages: $ORDER" >&2; exit 2; }
+done
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if [ -d .whl ] && ! python3 -c "import datasets" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site
+if [ -d .whl ]; then  # what this machine lacks of the wheels carried in .whl/ (datasets needs all of them)
+    wheels=""
+    if ! python3 -c "import datasets" 2>/dev/null; then
+        wheels=".whl/*.whl"
+    else
+        for pair in sentence_transformers:sentence_transformers accelerate:accelerate psutil:psutil; do
+            python3 -c "import ${pair%%:*}" 2>/dev/null || wheels="$wheels $(ls .whl/${pair#*:}-*.whl 2>/dev/null)"
+        done
+    fi
+    if [ -n "${wheels// /}" ]; then
+        # shellcheck disable=SC2086
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $wheels
+        export PYTHONPATH=/tmp/site
+    fi
 fi
-DATA=.gpu_data MODEL=.gpu_data/bert-base-random
+DATA=.gpu_data
+RUNS="--train_file $DATA/wiki1m_head.txt --senteval_dir $DATA/senteval --device cuda"
 say() { echo "== $* ($(date +%T))" | tee -a "$OUT/log.txt"; }
+limit() {  # STAGE COMMAND...: the command under the stage's limit; SIGKILL 10 s after SIGTERM, should it linger
+    local stage=$1
+    shift
+    timeout -k 10 "${LIMIT[$stage]}" "$@"
+}
 
-say "the machine"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
+stage_machine() {
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
 torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory // 2**20, 'MiB')"
-} > "$OUT/gpu.txt" 2>&1
+    } > "$OUT/gpu.txt" 2>&1
+}
 
-say "a BERT-base-sized encoder with random weights"
-python3 - <<'EOF' >> "$OUT/log.txt" 2>&1
-import torch, transformers
-torch.manual_seed(0)
-tokenizer = transformers.AutoTokenizer.from_pretrained(".gpu_data/tokenizer")
-transformers.BertModel(transformers.BertConfig()).save_pretrained(".gpu_data/bert-base-random")
-tokenizer.save_pretrained(".gpu_data/bert-base-random")
-EOF
+stage_compare() {
+    limit compare python3 tools/bench.py --compare_steps --size bert-base --model_name_or_path $DATA/tokenizer $RUNS \
+        --batch_size 64 --max_seq_length 32 --steps 100 --warmup 10 > "$OUT/compare_steps.txt" 2>&1
+    echo "exit $?" >> "$OUT/compare_steps.txt"
+}
 
-say "tests/test_cuda.py"
-timeout "${CUDA_TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py \
-    > "$OUT/test_cuda.txt" 2>&1
-echo "exit $?" >> "$OUT/test_cuda.txt"
+recipes() {  # SIZE STEPS GATE_EVERY FILE
+    limit "$5" python3 tools/bench.py --recipe_minutes --size "$1" --model_name_or_path $DATA/tokenizer $RUNS \
+        --supervised_file $DATA/nli_snli_devtest.csv --recipe_steps "$2" --gate_every "$3" > "$OUT/$4" 2>&1
+    echo "exit $?" >> "$OUT/$4"
+}
+stage_recipes_base() { recipes bert-base 80 20 recipes_bert_base.txt recipes_base; }
+stage_recipes_large() { recipes bert-large 40 10 recipes_bert_large.txt recipes_large; }
 
-say "each method, BERT-base-sized, batch 64 x 32, --precision auto"
-timeout "${BENCH_S:-170}" python3 tools/bench.py --device cuda --model_name_or_path $MODEL \
-    --train_file $DATA/wiki1m_head.txt --senteval_dir $DATA/senteval --supervised_file $DATA/nli_snli_devtest.csv \
-    --methods simcse simcsepp sscl whitenedcse micse --batch_size 64 --max_seq_length 32 --steps 40 --warmup 5 \
-    --skip_eval > "$OUT/bench.txt" 2>&1
-echo "exit $?" >> "$OUT/bench.txt"
-
-say "the memory flags on supervised SimCSE's batch of 512, bf16, against the estimate"
-timeout "${FLAGS_S:-60}" python3 - <<'EOF' > "$OUT/flags.txt" 2>&1
+stage_flags() {
+    limit flags python3 - <<'EOF' > "$OUT/flags.txt" 2>&1
 import sys, time, types
 sys.path.insert(0, ".")
 import torch, transformers
@@ -87,13 +148,33 @@ for name, extra in (("neither", {}), ("--gradient_checkpointing", {"gradient_che
     del run
     torch.cuda.empty_cache()
 EOF
+}
 
-say "saving best/ and last/"
-timeout "${SAVES_S:-60}" python3 tools/bench.py --save_cost --device cuda > "$OUT/saves.txt" 2>&1
+stage_test_cuda() {
+    limit test_cuda python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py > "$OUT/test_cuda.txt" 2>&1
+    echo "exit $?" >> "$OUT/test_cuda.txt"
+}
 
-say "--compile (inductor) against eager, SimCSE"
-timeout "${COMPILE_S:-150}" python3 tools/bench.py --device cuda --model_name_or_path $MODEL \
-    --train_file $DATA/wiki1m_head.txt --senteval_dir $DATA/senteval --methods simcse --batch_size 64 \
-    --max_seq_length 32 --steps 40 --warmup 10 --skip_eval --method_args simcse:--compile > "$OUT/compile.txt" 2>&1
-echo "exit $?" >> "$OUT/compile.txt"
+stage_bench() {
+    python3 - <<'EOF' >> "$OUT/log.txt" 2>&1
+import torch, transformers
+torch.manual_seed(0)
+tokenizer = transformers.AutoTokenizer.from_pretrained(".gpu_data/tokenizer")
+transformers.BertModel(transformers.BertConfig()).save_pretrained(".gpu_data/bert-base-random")
+tokenizer.save_pretrained(".gpu_data/bert-base-random")
+EOF
+    limit bench python3 tools/bench.py --model_name_or_path $DATA/bert-base-random $RUNS \
+        --supervised_file $DATA/nli_snli_devtest.csv --methods simcse simcsepp sscl whitenedcse micse --batch_size 64 \
+        --max_seq_length 32 --steps 40 --warmup 5 --skip_eval > "$OUT/bench.txt" 2>&1
+    echo "exit $?" >> "$OUT/bench.txt"
+}
+
+stage_saves() {
+    limit saves python3 tools/bench.py --save_cost --device cuda > "$OUT/saves.txt" 2>&1
+}
+
+for stage in $STAGES; do
+    say "$stage (at most ${LIMIT[$stage]} s)"
+    "stage_$stage"
+done
 say "done"

@@ -6,9 +6,20 @@ for each GPU size it does not fit, the setting that trains the same objective in
     python tools/bench.py --memory                                     # every recipe on the four backbones
     python tools/bench.py --memory --recipes simcse-sup --backbones roberta-large --gpus 24
     python tools/bench.py --memory --recipes micse --model_name_or_path DIR --batch_size 128   # your model
+    python tools/bench.py --memory --recipes simcse-sup --precision bf16 --gradient_checkpointing
 
-The estimates come from plumbing/memory.py (one step traced on fake tensors: what it follows of a GPU, and what it
-cannot know). A run on a GPU checks its own before it trains (Run.start).
+Every flag not listed below goes to each row's method file, which takes it as a run of it would, over the row's
+presets: --batch_size, --max_seq_length, --precision (default: the released scripts'), --fraction (it picks miCSE's
+and SimCSE's few-shot presets), and the memory flags --gradient_checkpointing and --micro_batch_size K. A flag the
+method does not have is its one-line error. The row micse-fewshot is miCSE's preset for 1% of wiki1m (--fraction 0.01:
+batch 64, fp32 as its README's commands).
+
+The columns (GiB a process): weights (the model, its heads, the best model's copy, miCSE's momentum encoder),
+gradients (those alive at the step's peak: 0.00 where the peak comes before the backward makes any, as the gradients
+are set to None before the passes), optimizer (AdamW's moments), activations (the rest of the step's peak), step (their
+sum), dev gate, final eval, then each GPU size. The estimates come from plumbing/memory.py (one step traced on fake
+tensors: what it follows of a GPU, and what it cannot know). A run on a GPU checks its own before it trains
+(Run.start).
 """
 from __future__ import annotations
 
@@ -25,7 +36,8 @@ from plumbing import hub, memory  # noqa: E402
 
 # name: (method file, flags): the six rows of the paper protocol
 RECIPES = {"simcse": ("simcse", []), "simcse-sup": ("simcse", ["--supervised"]), "simcsepp": ("simcsepp", []),
-           "sscl": ("sscl", []), "whitenedcse": ("whitenedcse", []), "micse": ("micse", [])}
+           "sscl": ("sscl", []), "whitenedcse": ("whitenedcse", []), "micse": ("micse", []),
+           "micse-fewshot": ("micse", ["--fraction", "0.01"])}  # Table 2's 1%: its preset, batch 64
 # name: (its Hub id, its published config), so that nothing is downloaded
 BACKBONES = {
     "bert-base": ("bert-base-uncased", dict(model_type="bert")),
@@ -68,24 +80,31 @@ def cells(found: dict, args, config, world: int, gpus) -> list[str]:
 
 
 def table(recipes, backbones, gpus, world: int = 1, model: str | None = None, extra=()) -> list[str]:
+    """The markdown table: its header, then a row for each recipe on each backbone (or `model`), printed as each is
+    traced. Every row's arguments are parsed first, so that a bad flag is one line before any tracing."""
     header = ["recipe", "backbone", "batch", "precision", "weights", "gradients", "optimizer", "activations",
-              "step", "dev gate", "final eval"] + [f"{g} GB" for g in gpus]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+              "step", "dev gate", "final eval"] + [f"{g:g} GB" for g in gpus]
     targets = [(model, None)] if model else [(BACKBONES[b][0], b) for b in backbones]
+    rows = []
     for recipe in recipes:
         for name_or_path, backbone in targets:
             config = config_of(backbone) if backbone else hub.local_config(name_or_path)
             if config is None:
                 raise plumbing.UsageError(f"--model_name_or_path {name_or_path}: no config.json there (give a local "
                                           "model folder, or --backbones)")
-            args = recipe_args(recipe, name_or_path, list(extra))
-            found = memory.estimate(args, config, world)
-            row = [recipe, backbone or Path(name_or_path).name, str(args.batch_size), args.precision,
-                   *[f"{found[k] / 2**30:.2f}" for k in ("weights", "gradients", "optimizer", "activations",
-                                                           "step", "dev_gate", "final_eval")],
-                   *cells(found, args, config, world, gpus)]
-            lines.append("| " + " | ".join(row) + " |")
-            print(lines[-1], flush=True)
+            rows.append((recipe, name_or_path, backbone, config, recipe_args(recipe, name_or_path, list(extra))))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    print(f"GiB a process; a GPU's cell: fits, or the setting that fits and its peak (usable: the size less "
+          f"{memory.CONTEXT / 2**30:.1f} GiB of CUDA context and {memory.FRAGMENTATION:.0%} for the allocator)")
+    print("\n".join(lines), flush=True)
+    for recipe, name_or_path, backbone, config, args in rows:
+        found = memory.estimate(args, config, world)
+        row = [recipe, backbone or Path(name_or_path).name, str(args.batch_size), args.precision,
+               *[f"{found[k] / 2**30:.2f}" for k in ("weights", "gradients", "optimizer", "activations",
+                                                       "step", "dev_gate", "final_eval")],
+               *cells(found, args, config, world, gpus)]
+        lines.append("| " + " | ".join(row) + " |")
+        print(lines[-1], flush=True)
     return lines
 
 
@@ -99,8 +118,6 @@ def main(argv=None) -> None:
     parser.add_argument("--processes", type=int, default=1, help="torchrun's processes: each holds batch / N rows")
     args, extra = parser.parse_known_args(argv)  # anything else goes to the method, e.g. --batch_size 128
     plumbing.check_range(args, "processes", lambda v: v >= 1, "a positive integer")
-    print(f"GiB a process; a GPU's cell: fits, or the setting that fits and its peak (usable: the size less "
-          f"{memory.CONTEXT / 2**30:.1f} GiB of CUDA context and {memory.FRAGMENTATION:.0%} for the allocator)")
     table(args.recipes, args.backbones, args.gpus, args.processes, args.model_name_or_path, extra)
 
 
