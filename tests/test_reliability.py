@@ -292,8 +292,8 @@ MISTYPED = [
     ("whitenedcse_whitening", [], ["--whitening_ep", "1"], "--whitening_eps"),
     ("eval_sts", ["MODEL"], ["--pool", "avg"], "--pooler"), ("eval_transfer", ["MODEL"], ["--task", "CR"], "--tasks"),
     ("analyze", ["spectrum"], ["--overwrit"], "--overwrite"), ("bench", [], ["--flag_cos"], "--flag_cost"),
-    # the planner hands the flags it does not know to the method's parser, which has no --backbones to name
-    ("bench", ["--memory", "--recipes", "simcse"], ["--backbone", "bert-base"], None),
+    # the planner names its own flag before it hands the flags it does not know to the method's parser
+    ("bench", ["--memory", "--recipes", "simcse"], ["--backbone", "bert-base"], "--backbones"),
     ("parity", [], ["--toler", "1"], "--tolerance"), ("report", ["commands"], ["--no_trans"], "--no_transfer"),
 ]
 

@@ -117,6 +117,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gpus", nargs="+", type=float, default=list(GPUS), help="GPU sizes in GiB")
     parser.add_argument("--processes", type=int, default=1, help="torchrun's processes: each holds batch / N rows")
     args, extra = parser.parse_known_args(argv)  # anything else goes to the method, e.g. --batch_size 128
+    flags = [s for action in parser._actions for s in action.option_strings]
+    if any(f.startswith(e) for e in extra if e.startswith("--") for f in flags):  # --backbone: this tool's own
+        parser.error(parser.unrecognized(extra))
     plumbing.check_range(args, "processes", lambda v: v >= 1, "a positive integer")
     table(args.recipes, args.backbones, args.gpus, args.processes, args.model_name_or_path, extra)
 
