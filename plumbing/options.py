@@ -106,8 +106,9 @@ def parser(doc: str, method: str) -> plumbing.Parser:
 def parse(parser, argv, table: dict, choose=None, note: str = ""):
     """parser.parse_args(argv) with the presets of `table` ({key: (settings, source)}) as the defaults: the rows
     `choose(known_args, backbone)` names, in order, later rows over earlier (default: the backbone's row); the
-    flags the user gives win. args.presets records the sources (and `note`), the values that applied and those the
-    user's flags replaced (the run summary, results.json); args.backbone what the model is."""
+    flags the user gives win. args.presets records the sources (and `note`; NO_PRESETS where no row applies), the
+    values that applied and those the user's flags replaced (the run summary, results.json); args.backbone what the
+    model is."""
     known, _ = parser.parse_known_args(argv)
     kind, config = backbone(known.model_name_or_path)
     parser.set_defaults(backbone=kind, backbone_config=config)
@@ -115,12 +116,14 @@ def parse(parser, argv, table: dict, choose=None, note: str = ""):
     presets = {name: value for key in keys for name, value in table[key][0].items()}
     parser.set_defaults(**presets)
     args = parser.parse_args(argv)
-    if presets:
-        given = {k: getattr(args, k) for k in presets}
-        args.presets = {"source": "; ".join(table[key][1] for key in keys) + note,
-                        "applied": {k: v for k, v in given.items() if v == presets[k]},
-                        "overridden": {k: v for k, v in given.items() if v != presets[k]}}
+    given = {k: getattr(args, k) for k in presets}
+    args.presets = {"source": "; ".join(table[key][1] for key in keys) + note if presets else NO_PRESETS,
+                    "applied": {k: v for k, v in given.items() if v == presets[k]},
+                    "overridden": {k: v for k, v in given.items() if v != presets[k]}}
     return args
+
+
+NO_PRESETS = "none: the defaults in --help (BERT-base's)"  # no row of the table fits this model and these flags
 
 
 def nearest(values, fraction: float) -> float:

@@ -470,35 +470,46 @@ def progress_line(step: int, total_steps: int, losses: list, train_time: float) 
 
 
 def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device, encoder_notes=()) -> dict:
-    """What this run is, printed before training and kept in results.json: the presets and their source, the data,
-    the model and what its check found (the attention and its mask, dropout), device and precision, the schedule, the
-    output folder."""
+    """What this run is, printed before training and kept in results.json: the presets and their source, the data
+    (and whether it is miCSE's released subset), the model and what its check found (the attention and its mask,
+    dropout), device and precision, what changes a step's memory and time (--micro_batch_size,
+    --gradient_checkpointing, --compile), the schedule, the output folder."""
     num, subset, train_file = corpus["num_train_examples"], corpus["micse_subset"], corpus["train_file"]
     if subset:
         text = f"miCSE's released subset {subset}: {num:,} examples (Table 2's data)"
     elif args.fraction < 1:
         text = f"{num:,} examples, a {args.fraction:g} subset of {train_file} drawn with --seed {args.seed}"
         released = data.micse_subset(args.fraction, args.seed)
-        if args.fraction in data.MICSE_SUBSETS and not args.train_file:
-            text += " (not the authors' subset: theirs are --seed 48-52)"
-        elif released:
+        if released:  # a --train_file of another name
             text += f" (not the authors' subset: a local copy is read whole under its name, {released})"
+        elif args.fraction in data.MICSE_SUBSETS:
+            text += " (not the authors' subset: theirs are --seed 48-52)"
+        elif not getattr(args, "supervised", False):  # miCSE released subsets of wiki1m, not of NLI
+            text += " (not the authors' subset: theirs are --fraction " + \
+                    ", ".join(f"{f:f}".rstrip("0") for f in data.MICSE_SUBSETS) + " with --seed 48-52)"
     else:
         text = f"{num:,} examples from {train_file}"
-    presets = "none: the defaults in --help (BERT-base's)"
-    if args.presets:
-        applied, overridden = args.presets["applied"], args.presets["overridden"]
-        presets = args.presets["source"] + ": " + ", ".join(f"{k} {v}" for k, v in applied.items())
-        if overridden:
-            presets += "; your flags replaced " + ", ".join(f"{k} (now {v})" for k, v in overridden.items())
-    compiled = ", torch.compile" if args.compile else ""
+    chosen = args.presets or {"source": options.NO_PRESETS, "applied": {}, "overridden": {}}  # options.parse's
+    presets = chosen["source"]
+    if chosen["applied"]:
+        presets += ": " + ", ".join(f"{k} {v}" for k, v in chosen["applied"].items())
+    if chosen["overridden"]:
+        presets += "; your flags replaced " + ", ".join(f"{k} (now {v})" for k, v in chosen["overridden"].items())
+    k = args.micro_batch_size  # what changes the memory and the time of a step, beside the batch
+    execution = [f"--micro_batch_size {k} (GradCache: the whole batch's loss, {k} examples encoded at a time)"] \
+        if k else []
+    execution += ["--gradient_checkpointing (each layer recomputed in the backward pass)"] \
+        if args.gradient_checkpointing else []
+    execution += ["--compile (torch.compile)"] if args.compile else []
     model = f"{args.backbone} ({args.backbone_config})" if args.backbone else \
         f"{args.backbone_config}: no preset for this backbone, the BERT-base settings"
     result = {"presets": presets, "backbone": model, "data": text,
               "model": f"{args.model_name_or_path}, trained with pooler {args.pooler}, evaluated with "
                        f"{common.eval_pooler(args)}",
               **({"encoder": "; ".join(encoder_notes)} if encoder_notes else {}),
-              "device": f"{device} x {distributed.world_size()}, precision {args.precision}{compiled}",
+              "device": f"{device} x {distributed.world_size()}, precision {args.precision}",
+              "execution": "; ".join(execution) or "the whole batch in one pass, eager (no --micro_batch_size, "
+                                                  "--gradient_checkpointing or --compile)",
               "schedule": f"{total_steps:,} steps ({steps_per_epoch:,} an epoch), batch {args.batch_size}, lr "
                           f"{args.lr:g}, STS-B dev every {args.eval_steps} steps; the ETA comes with the first log "
                           "line",

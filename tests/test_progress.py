@@ -109,18 +109,23 @@ def test_a_run_in_a_log_file_has_the_summary_plain_progress_and_no_redraws(tiny_
     assert "\r" not in proc.stdout and "%|" not in proc.stdout + proc.stderr
     assert lines[0] == "simcse" and lines[1].startswith("  presets   none")
     assert lines[2] == "  backbone  bert, 32 wide, 2 layers: no preset for this backbone, the BERT-base settings"
-    assert lines[3] == f"  data      100 examples, a 0.5 subset of {corpus} drawn with --seed 42"
+    assert lines[3] == f"  data      100 examples, a 0.5 subset of {corpus} drawn with --seed 42 (not the authors' " \
+                       "subset: theirs are --fraction 0.000064, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.1 with --seed 48-52)"
     assert lines[5] == "  encoder   sdpa attention, a prebuilt 4-D mask (no host check)"
     assert lines[6] == "  device    cpu x 1, precision fp32"
-    assert lines[7].startswith("  schedule  4 steps (13 an epoch), batch 8")
+    assert lines[7] == "  execution the whole batch in one pass, eager (no --micro_batch_size, --gradient_checkpointing or " \
+                       "--compile)"
+    assert lines[8].startswith("  schedule  4 steps (13 an epoch), batch 8")
     assert "step 0/4  STS-B dev" in proc.stdout and "loss nan" not in proc.stdout
     for phase in ("training: 1/4 steps", "dev gate: STS-B dev: ", "STS test: encoding: ", "alignment/uniformity: "):
         assert phase in proc.stdout, phase
     assert "ETA" in next(line for line in lines if line.startswith("step 2/4"))
     results = json.loads((out / "results.json").read_text())
-    assert set(results["summary"]) == {"presets", "backbone", "data", "model", "encoder", "device", "schedule",
-                                       "output"}
-    assert results["summary"]["data"] == lines[3].split(None, 1)[1] and results["args"]["presets"] is None
+    assert set(results["summary"]) == {"presets", "backbone", "data", "model", "encoder", "device", "execution",
+                                       "schedule", "output"}
+    assert results["summary"]["data"] == lines[3].split(None, 1)[1]
+    assert results["args"]["presets"] == {"source": "none: the defaults in --help (BERT-base's)", "applied": {},
+                                          "overridden": {}}  # what applied: none, and why
     assert results["args"]["backbone"] is None
 
 
@@ -129,13 +134,15 @@ def test_presets_are_recorded_with_their_source_and_the_users_overrides():
     assert args.presets == {"source": "supervised SimCSE (Table A.1, Appendix A)",
                             "applied": {"batch_size": 512, "epochs": 3, "eval_steps": 250, "mlp_only_train": False},
                             "overridden": {"lr": 1e-4}}
-    assert simcse.parse_args([]).presets is None
+    assert simcse.parse_args([]).presets == {"source": "none: the defaults in --help (BERT-base's)", "applied": {},
+                                             "overridden": {}}
 
 
 def summary_args(**kw):
     values = dict(fraction=1.0, seed=42, train_file=None, presets=None, method="micse", model_name_or_path="m",
                   pooler="cls", mlp_only_train=True, precision="fp32", compile=False, batch_size=64, lr=1e-5,
-                  eval_steps=500, output_dir="out", backbone="bert-base", backbone_config="bert, 768 wide")
+                  eval_steps=500, output_dir="out", backbone="bert-base", backbone_config="bert, 768 wide",
+                  micro_batch_size=None, gradient_checkpointing=False)
     return argparse.Namespace(**{**values, **kw})
 
 
@@ -144,9 +151,13 @@ def summary_args(**kw):
                                         "authors' subset: theirs are --seed 48-52)"),
     (dict(fraction=0.01, seed=48), "wiki_subset_1M_001.00percent_seed48.txt",
      "miCSE's released subset wiki_subset_1M_001.00percent_seed48.txt: 10 examples (Table 2's data)"),
-    (dict(fraction=0.02, seed=3), None, "10 examples, a 0.02 subset of wiki1m.txt drawn with --seed 3"),
+    (dict(fraction=0.02, seed=3), None, "10 examples, a 0.02 subset of wiki1m.txt drawn with --seed 3 (not the "
+     "authors' subset: theirs are --fraction 0.000064, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.1 with --seed 48-52)"),
+    (dict(fraction=0.02, seed=3, supervised=True), None, "10 examples, a 0.02 subset of wiki1m.txt drawn with "
+                                                         "--seed 3"),  # NLI: miCSE released no subset of it
     (dict(fraction=0.01, seed=3, train_file="mine.txt"), None, "10 examples, a 0.01 subset of wiki1m.txt drawn "
-                                                               "with --seed 3"),
+                                                               "with --seed 3 (not the authors' subset: theirs are "
+                                                               "--seed 48-52)"),
     (dict(fraction=0.01, seed=48, train_file="mine.txt"), None, "10 examples, a 0.01 subset of wiki1m.txt drawn "
      "with --seed 48 (not the authors' subset: a local copy is read whole under its name, "
      "wiki_subset_1M_001.00percent_seed48.txt)"),
@@ -165,6 +176,15 @@ def test_the_summary_names_the_presets_and_what_replaced_them():
                           "cpu")
     assert summary["presets"] == ("miCSE's settings for fraction 0.01 (the authors' README): batch_size 64, epochs 50, "
                                   "ami_lambda 0.0001, eval_steps 500; your flags replaced lr (now 2e-05)")
+
+
+def test_the_summary_echoes_what_changes_a_steps_memory_and_time(capsys):
+    summary = run.summary(summary_args(micro_batch_size=16, gradient_checkpointing=True, compile=True),
+                          {"num_train_examples": 10, "train_file": "wiki1m.txt", "micse_subset": None}, 1, 50, "cpu")
+    assert summary["execution"] == ("--micro_batch_size 16 (GradCache: the whole batch's loss, 16 examples encoded at "
+                                    "a time); --gradient_checkpointing (each layer recomputed in the backward pass); "
+                                    "--compile (torch.compile)")
+    assert f"  execution {summary['execution']}" in capsys.readouterr().out and "compile" not in summary["device"]
 
 
 def test_log_lines_show_no_loss_at_step_0_and_an_eta_after():
