@@ -160,8 +160,20 @@ def commit_text(provenance: dict) -> str:
     return part_commit(provenance.get("git"))
 
 
-def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_transformers: bool) -> str:
-    """best/README.md. `best`: {"step", "stsb_dev"} and, after the final evaluation, "test" (the 7 STS tasks)."""
+def base_model(name_or_path: str) -> str:
+    """The base model as the card names it: a local folder as given and where it resolved to (a relative path says
+    nothing once the card is elsewhere), else the Hub id."""
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        return f"`{name_or_path}` (Hugging Face Hub)"
+    resolved = str(path.resolve())
+    return f"`{name_or_path}`" + (f" (the local folder `{resolved}`)" if resolved != name_or_path else " (a local folder)")
+
+
+def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_transformers: bool,
+               untested: str | None = None) -> str:
+    """best/README.md. `best`: {"step", "stsb_dev"} and, after the final evaluation, "test" (the 7 STS tasks).
+    `untested`: why a run that ended has no STS test scores (without it, they come when the run ends)."""
     paper = PAPER_OF.get(args.method, args.method)
     title, bibtex = PAPERS.get(paper, (args.method, ""))
     base = args.model_name_or_path
@@ -173,7 +185,7 @@ def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_tr
               f"Trained by `{args.method}.py` of the contrastive sentence-embedding reference suite, which reproduces "
               f"{title}.", "", "## Training", "",
               "```bash", args.command if getattr(args, "command", None) else f"python {args.method}.py", "```", "",
-              f"- base model: `{base}`", f"- data: `{data}`" + (f", fraction {args.fraction:g} (seed {args.seed})"
+              f"- base model: {base_model(base)}", f"- data: `{data}`" + (f", fraction {args.fraction:g} (seed {args.seed})"
                                                                  if args.fraction < 1 else ""),
               f"- precision {provenance['precision']}, {provenance['processes']} process(es) on "
               f"{provenance['device_name']}", f"- the suite's commit: {commit_text(provenance)}",
@@ -189,6 +201,9 @@ def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_tr
         lines += ["STS test, Spearman × 100 (SimCSE's protocol, `eval_sts.py`):", "",
                   "| " + " | ".join(tasks) + " |", "|" + "---|" * len(tasks),
                   "| " + " | ".join(f"{best['test'][t]:.2f}" for t in tasks) + " |"]
+    elif untested:
+        lines += [f"Not evaluated on the STS test tasks: {untested}; `python eval_sts.py --model_name_or_path "
+                  "PATH_TO_THIS_FOLDER` evaluates it."]
     else:
         lines += ["Not evaluated on the STS test tasks yet (the run writes them here when it ends)."]
     lines += ["", "## Citation", "", "```bibtex", bibtex, "", SUITE_CITATION, "```", ""]

@@ -249,12 +249,20 @@ class Run:
         self.checkpoint_time["best_writes"] += 1
         self.checkpoint_time["best_write_s"] += time.perf_counter() - start
 
-    def card(self, test: dict | None = None) -> str:
-        """best/README.md: the model card (plumbing/provenance.py), with the STS test scores once they exist."""
+    def card(self, test: dict | None = None, untested: str | None = None) -> str:
+        """best/README.md: the model card (plumbing/provenance.py), with the STS test scores once they exist, or why a
+        run that ended has none (`untested`)."""
         sentence_transformers = not self.projection and files.pooling_mode(self.eval_pooler) is not None
         return provenance.model_card(self.args, self.eval_pooler, self.provenance,
                                      {"step": self.best_step, "stsb_dev": self.best_dev, "test": test},
-                                     sentence_transformers)
+                                     sentence_transformers, untested)
+
+    def _rewrite_card(self, test: dict | None = None, untested: str | None = None) -> None:
+        """best/README.md once the run has ended (process 0): its test scores, or why it has none."""
+        best = Path(self.args.output_dir) / "best"
+        if best.is_dir():  # a resumed run too, with or without a new best
+            self.projection = self.projection or (best / files.PROJECTION_FILE).is_file()
+            files.write_text(best / "README.md", self.card(test, untested))
 
     def sentences(self, task: str, split: str = "test") -> list[str]:
         """The distinct sentences of a SentEval task's split, sorted (SSCL's SetSim reads STS-B test's)."""
@@ -274,6 +282,7 @@ class Run:
                 results.update(interrupted=True, interrupted_during="training",
                                stop={"by": stopped.by, "step": stopped.step, "reason": str(stopped)})
                 self._write_results(results)
+                self._rewrite_card(untested=f"the run stopped itself at step {stopped.step} ({stopped.by})")
                 distributed.log(f"stopped: best/ holds step {self.best_step}'s model (STS-B dev "
                                 f"{self.best_dev:.2f}); {Path(self.args.output_dir) / 'results.json'} records the run "
                                 "up to the stop")
@@ -396,9 +405,9 @@ class Run:
             out = Path(self.args.output_dir)
             results["provenance"]["ended"] = provenance.now()
             self._write_results(results)
-            if results.get("test") and (out / "best").is_dir():  # a resumed run too, with or without a new best
-                self.projection = self.projection or (out / "best" / files.PROJECTION_FILE).is_file()
-                files.write_text(out / "best" / "README.md", self.card(results["test"]))
+            if results.get("test") or not results["interrupted"]:
+                self._rewrite_card(results.get("test"), None if results.get("test") else "the run was given "
+                                   "--no_test_eval")
             resume.drop(self.args, results)
             distributed.log(in_context(results))
             distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")

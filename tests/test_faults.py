@@ -118,6 +118,8 @@ def test_keep_last_keeps_the_final_state_and_a_completed_run_is_never_rewritten(
                                        "--keep_last", "--no_test_eval")]
     simcse.main(argv)
     assert json.loads((out / "last" / "run.json").read_text())["step"] == 3  # the final state, not step 2's
+    card = (out / "best" / "README.md").read_text()  # the run has ended: no "yet"
+    assert "Not evaluated on the STS test tasks: the run was given --no_test_eval; `python eval_sts.py" in card, card
     before = digests(out)
     for extra in (["--auto_resume"], ["--resume"]):
         code, err = cli_in_process(simcse, *argv, *extra)
@@ -231,6 +233,8 @@ def test_a_run_that_diverges_keeps_its_best_and_its_record(tiny_model, corpus, s
     assert "the loss became nan" in results["stop"]["reason"] and results["steps"] == 2
     assert [row["step"] for row in results["trajectory"]] == [0, 2]
     assert (out / "best" / "config.json").is_file() and results["best_step"] in (0, 2)
+    assert "Not evaluated on the STS test tasks: the run stopped itself at step 3 (divergence)" in \
+        (out / "best" / "README.md").read_text()
     code, err = cli_in_process(simcse, *argv)
     assert code == 2 and "stopped itself (the loss became nan at step 3" in err and len(err.splitlines()) == 1
 
@@ -379,6 +383,13 @@ def test_paths_compare_as_paths(tiny_model):
     assert resume.same_value("train_file", "./data/x.txt", "data/x.txt")
     assert not resume.same_value("model_name_or_path", "bert-base-uncased", "roberta-base")
     assert not resume.same_value("lr", 1e-3, 2e-3) and resume.same_value("lr", 1e-3, 1e-3)
+
+
+def test_the_model_card_names_a_relative_base_model_as_given_and_resolved(tiny_model, monkeypatch):
+    from plumbing import provenance
+    monkeypatch.chdir(tiny_model.parent)
+    assert provenance.base_model(tiny_model.name) == f"`{tiny_model.name}` (the local folder `{tiny_model}`)"
+    assert provenance.base_model("bert-base-uncased") == "`bert-base-uncased` (Hugging Face Hub)"
 
 
 def test_provenance_of_parts_that_ran_under_other_commits():
