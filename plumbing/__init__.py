@@ -117,11 +117,19 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
-def read_lines(path, flag: str) -> list[str]:
-    """A text file's lines; missing, unreadable, not UTF-8 or empty is one line naming the file (and line)."""
+def check_file(path, flag: str) -> Path:
+    """A file that exists, is not a folder and can be read; one line naming `flag` otherwise."""
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"{flag} {path}: no such file" + (" (it is a folder)" if p.is_dir() else ""))
+    if not os.access(p, os.R_OK):
+        raise UsageError(f"{flag} {path}: cannot be read (not readable by this user)")
+    return p
+
+
+def read_lines(path, flag: str) -> list[str]:
+    """A text file's lines; missing, unreadable, not UTF-8 or empty is one line naming the file (and line)."""
+    p = check_file(path, flag)
     try:
         data = p.read_bytes()
     except OSError as err:

@@ -89,6 +89,20 @@ def check_model_folder(path: Path, flag: str) -> None:
                          "tokenizer beside the model")
 
 
+def check_local_model(name_or_path: str, flag: str = "--model_name_or_path") -> bool:
+    """Whether `name_or_path` is a local model folder, its files checked (check_model_folder); one line for a path
+    that does not exist or is a file. A Hub id: False (a cached copy or a download, when the model is loaded)."""
+    path = Path(name_or_path).expanduser()
+    if not path.exists() and looks_local(name_or_path):  # e.g. runs/simcse/best before the run wrote it
+        raise UsageError(f"{flag} {name_or_path}: no such folder")
+    if not path.exists():
+        return False
+    if not path.is_dir():
+        raise UsageError(f"{flag} {name_or_path} is a file; give the model's directory")
+    check_model_folder(path, flag)
+    return True
+
+
 def load_pretrained(name_or_path: str, attn_implementation: str | None = None, auto_class=None,
                     flag: str = "--model_name_or_path"):
     """(tokenizer, model) with AutoModel (or `auto_class`, e.g. AutoModelForMaskedLM): a local directory, a cached
@@ -113,14 +127,8 @@ def load_pretrained(name_or_path: str, attn_implementation: str | None = None, a
         return tokenizer, (auto_class or AutoModel).from_pretrained(
             name_or_path, config=config, local_files_only=local_files_only, dtype=torch.float32, **kwargs)
 
-    path = Path(name_or_path).expanduser()
-    if not path.exists() and looks_local(name_or_path):  # e.g. runs/simcse/best before the run wrote it
-        raise UsageError(f"{flag} {name_or_path}: no such folder")
     try:
-        if path.exists():
-            if not path.is_dir():
-                raise UsageError(f"{flag} {name_or_path} is a file; give the model's directory")
-            check_model_folder(path, flag)
+        if check_local_model(name_or_path, flag):
             return load(local_files_only=True)
         verbosity = tf_logging.get_verbosity()
         tf_logging.set_verbosity_error()

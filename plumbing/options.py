@@ -162,8 +162,8 @@ def refuse_method_only_flags(args) -> None:
 
 
 def check_args(args) -> torch.device:
-    """Every shared flag against its meaning, the device, and an output folder that can be written, before any work;
-    the device. What the folder holds against what the command asks: outdir.check."""
+    """Every shared flag against its meaning, the device, the paths the run reads, and an output folder that can be
+    written, before any work; the device. What the folder holds against what the command asks: outdir.check."""
     check = plumbing.check_range
     check(args, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
     check(args, "seed", lambda v: 0 <= v < 2**32, "0 <= seed < 2^32")
@@ -182,9 +182,21 @@ def check_args(args) -> torch.device:
     if args.count_host_syncs and args.compile:
         raise plumbing.UsageError("--count_host_syncs counts under a TorchDispatchMode, which --compile does not "
                                   "trace: give one of them")
+    check_paths(args)
     args.output_dir = str(args.output_dir or Path("runs") / args.method)
     plumbing.check_writable(args.output_dir, "--output_dir")  # permissions, a read-only file system, a full disk
     return device
+
+
+def check_paths(args) -> None:
+    """Every local path the run reads, before anything is loaded (a model takes seconds to load, a corpus minutes):
+    --model_name_or_path where it is a local folder (its files), --train_file, --senteval_dir (its STS/ folder; each
+    file is read when the run starts). A flag not given is a download from the Hub, later."""
+    hub.check_local_model(args.model_name_or_path)
+    if args.train_file is not None:
+        plumbing.check_file(args.train_file, "--train_file")
+    if args.senteval_dir is not None:
+        hub.senteval_folder(args.senteval_dir)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

@@ -204,12 +204,18 @@ def test_missing_local_data_is_no_such_file_or_folder_and_the_hub_error_names_a_
                                                                                        capsys, monkeypatch):
     import eval_sts
     out = tmp_path / "out"
-    for flag, missing, why in [("--senteval_dir", str(tmp_path / "SentEval"), "no such folder"),
-                               ("--train_file", str(tmp_path / "wiki.txt"), "no such file")]:
-        args = smoke_args(tiny_model, corpus, senteval_dir, out)
-        args[args.index(flag) + 1] = missing
-        code, lines = run_in_process("simcse", args, capsys)
-        assert code == 2 and lines == [f"error: {flag} {missing}: {why}"], lines
+    (tmp_path / "empty").mkdir()
+    with monkeypatch.context() as patch:  # found before the model is loaded (seconds; a corpus: minutes)
+        patch.setattr(hub, "load_pretrained", lambda *a, **k: pytest.fail("the model loaded before the paths' check"))
+        for flag, missing, why in [("--senteval_dir", str(tmp_path / "SentEval"), "no such folder"),
+                                   ("--senteval_dir", str(tmp_path / "empty"), "no SentEval STS/ folder found there"),
+                                   ("--train_file", str(tmp_path / "wiki.txt"), "no such file"),
+                                   ("--model_name_or_path", str(tmp_path / "empty"), "is a folder but not a model")]:
+            args = smoke_args(tiny_model, corpus, senteval_dir, out)
+            args[args.index(flag) + 1] = missing
+            code, lines = run_in_process("simcse", args, capsys)
+            assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {flag} {missing}") and why in \
+                lines[0], lines
     monkeypatch.setattr(hub, "hub_reachable", lambda: False)
     with pytest.raises(plumbing.UsageError, match="pass a local folder with --senteval_dir"):
         eval_sts.resolve_senteval_dir(None)
