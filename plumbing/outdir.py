@@ -70,8 +70,9 @@ def state(out) -> tuple[str, str]:
 
 def check(args) -> str:
     """What --output_dir holds against what the command asks (a new run, --resume, --auto_resume,
-    --overwrite_output_dir), before any work: one line where they disagree. --auto_resume sets args.resume. The
-    folder's state."""
+    --overwrite_output_dir), before any work: one line where they disagree, naming the safe next step first.
+    --auto_resume sets args.resume; on a completed run of this command it says so and exits 0 (a requeued job that
+    had finished). The folder's state."""
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise plumbing.UsageError(f"--output_dir {out} is a file; give a folder")
@@ -81,30 +82,60 @@ def check(args) -> str:
     name, why = state(out)
     if args.overwrite_output_dir:
         return name  # cleared when the run starts (clear), under its lock
+    if not (args.resume or args.auto_resume):
+        if name != "empty":
+            raise plumbing.UsageError(f"--output_dir {out} {holds(out, name, why)}")
+        return name
     flag = "--auto_resume" if args.auto_resume else "--resume"
-    refusals = {
-        "completed": f"{flag}: {out} holds a completed run ({why}); nothing is rewritten: give another "
-                     "--output_dir, or --overwrite_output_dir to replace it",
-        "stopped": f"{flag}: {out} holds a run that stopped itself ({why}); resumed, it would stop again: start it "
-                   "with other settings in another --output_dir, or with --overwrite_output_dir",
-        "lost": f"{flag}: {out} holds {why}: it cannot continue; give another --output_dir, or "
-                "--overwrite_output_dir to start it again",
-        "damaged": f"{flag}: {why}; give another --output_dir, or --overwrite_output_dir to replace the run"}
+    if args.auto_resume and name == "completed":
+        finished(args, out)
+    if name in ("completed", "stopped", "lost", "damaged"):
+        raise plumbing.UsageError(f"{flag}: {out} {holds(out, name, why)}")
     if args.auto_resume:
-        if name in refusals:
-            raise plumbing.UsageError(refusals[name])
         args.resume = name in ("resumable", "evaluating")
         if name == "started":
             resume.check_restart(args)  # the same run, stopped before its first save: it starts again
-    elif args.resume:
-        if name in refusals:
-            raise plumbing.UsageError(refusals[name])
-    elif name != "empty":
-        raise plumbing.UsageError(f"--output_dir {out} already holds a run; pass --overwrite_output_dir or "
-                                  "another folder")
     if args.resume:
         resume.check(args, evaluating=name == "evaluating")  # what it resumes from, whole, and its arguments
     return name
+
+
+def holds(out: Path, name: str, why: str) -> str:
+    """What the folder holds, for a command that cannot use it as it asks, and the safe next step first (the flag that
+    deletes a run last)."""
+    other = "or give another --output_dir for a new run (--overwrite_output_dir deletes this one)"
+    return {
+        "resumable": f"holds a run stopped {resume.how_far(out)}: {next_step(False)}; {other}",
+        "evaluating": f"holds a run whose training ended and whose final evaluation did not: {next_step(True)}; "
+                      f"{other}",
+        "started": "holds a run stopped before its first save of last/: the same command with --auto_resume starts "
+                   f"it again; {other}",
+        "completed": f"holds a completed run ({why}); nothing is rewritten: give another --output_dir, or "
+                     "--overwrite_output_dir to replace it",
+        "stopped": f"holds a run that stopped itself ({why}); resumed, it would stop again: start it with other "
+                   "settings in another --output_dir, or with --overwrite_output_dir",
+        "lost": f"holds {why}: it cannot continue; give another --output_dir, or --overwrite_output_dir to start it "
+                "again",
+        "damaged": f"holds a damaged run: {why}; give another --output_dir, or --overwrite_output_dir to replace it",
+    }[name]
+
+
+def next_step(evaluation: bool) -> str:
+    """How a stopped run goes on: the same command again, with --auto_resume."""
+    if evaluation:
+        return "to finish it, run the same command with --auto_resume (or --resume): it runs the final evaluation alone"
+    return "to continue it, run the same command with --auto_resume (or --resume)"
+
+
+def finished(args, out: Path) -> None:
+    """--auto_resume on a completed run: this command's run (its arguments) is done, one line and exit 0, nothing
+    rewritten (a requeued job that had finished, a protocol's second pass); another run's is one line, exit 2."""
+    other = resume.difference(vars(args), read_results(out)["args"], skip_unset=True)
+    if other:
+        raise plumbing.UsageError(f"--auto_resume: {out} holds a completed run of other arguments ({other}); nothing "
+                                  "is rewritten: give another --output_dir, or --overwrite_output_dir to replace it")
+    progress.write(f"complete: results in {out / RESULTS} (--auto_resume: nothing left to do)")
+    raise SystemExit(0)
 
 
 def size(path: Path) -> int:

@@ -11,8 +11,8 @@ last/ holds:
   and the loop's record (best dev score and step, training time, losses, gradient norms, trajectory, resumptions);
 - rng_rank<r>.pt, one per process: its RNG streams (torch CPU and CUDA, Python's `random`, NumPy) and the state
   of each torch.Generator in `run_state` (miCSE's AMI samples, WhitenedCSE's shuffles), which differ by process;
-- run.json: the arguments, the last step done, its epoch and position in that epoch's seeded order, and the
-  number of processes.
+- run.json: the arguments, the last step done, its epoch and position in that epoch's seeded order, the run's steps
+  (`total_steps`) and the number of processes.
 It is written into last.tmp/ and swapped in with two renames, as best/ is: a kill at any moment leaves last/ or,
 between the two renames, last.old/, each whole, and `restore` reads whichever is there.
 """
@@ -136,20 +136,38 @@ def same_value(name: str, value, saved) -> bool:
     return False
 
 
-def compare(current: dict, saved: dict, last: Path, skip_unset: bool = False) -> None:
-    """The first argument that defines the run and differs from the saved run's, in one line."""
+def difference(current: dict, saved: dict, skip_unset: bool = False) -> str | None:
+    """The first argument that defines the run and differs from the saved run's ("--lr is 0.002 here but 0.001"), or
+    None."""
     for name, value in current.items():
         if name in FREE_FLAGS or name not in saved or (skip_unset and value is None):
             continue
         if not same_value(name, value, saved[name]):
-            raise plumbing.UsageError(f"--resume: --{name} is {value} here but {saved[name]} in the run in {last}; "
-                                      "resume it with its own arguments, or start a new run in another "
-                                      "--output_dir")
+            return f"--{name} is {value} here but {saved[name]}"
+    return None
+
+
+def compare(current: dict, saved: dict, last: Path, skip_unset: bool = False) -> None:
+    """The first argument that defines the run and differs from the saved run's, in one line."""
+    other = difference(current, saved, skip_unset)
+    if other:
+        raise plumbing.UsageError(f"--resume: {other} in the run in {last}; resume it with its own arguments, or "
+                                  "start a new run in another --output_dir")
+
+
+def how_far(output_dir) -> str:
+    """How far the run in last/ came: "after step 120 of 400" (without "of" for a last/ of an earlier version)."""
+    try:
+        run = read_run(folder(output_dir))
+        total = run.get("total_steps")
+        return f"after step {run['step']}" + (f" of {total}" if total else "")
+    except (plumbing.UsageError, KeyError, TypeError):
+        return "in training (its last/)"
 
 
 def save(args, step: int, run_state: dict, loader, history, loop: dict) -> None:
     """last/ after `step`: `run_state`, the RNG streams, the data position, and the record so far (`history` and
-    `loop`: best_dev, best_step, train_time, checkpoint_time, provenance). Every process takes part. A write that
+    `loop`: best_dev, best_step, train_time, checkpoint_time, provenance, total_steps). Every process takes part. A write that
     fails is one line, the previous last/ whole."""
     out = Path(args.output_dir)
     tmp = out / "last.tmp"
@@ -172,7 +190,7 @@ def save(args, step: int, run_state: dict, loader, history, loop: dict) -> None:
             torch.save(state, tmp / "state.pt")
             per_epoch = len(loader)
             files.write_json(tmp / "run.json", {"args": vars(args), "step": step, "epoch": step // per_epoch,
-                                                "position": step % per_epoch,
+                                                "position": step % per_epoch, "total_steps": loop["total_steps"],
                                                 "world_size": distributed.world_size()})
             files.swap_in(tmp, out / "last")
     distributed.barrier()

@@ -324,7 +324,8 @@ class Run:
         if self.resumable and (due or stopping or every_save or kept):  # written whole or not at all
             start = time.perf_counter()
             loop = {"best_dev": self.best_dev, "best_step": self.best_step, "train_time": self.train_time,
-                    "checkpoint_time": self.checkpoint_time, "provenance": self.provenance}
+                    "checkpoint_time": self.checkpoint_time, "provenance": self.provenance,
+                    "total_steps": self.total_steps}
             resume.save(args, step, self.state, self.loader, self.history, loop)
             self.saved_at = self.train_time
             self.checkpoint_time["last_writes"] += 1
@@ -399,8 +400,8 @@ class Run:
 
     def write(self, results: dict | None) -> None:
         """results.json (process 0) with its provenance's end time, best/'s model card with the test scores, the
-        numbers in context, last/ deleted (a completed run needs it no more, unless --keep_last); then exit 130 / 143
-        if Ctrl-C or SIGTERM stopped the run."""
+        numbers in context, last/ deleted (a completed run needs it no more, unless --keep_last); where a signal
+        stopped the run, how it goes on (--auto_resume), then exit 130 / 143."""
         if results is not None:
             out = Path(self.args.output_dir)
             results["provenance"]["ended"] = provenance.now()
@@ -411,6 +412,11 @@ class Run:
             resume.drop(self.args, results)
             distributed.log(in_context(results))
             distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
+            if results["interrupted"] and self.resumable:  # a signal stopped it: how it goes on, last
+                evaluation = results.get("interrupted_during") == "final evaluation"
+                where = "during the final evaluation" if evaluation else \
+                    f"after step {self.last_step} of {self.total_steps} (last/ holds it)"
+                distributed.log(f"stopped {where}: {outdir.next_step(evaluation)}")
         lock.release(self.args.output_dir)
         self.stop.exit_if_stopped()
 

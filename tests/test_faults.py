@@ -84,9 +84,11 @@ MOMENTS = {  # where the SIGTERM comes: (module, function, which call, a filter 
 
 @pytest.mark.parametrize("moment", list(MOMENTS))
 def test_the_slurm_recipe_survives_a_sigterm_at_any_moment(moment, straight, tiny_model, corpus, senteval_dir,
-                                                           tmp_path, monkeypatch):
+                                                           tmp_path, monkeypatch, capsys):
     """SIGTERM (`--signal=TERM@120`, a pre-emption) at each moment: exit 143, then the same --auto_resume command
-    (the requeued job) ends as the uninterrupted run: the same losses, dev curve, best step, best/ and test scores."""
+    (the requeued job) ends as the uninterrupted run: the same losses, dev curve, best step, best/ and test scores.
+    The stop's last line and a plain rerun of the command (no --auto_resume) name --auto_resume first, and what is
+    left."""
     out = tmp_path / "run"
     argv = argv_of(tiny_model, corpus, senteval_dir, out)
     target, name, nth, when = MOMENTS[moment]
@@ -100,6 +102,17 @@ def test_the_slurm_recipe_survives_a_sigterm_at_any_moment(moment, straight, tin
     training_done = moment in ("writing best/", "final evaluation")
     assert first["interrupted_during"] == ("final evaluation" if training_done else "training")
     assert outdir.state(out)[0] == ("evaluating" if training_done else "resumable")
+    left = "whose training ended and whose final evaluation did not: to finish it" if training_done else \
+        f"stopped after step {first['steps']} of 6: to continue it"
+    hint = "run the same command with --auto_resume (or --resume)"
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(
+        "stopped during the final evaluation: to finish it" if training_done else
+        f"stopped after step {first['steps']} of 6 (last/ holds it): to continue it, {hint}")
+    code, err = cli_in_process(simcse, *[a for a in argv if a != "--auto_resume"])  # the command, again
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: --output_dir {out} holds a run {left}, {hint}" + (": it runs the final evaluation alone" if
+                                                                    training_done else "")
+        + "; or give another --output_dir for a new run (--overwrite_output_dir deletes this one)"], err
     if moment == "training":  # paths compare as paths: DIR/ resumes the run of DIR
         argv[argv.index("--model_name_or_path") + 1] += "/"
     simcse.main(argv)
@@ -112,7 +125,10 @@ def test_the_slurm_recipe_survives_a_sigterm_at_any_moment(moment, straight, tin
 
 
 def test_keep_last_keeps_the_final_state_and_a_completed_run_is_never_rewritten(tiny_model, corpus, senteval_dir,
-                                                                               tmp_path):
+                                                                               tmp_path, capsys):
+    """A completed run is rewritten by nothing; --auto_resume of the same command (a requeued job that had finished, a
+    protocol's second pass) says it is complete and exits 0, --resume or another command's --auto_resume is one
+    line, exit 2."""
     out = tmp_path / "run"
     argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--max_steps", 3, "--save_steps", 2,
                                        "--keep_last", "--no_test_eval")]
@@ -121,10 +137,14 @@ def test_keep_last_keeps_the_final_state_and_a_completed_run_is_never_rewritten(
     card = (out / "best" / "README.md").read_text()  # the run has ended: no "yet"
     assert "Not evaluated on the STS test tasks: the run was given --no_test_eval; `python eval_sts.py" in card, card
     before = digests(out)
-    for extra in (["--auto_resume"], ["--resume"]):
+    capsys.readouterr()
+    code, err = cli_in_process(simcse, *argv, "--auto_resume")
+    assert code == 0 and err == "" and capsys.readouterr().out.strip().splitlines() == [
+        f"complete: results in {out / 'results.json'} (--auto_resume: nothing left to do)"]
+    for extra in (["--resume"], ["--auto_resume", "--lr", "2e-3"], []):
         code, err = cli_in_process(simcse, *argv, *extra)
         assert code == 2 and "holds a completed run" in err and "nothing is rewritten" in err, err
-        assert len(err.strip().splitlines()) == 1
+        assert len(err.strip().splitlines()) == 1 and ("--lr is 0.002 here but 3e-05" in err) == ("--lr" in extra)
     assert digests(out) == before
 
 
