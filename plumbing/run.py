@@ -187,15 +187,19 @@ class Run:
         if distributed.rank() != 0:
             return
         self.lock = lock.hold(out, self.started)
-        if outdir.state(out)[0] != self.folder_state:
-            raise plumbing.UsageError(f"--output_dir {out} changed while this run started (another process wrote "
-                                      "it); run the command again")
-        if args.overwrite_output_dir:
-            outdir.clear(out)
-        modules = [m for m in state.values() if isinstance(m, torch.nn.Module)]
-        trained = memory.nbytes(*[p for m in modules for p in m.parameters() if p.requires_grad])
-        best = memory.nbytes(state.get("backbone"), state.get("head"), state.get("projection"))
-        outdir.check_room(out, best, memory.nbytes(*modules) + 2 * trained)  # AdamW: two moments
+        try:
+            if outdir.state(out)[0] != self.folder_state:
+                raise plumbing.UsageError(f"--output_dir {out} changed while this run started (another process "
+                                          "wrote it); run the command again")
+            if args.overwrite_output_dir:
+                outdir.clear(out)
+            modules = [m for m in state.values() if isinstance(m, torch.nn.Module)]
+            trained = memory.nbytes(*[p for m in modules for p in m.parameters() if p.requires_grad])
+            best = memory.nbytes(state.get("backbone"), state.get("head"), state.get("projection"))
+            outdir.check_room(out, best, memory.nbytes(*modules) + 2 * trained)  # AdamW: two moments
+        except BaseException:  # a refused run leaves no .lock behind
+            lock.release(out)
+            raise
 
     def steps(self):
         """The steps from 0 (only the initial model's dev gate) or where --resume continues, to the last; between
