@@ -15,12 +15,17 @@ last/ holds:
   (`total_steps`) and the number of processes.
 It is written into last.tmp/ and swapped in with two renames, as best/ is: a kill at any moment leaves last/ or,
 between the two renames, last.old/, each whole, and `restore` reads whichever is there.
+
+Tensors and plain data only (the RNG streams as tensors too), read with torch.load(weights_only=True): a last/ from
+someone else (a shared scratch space, a downloaded run) cannot run code when it is resumed; one holding anything
+else is refused in one line before any work (`check_safe`).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -71,6 +76,7 @@ def check(args, evaluating: bool = False) -> None:
     compare(vars(args), read_run(last)["args"], last, skip_unset=True)
     for name in ["state.pt", *(p.name for p in sorted(last.glob("rng_rank*.pt")))]:
         readable(last / name)
+        check_safe(last / name)
     if not any(last.glob("rng_rank*.pt")):
         raise damaged(last / "rng_rank0.pt", "missing")
 
@@ -97,9 +103,43 @@ def readable(path: Path) -> None:
         raise damaged(path, "truncated or not a torch.save file")
 
 
-def load(path: Path, device=None):
+def numpy_arrays() -> list:
+    """What the RNG files of earlier versions hold besides tensors and plain data: NumPy's uint32 arrays (its Mersenne
+    Twister's state), and no other NumPy type; rebuilding one copies bytes and calls nothing else. Named as NumPy 1
+    and NumPy 2 pickle them."""
+    reconstruct = (getattr(np, "_core", None) or np.core).multiarray._reconstruct
+    return [np.ndarray, np.dtype, type(np.dtype(np.uint32)), (reconstruct, "numpy.core.multiarray._reconstruct"),
+            (reconstruct, "numpy._core.multiarray._reconstruct")]
+
+
+def unsafe(path: Path) -> plumbing.UsageError:
+    return plumbing.UsageError(
+        f"--resume: {path} holds Python objects other than tensors and plain data, which unpickling could run as code: "
+        "it is not loaded (a file of an older version of the suite, or not of the suite); start the run again in "
+        "another --output_dir, or here with --overwrite_output_dir")
+
+
+def check_safe(path: Path) -> None:
+    """A file of last/ holds only what torch.load(weights_only=True) builds (tensors, plain data, numpy_arrays), read
+    from its pickle's opcodes without running them (a folder from someone else: a shared scratch space, a downloaded
+    run); one line otherwise, before any work."""
     try:
-        return torch.load(path, map_location=device, weights_only=False)
+        with torch.serialization.safe_globals(numpy_arrays()):
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as err:  # a damaged archive
+        raise damaged(path, type(err).__name__) from None
+    if found:
+        raise unsafe(path)
+
+
+def load(path: Path, device=None):
+    """A file of last/, with torch.load(weights_only=True): tensors and plain data only (numpy_arrays for an earlier
+    version's RNG files), so that no file can run code when it is read."""
+    try:
+        with torch.serialization.safe_globals(numpy_arrays()):
+            return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:  # weights_only's refusal (a global not allowed)
+        raise unsafe(path) from None
     except Exception as err:  # a damaged archive: zipfile's, pickle's or torch's error
         raise damaged(path, type(err).__name__) from None
 
@@ -248,13 +288,27 @@ def drop(args, results: dict) -> None:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+    """This process's RNG streams as tensors and plain data (what torch.load(weights_only=True) reads): Python's
+    `random` and NumPy's Mersenne Twisters' words as int64 tensors."""
+    version, words, gauss_next = random.getstate()
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "python": {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss_next": gauss_next},
+            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "position": position,
+                      "has_gauss": has_gauss, "cached_gaussian": cached_gaussian},
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
 
 
 def set_rng_state(state: dict) -> None:
+    """rng_state's streams back; an earlier version's (Python's tuple, NumPy's tuple with its array) too."""
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python, numpy = state["python"], state["numpy"]
+    if isinstance(python, dict):
+        python = (python["version"], tuple(python["words"].tolist()), python["gauss_next"])
+    if isinstance(numpy, dict):
+        numpy = (numpy["kind"], numpy["keys"].numpy().astype(np.uint32), numpy["position"], numpy["has_gauss"],
+                 numpy["cached_gaussian"])
+    random.setstate(python)
+    np.random.set_state(numpy)
     if state["cuda"] is not None:
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -14,8 +14,7 @@ from safetensors.torch import load_file
 
 from plumbing import distributed
 import plumbing
-from plumbing import resume
-from plumbing import checkpoint, run as run_module
+from plumbing import checkpoint, hub, resume, run as run_module
 from conftest import ROOT, cli_in_process, gates, smoke_args, write_nli
 
 # 20 examples at batch 8 are 3 steps an epoch (8, 8, 4): 6 steps are two epochs. The first run is stopped at
@@ -92,7 +91,7 @@ def test_a_resumed_run_is_bit_identical_to_a_straight_one(case, straight_runs, t
     interrupted = json.loads((out / "results.json").read_text())
     assert interrupted["interrupted"] is True and interrupted["steps"] == STOPS[0]
     assert json.loads((out / "last" / "run.json").read_text())["step"] == STOPS[0]
-    scaler = torch.load(out / "last" / "state.pt", weights_only=False)["scaler"]
+    scaler = torch.load(out / "last" / "state.pt", weights_only=True)["scaler"]  # tensors and plain data
     assert (scaler["scale"] == 65536.0) if case == "simcse-fp16" else scaler == {}  # a disabled scaler has none
     run(script, argv + ["--resume"], monkeypatch, stop_at=STOPS[1], first_step=STOPS[0] + 1)
     assert json.loads((out / "last" / "run.json").read_text())["step"] == STOPS[1]
@@ -133,27 +132,86 @@ def test_auto_resume_starts_resumes_and_restarts_one_command(tiny_model, corpus,
         run("simcse", argv + ["--lr", "2e-3"], monkeypatch)
 
 
+@pytest.fixture(scope="module")
+def stopped_run(tiny_model, corpus, senteval_dir, tmp_path_factory):
+    """A run stopped by SIGTERM at step 2 (its last/ saved), once: (its folder, its argv); each test takes a copy."""
+    tmp = tmp_path_factory.mktemp("stopped")
+    argv = case_args("simcse", tiny_model, corpus, senteval_dir, tmp / "run", tmp)
+    with pytest.MonkeyPatch.context() as patch:
+        run("simcse", argv, patch, stop_at=STOPS[0])
+    return tmp / "run", argv
+
+
+class RunsCode:
+    """Unpickled, it runs code (here: it creates the file `marker`), as a crafted last/ from someone else would."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
 @pytest.mark.parametrize("damage", ["truncated state.pt", "unreadable run.json", "missing rng_rank0.pt",
-                                    "missing run.json"])
-def test_a_damaged_last_is_one_line_naming_the_file_and_nothing_changes(damage, tiny_model, corpus, senteval_dir,
-                                                                        tmp_path, monkeypatch):
+                                    "missing run.json", "crafted state.pt", "crafted rng_rank0.pt"])
+def test_a_damaged_or_crafted_last_is_one_line_naming_the_file_and_nothing_changes(damage, stopped_run, tmp_path,
+                                                                                   monkeypatch):
+    """A file of last/ that is damaged, or crafted to run code when unpickled (#58: a run folder from someone else),
+    is one line naming it, before any work (the model is not loaded); nothing runs, nothing changes."""
     out = tmp_path / "run"
-    argv = case_args("simcse", tiny_model, corpus, senteval_dir, out, tmp_path)
-    run("simcse", argv, monkeypatch, stop_at=STOPS[0])
-    name = damage.split()[-1]
+    shutil.copytree(stopped_run[0], out)
+    argv = [str(out) if a == str(stopped_run[0]) else a for a in stopped_run[1]]
+    name, marker = damage.split()[-1], tmp_path / "code-ran"
     if damage.startswith("truncated"):
         data = (out / "last" / name).read_bytes()
         (out / "last" / name).write_bytes(data[:len(data) // 2])
     elif damage.startswith("unreadable"):
         (out / "last" / name).write_text("{")
+    elif damage.startswith("crafted"):
+        torch.save({"record": RunsCode(marker)}, out / "last" / name)
     else:
         (out / "last" / name).unlink()
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    monkeypatch.setattr(hub, "load_pretrained", lambda *a, **k: pytest.fail("loaded the model before the check"))
+    why = "holds Python objects other than tensors and plain data" if damage.startswith("crafted") else \
+        "cannot be read"
     for extra in (["--resume"], ["--auto_resume"]):
         code, err = cli_in_process(importlib.import_module("simcse"), *argv, *extra)
-        assert code == 2 and f"last/{name} cannot be read" in err and "--overwrite_output_dir" in err, err
+        assert code == 2 and f"last/{name} {why}" in err and "--overwrite_output_dir" in err, err
         assert len(err.strip().splitlines()) == 1
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    if damage.startswith("crafted"):  # torch.load(weights_only=True) refuses it too, whatever the check found
+        with pytest.raises(plumbing.UsageError, match="which unpickling could run as code"):
+            resume.load(out / "last" / name)
+        assert not marker.exists()
+
+
+def test_rng_streams_are_saved_as_tensors_and_an_earlier_versions_still_load(tmp_path):
+    """last/'s RNG streams are tensors and plain data (torch.load(weights_only=True) reads them), restored exactly;
+    an earlier version's file (Python's state as a tuple, NumPy's with its uint32 array) still loads, and only such
+    arrays: a NumPy array of Python objects is refused."""
+    import random
+    import numpy as np
+
+    def draws():
+        return random.random(), np.random.rand(), torch.rand(1).item()
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    def earlier():  # the format before #58: Python's tuple, NumPy's tuple with its array
+        return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+                "cuda": None}
+    for rng_state in (resume.rng_state, earlier):
+        torch.save({"rng": rng_state()}, tmp_path / "rng.pt")
+        expected = draws()
+        draws()
+        resume.check_safe(tmp_path / "rng.pt")
+        resume.set_rng_state(resume.load(tmp_path / "rng.pt")["rng"])
+        assert draws() == expected
+    torch.save({"rng": np.array([RunsCode(tmp_path / "code-ran")], dtype=object)}, tmp_path / "objects.pt")
+    with pytest.raises(plumbing.UsageError, match="holds Python objects other than tensors"):
+        resume.check_safe(tmp_path / "objects.pt")
+    with pytest.raises(plumbing.UsageError, match="holds Python objects other than tensors"):
+        resume.load(tmp_path / "objects.pt")
+    assert not (tmp_path / "code-ran").exists()
 
 
 def test_resume_with_a_changed_lr_is_one_line_naming_it(tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
