@@ -207,7 +207,7 @@ def how_far(output_dir) -> str:
 
 def save(args, step: int, run_state: dict, loader, history, loop: dict) -> None:
     """last/ after `step`: `run_state`, the RNG streams, the data position, and the record so far (`history` and
-    `loop`: best_dev, best_step, train_time, checkpoint_time, provenance, total_steps). Every process takes part. A write that
+    `loop`: best_dev, best_step, train_time, checkpoint_time, provenance, total_steps, eval_pooler). Every process takes part. A write that
     fails is one line, the previous last/ whole."""
     out = Path(args.output_dir)
     tmp = out / "last.tmp"
@@ -277,7 +277,8 @@ def record_of_results(args) -> dict:
             "best_step": results["best_step"], "train_time": results["train_time_s"],
             "losses": results["train_loss"], "grad_norms": results["grad_norm"], "trajectory": results["trajectory"],
             "resumptions": results["resumptions"] + [results["steps"]], "skipped": results.get("skipped_steps", []),
-            "checkpoint_time": results.get("checkpoint_time_s"), "provenance": results.get("provenance")}
+            "checkpoint_time": results.get("checkpoint_time_s"), "provenance": results.get("provenance"),
+            "eval_pooler": results.get("eval_pooler")}
 
 
 def drop(args, results: dict) -> None:

@@ -167,7 +167,11 @@ class Run:
         self.last_step = self.next_step - 1  # the last step done
         self.best_copy = None  # the best model so far, on the training device, until best/ is written (flush_best)
         self.best_pending = False  # a best_copy newer than best/
-        self.eval_pooler, self.projection = None, False  # of best/, for its model card
+        # of best/, for its model card and results.json; a resumed run's are its record's (or best/'s, for a last/ of
+        # an earlier version) until it finds a new best
+        self.eval_pooler = (saved.get("eval_pooler") or files.recorded_pooler(Path(args.output_dir) / "best")) \
+            if args.resume else None
+        self.projection = False
         self.checkpoint_time = saved.get("checkpoint_time") or {
             "best_copies": 0, "best_copy_s": 0.0, "best_writes": 0, "best_write_s": 0.0, "last_writes": 0,
             "last_write_s": 0.0}
@@ -329,7 +333,7 @@ class Run:
             start = time.perf_counter()
             loop = {"best_dev": self.best_dev, "best_step": self.best_step, "train_time": self.train_time,
                     "checkpoint_time": self.checkpoint_time, "provenance": self.provenance,
-                    "total_steps": self.total_steps}
+                    "total_steps": self.total_steps, "eval_pooler": self.eval_pooler}
             resume.save(args, step, self.state, self.loader, self.history, loop)
             self.saved_at = self.train_time
             self.checkpoint_time["last_writes"] += 1

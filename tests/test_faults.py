@@ -259,6 +259,23 @@ def test_a_run_that_diverges_keeps_its_best_and_its_record(tiny_model, corpus, s
     assert code == 2 and "stopped itself (the loss became nan at step 3" in err and len(err.splitlines()) == 1
 
 
+def test_a_resumed_run_that_diverges_before_a_new_best_records_its_own_eval_pooler(tiny_model, corpus, senteval_dir,
+                                                                                     tmp_path, monkeypatch):
+    """The evaluation pooler is the run's, not a default: resumed after step 3, the run diverges at step 4, before
+    any new best."""
+    out = tmp_path / "run"
+    argv = argv_of(tiny_model, corpus, senteval_dir, out, "--pooler", "avg", "--no_test_eval")
+    with monkeypatch.context() as patch:
+        signal_at(patch, common, "info_nce", 2)
+        with pytest.raises(SystemExit):
+            simcse.main(argv)
+    nan_from(monkeypatch, 0)
+    code, err = cli_in_process(simcse, *argv)
+    results = json.loads((out / "results.json").read_text())
+    assert code == 2 and results["stop"]["by"] == "divergence" and results["resumptions"] == [3], err
+    assert results["eval_pooler"] == "avg" and results["best_step"] in (0, 2)
+
+
 @contextlib.contextmanager
 def tmpfs(path, size: str, read_only: bool = False):
     """A small file system of its own at `path` (a full disk as a user meets one); needs root, as CI runs."""
