@@ -4,7 +4,8 @@ A dev gate that improves the score copies the model into `BestCopy`, on the trai
 speed: well under a millisecond for BERT-base, where writing best/ takes a second); `Run.flush_best` writes best/
 from it when last/ is saved, when the run stops, and at the end. Its buffers are allocated at the first improvement
 and copied into afterwards, so it costs one copy of the weights however often the score improves: 0.44 GB for
-BERT-base, 1.3 GB for BERT-large, in the device's memory beside the training state.
+BERT-base, 1.3 GB for BERT-large, in the device's memory beside the training state. A kill between the two renames
+of best/'s swap leaves the previous best/ in best.old/, which the next run in the folder puts back (`recover`).
 """
 from __future__ import annotations
 
@@ -42,6 +43,16 @@ class BestCopy:
     def write(self, out_dir, card: str | None = None) -> None:
         save(out_dir, self.backbone, self.head, self.tokenizer, self.eval_pooler, self.projection,
              state=self.state, barrier=False, card=card)
+
+
+def recover(out_dir) -> None:
+    """best.old/ put back as best/ where a kill came between the two renames of best/'s swap (files.swap_in): it is the
+    best/ of the last complete save, the one last/'s record names (best/ is written just before last/), which a
+    resumed run that finds no better model evaluates at its end. Process 0, under the folder's lock."""
+    best, old = Path(out_dir) / "best", Path(out_dir) / "best.old"
+    if old.is_dir() and not best.exists():
+        old.rename(best)
+        distributed.log(f"{old} put back as {best} (a kill came while best/ was replaced)")
 
 
 def save(out_dir, backbone, head, tokenizer, eval_pooler: str, projection=None, state=None,

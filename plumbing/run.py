@@ -197,6 +197,7 @@ class Run:
                                           "wrote it); run the command again")
             if args.overwrite_output_dir:
                 outdir.clear(out)
+            checkpoint.recover(out)  # best/ of the last complete save, if a kill came between its two renames
             modules = [m for m in state.values() if isinstance(m, torch.nn.Module)]
             trained = memory.nbytes(*[p for m in modules for p in m.parameters() if p.requires_grad])
             best = memory.nbytes(state.get("backbone"), state.get("head"), state.get("projection"))

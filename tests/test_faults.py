@@ -233,6 +233,31 @@ def test_a_resumed_run_that_finds_no_new_best_writes_its_test_scores_into_the_ca
     assert "STS test, Spearman" in card and f"{results['test']['avg']:.2f}" in card and "at step 2" in card
 
 
+def test_a_kill_between_the_renames_of_best_loses_no_best(tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """Killed between the two renames of best/'s swap (best/ moved to best.old/, the new one not in place yet), the run
+    resumes from the previous save; it finds no better model, so its final evaluation needs the best/ of that save:
+    best.old/ is put back."""
+    out = tmp_path / "run"
+    argv = argv_of(tiny_model, corpus, senteval_dir, out, "--save_minutes", 0, "--no_test_eval")
+    scores = iter([10.0, 20.0, 0.0, 0.0, 0.0])  # gates 0 and 2; resumed after step 0, gates 2, 4, 6 are worse
+    monkeypatch.setattr(run_module, "dev_measures", lambda *a: {"stsb_dev": next(scores), "align": 0.0, "uniform": 0.0})
+    with monkeypatch.context() as patch:
+        real_rename, renames = type(out).rename, itertools.count()
+
+        def killed_between_renames(self, target):
+            if self.name == "best.tmp" and next(renames) == 1:  # the write of step 2's best
+                raise Killed
+            return real_rename(self, target)
+        patch.setattr(type(out), "rename", killed_between_renames)
+        with pytest.raises(Killed):
+            simcse.main(argv)
+    assert not (out / "best").exists() and (out / "best.old").is_dir() and (out / "best.tmp").is_dir()
+    simcse.main(argv)
+    results = json.loads((out / "results.json").read_text())
+    assert results["resumptions"] == [0] and results["best_step"] == 0 and "align_uniform" in results
+    assert (out / "best" / "config.json").is_file() and not (out / "best.old").exists()
+
+
 def nan_from(monkeypatch, call):
     real, calls = common.info_nce, itertools.count()
     monkeypatch.setattr(common, "info_nce", lambda *a, **k: real(*a, **k) * (
