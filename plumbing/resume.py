@@ -264,9 +264,14 @@ def restore(args, run_state: dict, loader, device, evaluating: bool = False) -> 
     return record
 
 
+# results.json's values of where and how the training ran, which an evaluation-only resume keeps (Run._results)
+TRAINING_RECORD = ("device", "world_size", "summary", "peak_memory_mb", "peak_memory_kind", "peak_memory_reserved_mb",
+                   "host_syncs")
+
+
 def record_of_results(args) -> dict:
     """The loop's record from the results.json of a run whose training ended: its final evaluation is what is left
-    (next_step after the last step)."""
+    (next_step after the last step); "trained": where and how the training ran (TRAINING_RECORD)."""
     path = Path(args.output_dir) / "results.json"
     results = json.loads(path.read_text())
     compare(vars(args), results["args"], path)
@@ -278,7 +283,8 @@ def record_of_results(args) -> dict:
             "losses": results["train_loss"], "grad_norms": results["grad_norm"], "trajectory": results["trajectory"],
             "resumptions": results["resumptions"] + [results["steps"]], "skipped": results.get("skipped_steps", []),
             "checkpoint_time": results.get("checkpoint_time_s"), "provenance": results.get("provenance"),
-            "eval_pooler": results.get("eval_pooler")}
+            "eval_pooler": results.get("eval_pooler"),
+            "trained": {key: results[key] for key in TRAINING_RECORD if key in results}}
 
 
 def drop(args, results: dict) -> None:

@@ -158,8 +158,16 @@ class Run:
         if evaluating and saved["next_step"] != total_steps + 1:
             raise plumbing.UsageError(f"--resume: the run in {args.output_dir} trained {saved['next_step'] - 1} "
                                       f"steps, this command plans {total_steps}; resume it with its own arguments")
+        # the evaluation alone: the record keeps where the training ran (device, processes, peak memory, summary) and
+        # holds this process's own beside it (_results)
+        self.trained = saved.get("trained") if evaluating else None
+        self.evaluation_alone = {"device": str(self.device), "world_size": distributed.world_size(),
+                                 "device_name": self.provenance["device_name"]} if evaluating else None
         if args.resume:  # each part's commit and start
             self.provenance = provenance.resumed(saved.get("provenance"), self.provenance, saved["next_step"] - 1)
+        if evaluating:  # the training's device and processes, as the model card names them
+            self.provenance.update({k: v for k, v in (saved.get("provenance") or {}).items()
+                                    if k in ("device_name", "processes")})
         if not args.resume and distributed.rank() == 0:  # which run this folder holds (--auto_resume reads it)
             files.write_json(Path(args.output_dir) / resume.STARTED, {"args": vars(args)})
         self.best_dev, self.best_step, self.train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
@@ -462,6 +470,14 @@ class Run:
             results["stop"] = {"by": signal.Signals(self.stop.signum).name, "step": self.last_step}
         if cuda:
             results["peak_memory_reserved_mb"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
+        if self.evaluation_alone is not None:  # an evaluation-only resume: the training's values stay the record's
+            own = {k: results[k] for k in resume.TRAINING_RECORD if k.startswith("peak_memory") and k in results}
+            results["evaluation_alone"] = {**self.evaluation_alone, **own}
+            for key in resume.TRAINING_RECORD:
+                if key in (self.trained or {}):
+                    results[key] = self.trained[key]
+                else:
+                    results.pop(key, None)
         return results
 
 

@@ -115,8 +115,20 @@ def test_the_slurm_recipe_survives_a_sigterm_at_any_moment(moment, straight, tin
         + "; or give another --output_dir for a new run (--overwrite_output_dir deletes this one)"], err
     if moment == "training":  # paths compare as paths: DIR/ resumes the run of DIR
         argv[argv.index("--model_name_or_path") + 1] += "/"
+    trained = {"device": "cuda:0", "world_size": 2, "peak_memory_mb": 1234.5, "peak_memory_kind": "cuda_max_allocated",
+               "peak_memory_reserved_mb": 2048.0, "summary": {"device": "cuda:0 x 2, precision fp32"}}
+    if training_done:  # as if two GPU processes had trained it: the evaluation alone on CPU keeps their record
+        first.update(trained, provenance={**first["provenance"], "processes": 2, "device_name": "a GPU"})
+        (out / "results.json").write_text(json.dumps(first))
     simcse.main(argv)
     got = assert_like_straight(out, straight)
+    if training_done:
+        assert {key: got[key] for key in trained} == trained and "2 process(es) on a GPU" in \
+            (out / "best" / "README.md").read_text()
+        assert got["evaluation_alone"]["device"] == "cpu" and got["evaluation_alone"]["world_size"] == 1
+        assert got["evaluation_alone"]["peak_memory_kind"] == "cpu_max_rss" and got["evaluation_alone"]["peak_memory_mb"]
+    else:
+        assert "evaluation_alone" not in got and got["device"] == "cpu"
     assert got["resumptions"] == [6 if training_done else first["steps"]]
     parts = got["provenance"]["parts"]
     assert len(parts) == 2 and parts[1]["after_step"] == got["resumptions"][0]
