@@ -31,6 +31,7 @@ import math
 import os
 import shlex
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -40,17 +41,32 @@ class UsageError(ValueError):
     """Something the user can fix: printed as one line by `cli`, exit status 2, never a traceback."""
 
 
+_keep_after_out_of_memory = None  # the run in progress's (plumbing/run.py: Run.out_of_memory), else None
+
+
+def on_out_of_memory(keep) -> None:
+    """What `cli` calls when the device runs out of memory: `keep(reason)` keeps what the run reached and returns
+    what the one line says of it (a run registers it when it starts); None: nothing to keep."""
+    global _keep_after_out_of_memory
+    _keep_after_out_of_memory = keep
+
+
 def cli(main) -> None:
-    """Run `main()`; a UsageError becomes one line on stderr and exit status 2."""
+    """Run `main()`; a UsageError becomes one line on stderr and exit status 2, and so does running out of memory,
+    once the run in progress has kept what it reached (Run.out_of_memory)."""
+    on_out_of_memory(None)
     try:
         main()
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except torch.OutOfMemoryError as err:
-        print(f"error: the GPU ran out of memory ({str(err).splitlines()[0][:120]}): --gradient_checkpointing and "
-              "--micro_batch_size K train the same objective in less (python tools/bench.py --memory says what "
-              "each needs); best/ and last/ hold the last complete save", file=sys.stderr)
+        reason = str(err).splitlines()[0][:120]
+        traceback.clear_frames(err.__traceback__)  # the failed pass's tensors, held by its frames, freed
+        keep = _keep_after_out_of_memory
+        print("error: the GPU ran out of memory " + (keep(reason) if keep else f"({reason}): --gradient_checkpointing "
+              "and --micro_batch_size K train the same objective in less (python tools/bench.py --memory says what "
+              "each needs)"), file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

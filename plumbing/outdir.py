@@ -6,7 +6,8 @@ results.json (its record), tb/ (--report_to), each written beside its place and 
 (plumbing/lock.py). What a folder holds, read from those files (`state`):
 
 - empty:       nothing of a run (absent, or other files only);
-- started:     started.json (and perhaps best/, tb/) but no last/ and no results.json: stopped before its first save;
+- started:     started.json (and perhaps best/, tb/) but no last/ and no results.json, or the results.json of a run
+               that ran out of memory: stopped before its first save;
 - resumable:   last/ (or last.old/, between the two renames of a save): stopped during training;
 - evaluating:  results.json says the training ended and the final evaluation did not (a signal or a kill during it,
                or while the end's best/ was written): a resume runs the evaluation alone;
@@ -58,6 +59,8 @@ def state(out) -> tuple[str, str]:
             return "evaluating", "its training ended; its final evaluation did not"
         if stop.get("by") in SELF_STOPS:
             return "stopped", stop.get("reason") or stop["by"]
+        if resume.folder(out) is None and stop.get("by") == "out of memory":  # before its first save: it starts
+            return "started", "stopped by running out of memory before its first save of last/"  # again, as killed
         if resume.folder(out) is None:
             return "lost", f"results.json of a run stopped during training at step {results.get('steps')}, " \
                            "and no last/"

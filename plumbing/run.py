@@ -22,6 +22,7 @@ plumbing/outdir.py and plumbing/lock.py; best/ and its copy: plumbing/checkpoint
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -175,6 +176,8 @@ class Run:
         self.last_step = self.next_step - 1  # the last step done
         self.best_copy = None  # the best model so far, on the training device, until best/ is written (flush_best)
         self.best_pending = False  # a best_copy newer than best/
+        self.best_written = saved["best_step"] if args.resume else None  # the step of the model best/ holds
+        plumbing.on_out_of_memory(self.out_of_memory)  # what plumbing.cli calls if the device runs out of memory
         # of best/, for its model card and results.json; a resumed run's are its record's (or best/'s, for a last/ of
         # an earlier version) until it finds a new best
         self.eval_pooler = (saved.get("eval_pooler") or files.recorded_pooler(Path(args.output_dir) / "best")) \
@@ -262,7 +265,7 @@ class Run:
         if self.best_copy is not None:  # process 0
             self.best_copy.write(self.args.output_dir, self.card())
         distributed.barrier()
-        self.best_pending = False
+        self.best_pending, self.best_written = False, self.best_step
         self.checkpoint_time["best_writes"] += 1
         self.checkpoint_time["best_write_s"] += time.perf_counter() - start
 
@@ -366,6 +369,7 @@ class Run:
         self.stop.phase = "writing best/"  # a signal now lets best/ be written whole, then stops the run
         self.flush_best()
         self._free_training_memory()
+        self.best_copy = None
         distributed.shutdown()
         if distributed.rank() != 0:
             return None
@@ -404,16 +408,55 @@ class Run:
         return results
 
     def _free_training_memory(self) -> None:
-        """Once best/ is written, what only training needs is freed before the final evaluation loads best/ and the
-        pretrained model beside the trained one: the gradients, AdamW's moments, the best model's copy (on a GPU:
-        four times the weights; plumbing/memory.py counts the evaluation's peak so)."""
+        """What only training needs, freed before the final evaluation loads best/ and the pretrained model beside the
+        trained one (then the best model's copy goes too: on a GPU, four times the weights in all; plumbing/memory.py
+        counts the evaluation's peak so), or before best/ is written after an out-of-memory stop: the gradients and
+        AdamW's moments."""
         for thing in self.state.values():
             if isinstance(thing, torch.optim.Optimizer):
                 thing.zero_grad(set_to_none=True)
                 thing.state.clear()
-        self.best_copy = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def out_of_memory(self, reason: str) -> str:
+        """The device ran out of memory (plumbing.cli calls this once main() has unwound and the failed pass's tensors
+        are freed). Kept as when the run stops itself: the training state freed, best/ written from its copy where
+        memory now allows (no barrier: the other processes may be gone), results.json with the record up to the stop
+        and "stop": {"by": "out of memory", "step", "reason"} (process 0). The one line's rest: where, what was kept,
+        how the run goes on (--auto_resume first)."""
+        plumbing.on_out_of_memory(None)
+        out = Path(self.args.output_dir)
+        evaluation = self.stop.phase != "training" and self.last_step >= self.total_steps and not self.best_pending
+        step = self.last_step if evaluation else self.last_step + 1
+        self._free_training_memory()
+        unwritten = ""
+        if self.best_pending and self.best_copy is not None:  # process 0
+            try:
+                self.best_copy.write(out, self.card())
+                self.best_pending, self.best_written = False, self.best_step
+            except (torch.OutOfMemoryError, plumbing.UsageError) as err:
+                unwritten = f" (step {self.best_step}'s, better, could not be written: {str(err).splitlines()[0]})"
+        self.best_copy = None
+        if distributed.rank() == 0:
+            with contextlib.suppress(Exception):  # the steps the device still holds (a NaN among them: up to it)
+                self.history.read()
+            results = self._results(self.eval_pooler or "cls_before_pooler")
+            results.update(interrupted=True, interrupted_during="final evaluation" if evaluation else "training",
+                           stop={"by": "out of memory", "step": step, "reason": reason})
+            self._write_results(results)
+            lock.release(out)
+        if evaluation:
+            return f"in the final evaluation ({reason}): best/ and results.json hold the training; " \
+                   f"{outdir.next_step(True)}, without the training's memory"
+        best = f"best/ holds step {self.best_written}'s model{unwritten}" if self.best_written is not None else \
+            f"no best/ yet{unwritten}"
+        last = resume.folder(out) is not None
+        kept = f"{best}, last/ the run {resume.how_far(out)}" if last else best
+        return f"in step {step} ({reason}): {kept}, results.json the record up to the stop; to " \
+               f"{'continue it' if last else 'start it again'} in less memory, run the same command with " \
+               "--auto_resume --gradient_checkpointing (the same objective; --micro_batch_size K too, in a new run: " \
+               "python tools/bench.py --memory says what each needs)"
 
     def write(self, results: dict | None) -> None:
         """results.json (process 0) with its provenance's end time, best/'s model card with the test scores, the
@@ -435,6 +478,7 @@ class Run:
                     f"after step {self.last_step} of {self.total_steps} (last/ holds it)"
                 distributed.log(f"stopped {where}: {outdir.next_step(evaluation)}")
         lock.release(self.args.output_dir)
+        plumbing.on_out_of_memory(None)
         self.stop.exit_if_stopped()
 
     def _write_results(self, results: dict) -> None:

@@ -270,6 +270,49 @@ def test_a_kill_between_the_renames_of_best_loses_no_best(tiny_model, corpus, se
     assert (out / "best" / "config.json").is_file() and not (out / "best.old").exists()
 
 
+def test_an_out_of_memory_stop_keeps_the_best_found_since_the_last_write(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                         monkeypatch):
+    """The device runs out of memory in step 3 (injected on CPU); the best model, found at step 2 and only in its device
+    copy (no save yet: --save_minutes 10), is written to best/ once the training state is freed, results.json records
+    the stop; the one line names --auto_resume with --gradient_checkpointing first, and that command starts the run
+    again (no last/ yet), to its end."""
+    out = tmp_path / "run"
+    argv = argv_of(tiny_model, corpus, senteval_dir, out, "--no_test_eval")
+    scores = iter([10.0, 20.0])
+    with monkeypatch.context() as patch:
+        patch.setattr(run_module, "dev_measures", lambda *a: {"stsb_dev": next(scores), "align": 0.0, "uniform": 0.0})
+        real, calls = common.info_nce, itertools.count()
+
+        def out_of_memory(*args, **kwargs):
+            if next(calls) == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total "
+                                             "capacity of 23.65 GiB of which 11.06 MiB is free.\nmore lines")
+            return real(*args, **kwargs)
+        patch.setattr(common, "info_nce", out_of_memory)
+        code, err = cli_in_process(simcse, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(
+        "error: the GPU ran out of memory in step 3 (CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a "), err
+    assert "best/ holds step 2's model" in err and "run the same command with --auto_resume --gradient_checkpointing" in \
+        err and err.index("--auto_resume") < err.index("--micro_batch_size"), err
+    results = json.loads((out / "results.json").read_text())
+    assert results["stop"]["by"] == "out of memory" and results["stop"]["step"] == 3, results["stop"]
+    assert results["interrupted_during"] == "training" and results["steps"] == 2 and results["best_step"] == 2
+    assert "at step 2" in (out / "best" / "README.md").read_text() and not (out / lock.NAME).exists()
+    assert outdir.state(out)[0] == "started"  # no last/ yet: --auto_resume starts it again
+    with monkeypatch.context() as patch:  # and runs out of memory in its final evaluation
+        patch.setattr(eval_sts, "align_uniform", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA")))
+        code, err = cli_in_process(simcse, *argv, "--gradient_checkpointing")
+    assert code == 2 and err.strip() == "error: the GPU ran out of memory in the final evaluation (CUDA): best/ and " \
+        "results.json hold the training; to finish it, run the same command with --auto_resume (or --resume): it " \
+        "runs the final evaluation alone, without the training's memory", err
+    assert outdir.state(out)[0] == "evaluating"
+    simcse.main(argv + ["--gradient_checkpointing"])
+    results = json.loads((out / "results.json").read_text())
+    assert results["interrupted"] is False and "stop" not in results and results["steps"] == 6
+    assert results["resumptions"] == [6] and "align_uniform" in results
+
+
 def nan_from(monkeypatch, call):
     real, calls = common.info_nce, itertools.count()
     monkeypatch.setattr(common, "info_nce", lambda *a, **k: real(*a, **k) * (
