@@ -303,6 +303,7 @@ class Run:
                                stop={"by": stopped.by, "step": stopped.step, "reason": str(stopped)})
                 self._write_results(results)
                 self._rewrite_card(untested=f"the run stopped itself at step {stopped.step} ({stopped.by})")
+                lock.release(self.args.output_dir)  # the run has ended
                 distributed.log(f"stopped: best/ holds step {self.best_step}'s model (STS-B dev "
                                 f"{self.best_dev:.2f}); {Path(self.args.output_dir) / 'results.json'} records the run "
                                 "up to the stop")
