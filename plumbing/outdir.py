@@ -19,6 +19,7 @@ results.json (its record), tb/ (--report_to), each written beside its place and 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -137,8 +138,9 @@ def finished(args, out: Path) -> None:
     if other:
         raise plumbing.UsageError(f"--auto_resume: {out} holds a completed run of other arguments ({other}); nothing "
                                   "is rewritten: give another --output_dir, or --overwrite_output_dir to replace it")
-    progress.write(f"complete: results in {out / RESULTS} (--auto_resume: nothing left to do)")
-    raise SystemExit(0)
+    if os.environ.get("RANK", "0") == "0":  # before the process group: torchrun's processes all get here
+        progress.write(f"complete: results in {out / RESULTS} (--auto_resume: nothing left to do)")
+    raise SystemExit(0)  # every process, before any work
 
 
 def size(path: Path) -> int:

@@ -167,7 +167,8 @@ def base_model(name_or_path: str) -> str:
     if not path.exists():
         return f"`{name_or_path}` (Hugging Face Hub)"
     resolved = str(path.resolve())
-    return f"`{name_or_path}`" + (f" (the local folder `{resolved}`)" if resolved != name_or_path else " (a local folder)")
+    return f"`{name_or_path}`" + (f" (the local folder `{resolved}`)" if resolved != name_or_path else
+                                  " (a local folder)")
 
 
 def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_transformers: bool,
@@ -185,8 +186,8 @@ def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_tr
               f"Trained by `{args.method}.py` of the contrastive sentence-embedding reference suite, which reproduces "
               f"{title}.", "", "## Training", "",
               "```bash", args.command if getattr(args, "command", None) else f"python {args.method}.py", "```", "",
-              f"- base model: {base_model(base)}", f"- data: `{data}`" + (f", fraction {args.fraction:g} (seed {args.seed})"
-                                                                 if args.fraction < 1 else ""),
+              f"- base model: {base_model(base)}",
+              f"- data: `{data}`" + (f", fraction {args.fraction:g} (seed {args.seed})" if args.fraction < 1 else ""),
               f"- precision {provenance['precision']}, {provenance['processes']} process(es) on "
               f"{provenance['device_name']}", f"- the suite's commit: {commit_text(provenance)}",
               f"- best STS-B dev Spearman {best['stsb_dev']:.2f} at step {best['step']}", "",

@@ -207,8 +207,8 @@ def how_far(output_dir) -> str:
 
 def save(args, step: int, run_state: dict, loader, history, loop: dict) -> None:
     """last/ after `step`: `run_state`, the RNG streams, the data position, and the record so far (`history` and
-    `loop`: best_dev, best_step, train_time, checkpoint_time, provenance, total_steps, eval_pooler). Every process takes part. A write that
-    fails is one line, the previous last/ whole."""
+    `loop`: best_dev, best_step, train_time, checkpoint_time, provenance, total_steps, eval_pooler). Every process
+    takes part. A write that fails is one line, the previous last/ whole."""
     out = Path(args.output_dir)
     tmp = out / "last.tmp"
     kept = "last/ and best/ hold the last complete save; free some space, then run the same command with " \

@@ -558,7 +558,7 @@ def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device, 
     """What this run is, printed before training and kept in results.json: the presets and their source, the data
     (and whether it is miCSE's released subset), the model and what its check found (the attention and its mask,
     dropout), device and precision, what changes a step's memory and time (--micro_batch_size,
-    --gradient_checkpointing, --compile), the schedule, the output folder."""
+    --gradient_checkpointing, --compile, --pad_to_max_length), the schedule, the output folder."""
     num, subset, train_file = corpus["num_train_examples"], corpus["micse_subset"], corpus["train_file"]
     if subset:
         text = f"miCSE's released subset {subset}: {num:,} examples (Table 2's data)"
@@ -586,6 +586,8 @@ def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device, 
     execution += ["--gradient_checkpointing (each layer recomputed in the backward pass)"] \
         if args.gradient_checkpointing else []
     execution += ["--compile (torch.compile)"] if args.compile else []
+    execution += [f"--pad_to_max_length (every batch {args.max_seq_length} tokens wide: one shape)"] \
+        if args.pad_to_max_length else []
     model = f"{args.backbone} ({args.backbone_config})" if args.backbone else \
         f"{args.backbone_config}: no preset for this backbone, the BERT-base settings"
     result = {"presets": presets, "backbone": model, "data": text,
@@ -593,8 +595,9 @@ def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device, 
                        f"{common.eval_pooler(args)}",
               **({"encoder": "; ".join(encoder_notes)} if encoder_notes else {}),
               "device": f"{device} x {distributed.world_size()}, precision {args.precision}",
-              "execution": "; ".join(execution) or "the whole batch in one pass, eager (no --micro_batch_size, "
-                                                  "--gradient_checkpointing or --compile)",
+              "execution": "; ".join(execution) or "the whole batch in one pass, eager, padded to its longest row "
+                                                  "(no --micro_batch_size, --gradient_checkpointing, --compile or "
+                                                  "--pad_to_max_length)",
               "schedule": f"{total_steps:,} steps ({steps_per_epoch:,} an epoch), batch {args.batch_size}, lr "
                           f"{args.lr:g}, STS-B dev every {args.eval_steps} steps; the ETA comes with the first log "
                           "line",

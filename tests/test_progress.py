@@ -109,12 +109,13 @@ def test_a_run_in_a_log_file_has_the_summary_plain_progress_and_no_redraws(tiny_
     assert "\r" not in proc.stdout and "%|" not in proc.stdout + proc.stderr
     assert lines[0] == "simcse" and lines[1].startswith("  presets   none")
     assert lines[2] == "  backbone  bert, 32 wide, 2 layers: no preset for this backbone, the BERT-base settings"
-    assert lines[3] == f"  data      100 examples, a 0.5 subset of {corpus} drawn with --seed 42 (not the authors' " \
-                       "subset: theirs are --fraction 0.000064, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.1 with --seed 48-52)"
+    assert lines[3] == f"  data      100 examples, a 0.5 subset of {corpus} drawn with --seed 42 (not the " \
+                       "authors' subset: theirs are --fraction 0.000064, 0.0001, 0.0005, 0.001, 0.005, 0.01, 0.1 " \
+                       "with --seed 48-52)"
     assert lines[5] == "  encoder   sdpa attention, a prebuilt 4-D mask (no host check)"
     assert lines[6] == "  device    cpu x 1, precision fp32"
-    assert lines[7] == "  execution the whole batch in one pass, eager (no --micro_batch_size, --gradient_checkpointing or " \
-                       "--compile)"
+    assert lines[7] == "  execution the whole batch in one pass, eager, padded to its longest row (no " \
+                       "--micro_batch_size, --gradient_checkpointing, --compile or --pad_to_max_length)"
     assert lines[8].startswith("  schedule  4 steps (13 an epoch), batch 8")
     assert "step 0/4  STS-B dev" in proc.stdout and "loss nan" not in proc.stdout
     for phase in ("training: 1/4 steps", "dev gate: STS-B dev: ", "STS test: encoding: ", "alignment/uniformity: "):
@@ -142,7 +143,7 @@ def summary_args(**kw):
     values = dict(fraction=1.0, seed=42, train_file=None, presets=None, method="micse", model_name_or_path="m",
                   pooler="cls", mlp_only_train=True, precision="fp32", compile=False, batch_size=64, lr=1e-5,
                   eval_steps=500, output_dir="out", backbone="bert-base", backbone_config="bert, 768 wide",
-                  micro_batch_size=None, gradient_checkpointing=False)
+                  micro_batch_size=None, gradient_checkpointing=False, pad_to_max_length=False)
     return argparse.Namespace(**{**values, **kw})
 
 
@@ -179,11 +180,13 @@ def test_the_summary_names_the_presets_and_what_replaced_them():
 
 
 def test_the_summary_echoes_what_changes_a_steps_memory_and_time(capsys):
-    summary = run.summary(summary_args(micro_batch_size=16, gradient_checkpointing=True, compile=True),
+    summary = run.summary(summary_args(micro_batch_size=16, gradient_checkpointing=True, compile=True,
+                                       pad_to_max_length=True, max_seq_length=32),
                           {"num_train_examples": 10, "train_file": "wiki1m.txt", "micse_subset": None}, 1, 50, "cpu")
     assert summary["execution"] == ("--micro_batch_size 16 (GradCache: the whole batch's loss, 16 examples encoded at "
                                     "a time); --gradient_checkpointing (each layer recomputed in the backward pass); "
-                                    "--compile (torch.compile)")
+                                    "--compile (torch.compile); --pad_to_max_length (every batch 32 tokens wide: "
+                                    "one shape)")
     assert f"  execution {summary['execution']}" in capsys.readouterr().out and "compile" not in summary["device"]
 
 
