@@ -73,7 +73,8 @@ def test_the_users_flags_win_and_the_record_says_which_presets_applied(configs):
 
 def test_an_unknown_backbone_gets_the_bert_base_settings_and_says_so(configs, capsys):
     args = simcse.parse_args(["--model_name_or_path", configs["other"]])
-    assert (args.batch_size, args.lr, args.backbone, args.presets) == (64, 3e-5, None, None)
+    assert (args.batch_size, args.lr, args.backbone) == (64, 3e-5, None)
+    assert args.presets == {"source": "none: the defaults in --help (BERT-base's)", "applied": {}, "overridden": {}}
     from plumbing import run
     summary = run.summary(args, {"num_train_examples": 10, "micse_subset": None, "train_file": "wiki.txt"}, 1, 5, "cpu")
     assert summary["backbone"] == "bert, 512 wide, 4 layers: no preset for this backbone, the BERT-base settings"
