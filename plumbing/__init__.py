@@ -70,6 +70,9 @@ def cli(main) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
+    finally:
+        from plumbing import distributed
+        distributed.release_groups()  # torchrun's processes: the process groups last (a deadlock otherwise)
 
 
 class Parser(argparse.ArgumentParser):

@@ -210,9 +210,26 @@ def main_process_first():
             barrier()
 
 
+_ENDED_GROUPS = []  # the process groups shutdown() tore down, held until the run's models are freed (release_groups)
+
+
 def shutdown() -> None:
     """The processes part once training is over: the process group is torn down, so process 0's final evaluation
-    (longer than NCCL's 10-minute timeout for BERT-base transfer) holds nobody in a barrier. rank() still answers."""
+    (longer than NCCL's 10-minute timeout for BERT-base transfer) holds nobody in a barrier. rank() still answers.
+
+    The groups are held here until `release_groups`: DDP's Reducer holds the default group, and were it the last
+    holder, freeing the model would destroy the group in C++ with the GIL held while gloo's worker thread, still
+    freeing the barrier's tensors, waits for the GIL (a deadlock at exit, seen under load)."""
     if dist.is_initialized():
         barrier()
+        _ENDED_GROUPS.extend(group for group in (dist.group.WORLD, _HOST_GROUP) if group is not None)
         dist.destroy_process_group()
+
+
+def release_groups() -> None:
+    """After the run (plumbing.cli, once main() has returned): its models freed, the groups held by shutdown() are the
+    last holders, and their Python destructor lets go of the GIL while gloo's threads finish."""
+    if _ENDED_GROUPS:
+        import gc
+        gc.collect()  # a model held in a reference cycle
+        _ENDED_GROUPS.clear()
