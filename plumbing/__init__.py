@@ -51,6 +51,14 @@ def on_out_of_memory(keep) -> None:
     _keep_after_out_of_memory = keep
 
 
+_after_main = []  # what `cli` calls once main() has returned, however it ended (after_main)
+
+
+def after_main(call) -> None:
+    """Have `cli` call `call()` once main() has returned and its objects are freed."""
+    _after_main.append(call)
+
+
 def cli(main) -> None:
     """Run `main()`; a UsageError becomes one line on stderr and exit status 2, and so does running out of memory,
     once the run in progress has kept what it reached (Run.out_of_memory)."""
@@ -71,8 +79,8 @@ def cli(main) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     finally:
-        from plumbing import distributed
-        distributed.release_groups()  # torchrun's processes: the process groups last (a deadlock otherwise)
+        while _after_main:  # torchrun's processes: the process groups last (distributed.shutdown)
+            _after_main.pop()()
 
 
 class Parser(argparse.ArgumentParser):

@@ -21,6 +21,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+import plumbing
 from plumbing import progress
 
 
@@ -223,12 +224,13 @@ def shutdown() -> None:
     if dist.is_initialized():
         barrier()
         _ENDED_GROUPS.extend(group for group in (dist.group.WORLD, _HOST_GROUP) if group is not None)
+        plumbing.after_main(release_groups)
         dist.destroy_process_group()
 
 
 def release_groups() -> None:
-    """After the run (plumbing.cli, once main() has returned): its models freed, the groups held by shutdown() are the
-    last holders, and their Python destructor lets go of the GIL while gloo's threads finish."""
+    """After the run (plumbing.cli calls it once main() has returned): its models freed, the groups held by
+    shutdown() are the last holders, and their Python destructor lets go of the GIL while gloo's threads finish."""
     if _ENDED_GROUPS:
         import gc
         gc.collect()  # a model held in a reference cycle

@@ -169,7 +169,7 @@ def test_the_few_shot_baseline_takes_simcses_hyperparameters_and_micses_schedule
     assert data.micse_subset(args.fraction, args.seed) == "wiki_subset_1M_001.00percent_seed48.txt"
     assert simcse.parse_args(["--fraction", "0.0001", "--epochs", "3"]).epochs == 3  # the user's flag wins
     assert simcse.parse_args(["--fraction", "0.0001"]).eval_steps == 250
-    assert simcse.parse_args(["--fraction", "0.5"]).presets is None  # not few-shot: SimCSE's defaults
+    assert simcse.parse_args(["--fraction", "0.5"]).presets["applied"] == {}  # not few-shot: SimCSE's defaults
 
 
 def test_a_fixed_dropout_mask_gives_both_views_the_same_embeddings(tiny_model, corpus, senteval_dir, tmp_path,
