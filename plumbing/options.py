@@ -157,7 +157,8 @@ def refuse_method_only_flags(args) -> None:
     """The ablation scripts' run flags: one process, no last/, no --compile, the end without transfer tasks; a
     method file's flags given to them are one line, not ignored."""
     plumbing.refuse_flags(args, ("resume", "auto_resume", "save_steps", "keep_last", "compile", "eval_transfer",
-                                 "align_uniform_steps", "gradient_checkpointing", "micro_batch_size"),
+                                 "align_uniform_steps", "gradient_checkpointing", "micro_batch_size",
+                                 "pad_to_max_length"),
                           "not in the ablation scripts (method files have them)")
 
 

@@ -407,6 +407,8 @@ def test_an_ablation_script_runs_as_a_script_and_bad_input_is_one_line(tiny_mode
     assert code == 2 and "--resume --compile: not in the ablation scripts" in stderr
     code, stderr = cli_in_process(noise, "--barlow", "--gradient_checkpointing", "--micro_batch_size", "4")
     assert code == 2 and "--gradient_checkpointing --micro_batch_size: not in the ablation scripts" in stderr
+    code, stderr = cli_in_process(whitening, "--pad_to_max_length")  # it would pad to the longest row regardless
+    assert code == 2 and "--pad_to_max_length: not in the ablation scripts" in stderr
 
 
 def test_misused_ablation_flags_are_one_line(tiny_model, senteval_dir, tmp_path):
