@@ -189,7 +189,7 @@ def main(argv=None):
         examples, train_file, subset = data.training_examples(
             args, default_file, triplets=args.supervised, hard_negatives=not args.no_hard_negatives,
             neutral=args.neutral_hard_negatives)
-        # a batch's width: one for all (a CUDA graph's), a multiple of 8 (few to compile), its longest
+        # the batches' width: all alike (a CUDA graph's), few (to compile), or each its longest row
         pad_multiple = args.max_seq_length if args.pad_to_max_length else 8 if args.compile else 1
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     loader = data.make_loader(corpus, args, device)

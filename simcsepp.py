@@ -149,7 +149,7 @@ def main(argv=None):
         # what this run needs of the encoder, else one line before any work; the mask it takes
         prebuilt_mask = run.check_encoder(backbone, tokenizer)
         examples, train_file, subset = data.training_examples(args)
-        # a batch's width: one for all (a CUDA graph's), a multiple of 8 (few to compile), its longest
+        # the batches' width: all alike (a CUDA graph's), few (to compile), or each its longest row
         pad_multiple = args.max_seq_length if args.pad_to_max_length else 8 if args.compile else 1
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
     loader = data.make_loader(corpus, args, device)
