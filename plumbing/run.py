@@ -149,6 +149,16 @@ class Run:
         self.summary = summary(args, self.data, len(loader), total_steps, self.device, self.encoder_notes)
         self.provenance = provenance.collect(self.device, args.precision, distributed.world_size(), self.started)
         self._take_folder(state)
+        try:
+            self._restore(loader, total_steps, state)
+        except BaseException:  # a refused run (its arguments against last/'s, say) leaves no .lock behind
+            lock.release(args.output_dir)
+            raise
+
+    def _restore(self, loader, total_steps: int, state: dict) -> None:
+        """start's second half, in the folder it holds: the memory check, the stop signal, and the record and `state`
+        of the run being resumed (or a new run's)."""
+        args = self.args
         evaluating = self.folder_state == "evaluating"  # the training ended: the final evaluation alone
         if state.get("backbone") is not None and not evaluating:  # on a GPU: its peak against its free memory
             note = memory.check_device(args, state["backbone"].config, self.device, distributed.world_size())
@@ -158,7 +168,8 @@ class Run:
         saved = resume.restore(args, state, loader, self.device, evaluating) if args.resume else resume.new_run()
         if evaluating and saved["next_step"] != total_steps + 1:
             raise plumbing.UsageError(f"--resume: the run in {args.output_dir} trained {saved['next_step'] - 1} "
-                                      f"steps, this command plans {total_steps}; resume it with its own arguments")
+                                      f"steps, this command plans {total_steps}: its data or schedule (--train_file's "
+                                      "lines, --fraction, --epochs, --max_steps) differ; resume it with its own")
         # the evaluation alone: the record keeps where the training ran (device, processes, peak memory, summary) and
         # holds this process's own beside it (_results)
         self.trained = saved.get("trained") if evaluating else None

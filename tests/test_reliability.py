@@ -112,6 +112,23 @@ def test_second_run_into_the_same_folder_is_refused_and_leaves_files_identical(t
     assert json.loads((out / "results.json").read_text())["args"]["seed"] == 7
 
 
+def test_a_resume_refused_after_it_took_the_folder_leaves_no_lock(tiny_model, corpus, senteval_dir, tmp_path, capsys):
+    """A refusal that comes once the run holds its folder (here: the training data grew, so the run whose final
+    evaluation is left would train more steps) says why in one line and gives the folder back: no .lock stays."""
+    data, out = tmp_path / "corpus.txt", tmp_path / "run"
+    data.write_text(corpus.read_text())
+    args = ["--model_name_or_path", tiny_model, "--train_file", data, "--senteval_dir", senteval_dir, "--epochs", 1,
+            "--batch_size", 100, "--eval_steps", 2, "--output_dir", out, "--device", "cpu", "--no_test_eval"]
+    assert run_in_process("simcse", args, capsys)[0] == 0
+    results = json.loads((out / "results.json").read_text())
+    results.update(interrupted=True, interrupted_during="final evaluation")  # as a kill in it leaves the record
+    (out / "results.json").write_text(json.dumps(results))
+    data.write_text(corpus.read_text() * 2)
+    code, lines = run_in_process("simcse", args + ["--auto_resume"], capsys)
+    assert code == 2 and len(lines) == 1 and "trained 2 steps, this command plans 4" in lines[0], lines
+    assert not (out / ".lock").exists()
+
+
 def test_a_failing_save_leaves_the_previous_best_intact(tiny_model, tmp_path, monkeypatch):
     from transformers import AutoModel, AutoTokenizer
     tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
