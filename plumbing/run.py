@@ -477,6 +477,8 @@ class Run:
         if results is not None:
             out = Path(self.args.output_dir)
             results["provenance"]["ended"] = provenance.now()
+            if "evaluation_alone" in results:  # its peak, the evaluation done
+                results["evaluation_alone"].update(peak_memory(self.device))
             self._write_results(results)
             if results.get("test") or not results["interrupted"]:
                 self._rewrite_card(results.get("test"), None if results.get("test") else "the run was given "
@@ -502,9 +504,6 @@ class Run:
         args, device, history = self.args, self.device, self.history
         if history.writer is not None:
             history.writer.close()
-        cuda = device.type == "cuda"
-        peak = torch.cuda.max_memory_allocated(device) if cuda else \
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
         results = {"method": args.method, "args": {k: v for k, v in vars(args).items() if k != "method"},
                    "device": str(device), "world_size": distributed.world_size(), "precision": args.precision,
                    "eval_pooler": eval_pooler, "summary": self.summary, **self.data, **extra,
@@ -516,25 +515,31 @@ class Run:
                    "checkpoint_time_s": {k: round(v, 3) if isinstance(v, float) else v
                                          for k, v in self.checkpoint_time.items()},
                    "steps_per_second": round(len(history.losses) / self.train_time, 3) if self.train_time else 0.0,
-                   "peak_memory_mb": round(peak / 2**20, 1),
-                   "peak_memory_kind": "cuda_max_allocated" if cuda else "cpu_max_rss",
-                   "interrupted": self.stop.signum is not None, "provenance": dict(self.provenance)}
+                   **peak_memory(device), "interrupted": self.stop.signum is not None,
+                   "provenance": dict(self.provenance)}
         if args.count_host_syncs:
             results["host_syncs"] = syncs.WINDOW.record()
         if self.stop.signum is not None:
             results["interrupted_during"] = "training"
             results["stop"] = {"by": signal.Signals(self.stop.signum).name, "step": self.last_step}
-        if cuda:
-            results["peak_memory_reserved_mb"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
         if self.evaluation_alone is not None:  # an evaluation-only resume: the training's values stay the record's
-            own = {k: results[k] for k in resume.TRAINING_RECORD if k.startswith("peak_memory") and k in results}
-            results["evaluation_alone"] = {**self.evaluation_alone, **own}
+            results["evaluation_alone"] = dict(self.evaluation_alone)  # its own peak: once it has run (write)
             for key in resume.TRAINING_RECORD:
                 if key in (self.trained or {}):
                     results[key] = self.trained[key]
                 else:
                     results.pop(key, None)
         return results
+
+
+def peak_memory(device) -> dict:
+    """This process's peak memory so far: CUDA's allocated (and reserved) bytes on a GPU, else the CPU's max RSS."""
+    if device.type == "cuda":
+        return {"peak_memory_mb": round(torch.cuda.max_memory_allocated(device) / 2**20, 1),
+                "peak_memory_kind": "cuda_max_allocated",
+                "peak_memory_reserved_mb": round(torch.cuda.max_memory_reserved(device) / 2**20, 1)}
+    return {"peak_memory_mb": round((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) / 2**20, 1),
+            "peak_memory_kind": "cpu_max_rss"}
 
 
 def dev_measures(modules, encode, dev_set) -> dict:
