@@ -189,6 +189,7 @@ class Run:
         self.best_pending = False  # a best_copy newer than best/
         self.best_written = saved["best_step"] if args.resume else None  # the step of the model best/ holds
         plumbing.on_out_of_memory(self.out_of_memory)  # what plumbing.cli calls if the device runs out of memory
+        self.current_step, self.in_step, self.final_results = self.last_step, False, None  # (out_of_memory's)
         # of best/, for its model card and results.json; a resumed run's are its record's (or best/'s, for a last/ of
         # an earlier version) until it finds a new best
         self.eval_pooler = (saved.get("eval_pooler") or files.recorded_pooler(Path(args.output_dir) / "best")) \
@@ -233,6 +234,7 @@ class Run:
         two, the log, the trajectory, last/ and the stop signal. A signal ends it after the step it came in."""
         self.clock = time.perf_counter()
         for step in range(self.next_step, self.total_steps + 1):
+            self.current_step, self.in_step = step, True  # until record(): its training part (out_of_memory's)
             yield step
             self.last_step = step
             if self._after(step):
@@ -242,6 +244,7 @@ class Run:
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """A step's loss and gradient norm, kept on the device until the next log step; the step is queued."""
         self.history.add(loss, grad_norm)
+        self.in_step = False
         syncs.end_step()  # --count_host_syncs' window closes
         self.bar.update()  # a clock read
 
@@ -309,12 +312,7 @@ class Run:
         except Stopped as stopped:
             self.flush_best()
             if distributed.rank() == 0:
-                results = self._results(self.eval_pooler or "cls_before_pooler")
-                results.update(interrupted=True, interrupted_during="training",
-                               stop={"by": stopped.by, "step": stopped.step, "reason": str(stopped)})
-                self._write_results(results)
-                self._rewrite_card(untested=f"the run stopped itself at step {stopped.step} ({stopped.by})")
-                lock.release(self.args.output_dir)  # the run has ended
+                self._record_stop(stopped.by, stopped.step, str(stopped))
                 distributed.log(f"stopped: best/ holds step {self.best_step}'s model (STS-B dev "
                                 f"{self.best_dev:.2f}); {Path(self.args.output_dir) / 'results.json'} records the run "
                                 "up to the stop")
@@ -387,7 +385,7 @@ class Run:
             return None
         args, out = self.args, Path(self.args.output_dir)
         self.eval_pooler = self.eval_pooler or eval_pooler
-        results = self._results(eval_pooler, **extra)
+        results = self.final_results = self._results(eval_pooler, **extra)  # out_of_memory keeps what it holds
         if self.last_step < self.total_steps:  # a signal stopped the training: last/ holds it
             return results
         # the training ended: if anything stops the evaluation, results.json says it is what remains
@@ -440,7 +438,8 @@ class Run:
         plumbing.on_out_of_memory(None)
         out = Path(self.args.output_dir)
         evaluation = self.stop.phase != "training" and self.last_step >= self.total_steps and not self.best_pending
-        step = self.last_step if evaluation else self.last_step + 1
+        step = self.last_step if evaluation else self.current_step
+        where = f"in step {step}" if self.in_step and not evaluation else f"after step {step}"
         self._free_training_memory()
         unwritten = ""
         if self.best_pending and self.best_copy is not None:  # process 0
@@ -453,11 +452,7 @@ class Run:
         if distributed.rank() == 0:
             with contextlib.suppress(Exception):  # the steps the device still holds (a NaN among them: up to it)
                 self.history.read()
-            results = self._results(self.eval_pooler or "cls_before_pooler")
-            results.update(interrupted=True, interrupted_during="final evaluation" if evaluation else "training",
-                           stop={"by": "out of memory", "step": step, "reason": reason})
-            self._write_results(results)
-            lock.release(out)
+            self._record_stop("out of memory", step, reason, self.final_results if evaluation else None)
         if evaluation:
             return f"in the final evaluation ({reason}): best/ and results.json hold the training; " \
                    f"{outdir.next_step(True)}, without the training's memory"
@@ -465,10 +460,24 @@ class Run:
             f"no best/ yet{unwritten}"
         last = resume.folder(out) is not None
         kept = f"{best}, last/ the run {resume.how_far(out)}" if last else best
-        return f"in step {step} ({reason}): {kept}, results.json the record up to the stop; to " \
+        return f"{where} ({reason}): {kept}, results.json the record up to the stop; to " \
                f"{'continue it' if last else 'start it again'} in less memory, run the same command with " \
                "--auto_resume --gradient_checkpointing (the same objective; --micro_batch_size K too, in a new run: " \
                "python tools/bench.py --memory says what each needs)"
+
+    def _record_stop(self, by: str, step: int, reason: str, results: dict | None = None) -> None:
+        """A run that stopped itself or ran out of memory, recorded (process 0): results.json with the record up to
+        the stop (`results`: what the final evaluation had) and "stop": {"by", "step", "reason"}, best/'s card saying
+        why it has no test scores, and the folder's lock given back: the run has ended."""
+        evaluation = results is not None
+        results = results if evaluation else self._results(self.eval_pooler or "cls_before_pooler")
+        results.update(interrupted=True, interrupted_during="final evaluation" if evaluation else "training",
+                       stop={"by": by, "step": step, "reason": reason})
+        self._write_results(results)
+        if not evaluation:
+            self._rewrite_card(untested=f"the run stopped itself at step {step} ({by})" if by in outdir.SELF_STOPS
+                               else f"the run stopped at step {step} ({by})")
+        lock.release(self.args.output_dir)
 
     def write(self, results: dict | None) -> None:
         """results.json (process 0) with its provenance's end time, best/'s model card with the test scores, the

@@ -301,17 +301,31 @@ def test_an_out_of_memory_stop_keeps_the_best_found_since_the_last_write(tiny_mo
     assert results["interrupted_during"] == "training" and results["steps"] == 2 and results["best_step"] == 2
     assert "at step 2" in (out / "best" / "README.md").read_text() and not (out / lock.NAME).exists()
     assert outdir.state(out)[0] == "started"  # no last/ yet: --auto_resume starts it again
-    with monkeypatch.context() as patch:  # and runs out of memory in its final evaluation
+    argv.remove("--no_test_eval")  # the test scores come first now, then the final evaluation runs out of memory
+    with monkeypatch.context() as patch:
         patch.setattr(eval_sts, "align_uniform", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA")))
         code, err = cli_in_process(simcse, *argv, "--gradient_checkpointing")
     assert code == 2 and err.strip() == "error: the GPU ran out of memory in the final evaluation (CUDA): best/ and " \
         "results.json hold the training; to finish it, run the same command with --auto_resume (or --resume): it " \
         "runs the final evaluation alone, without the training's memory", err
-    assert outdir.state(out)[0] == "evaluating"
+    assert outdir.state(out)[0] == "evaluating" and "test" in json.loads((out / "results.json").read_text())
     simcse.main(argv + ["--gradient_checkpointing"])
     results = json.loads((out / "results.json").read_text())
     assert results["interrupted"] is False and "stop" not in results and results["steps"] == 6
     assert results["resumptions"] == [6] and "align_uniform" in results
+
+
+def test_an_out_of_memory_stop_in_a_dev_gate_names_the_step_it_came_after(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                         monkeypatch):
+    out = tmp_path / "run"
+    calls = itertools.count()
+    real = run_module.dev_measures
+    monkeypatch.setattr(run_module, "dev_measures", lambda *a: real(*a) if next(calls) < 2 else (
+        _ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory")))  # the gate after step 4
+    code, err = cli_in_process(simcse, *argv_of(tiny_model, corpus, senteval_dir, out, "--no_test_eval"))
+    assert code == 2 and err.startswith("error: the GPU ran out of memory after step 4 (CUDA out of memory): "), err
+    results = json.loads((out / "results.json").read_text())
+    assert results["stop"]["step"] == 4 and results["steps"] == 4
 
 
 def nan_from(monkeypatch, call):
