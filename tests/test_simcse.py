@@ -31,6 +31,11 @@ def test_unsupervised_smoke_run_writes_loadable_checkpoint(tiny_model, corpus, s
     # The checkpoint reproduces the test scores exactly through eval_sts.py's own loading path (fp32 both).
     assert in_process_scores(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
                              "--pooler", "cls_before_pooler") == results["test"]
+    # ... and the best gate's STS-B dev score and l_align / l_uniform (the training model, its prebuilt mask)
+    best_gate = next(row for row in results["trajectory"] if row["step"] == results["best_step"])
+    assert in_process_scores(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
+                             "--mode", "dev", "--tasks", "STSBenchmark")["STSBenchmark"] == best_gate["stsb_dev"]
+    assert results["align_uniform"]["best"] == {"align": best_gate["align"], "uniform": best_gate["uniform"]}
     assert json.loads((out / "best" / "1_Pooling" / "config.json").read_text())["pooling_mode_cls_token"] is True
     assert sorted(p.name for p in out.iterdir()) == ["best", "results.json", "started.json"]  # no temporary leftovers
     # where the numbers came from, and what the checkpoint says of itself
