@@ -30,7 +30,7 @@ import transformers
 import common
 import data
 import plumbing
-from plumbing import backbones, distributed, hub, options
+from plumbing import backbones, distributed, graph, hub, options
 from plumbing.run import Run
 
 # The paper's settings, one row a condition (parse_args picks the rows; flags the user gives win).
@@ -220,63 +220,67 @@ def main(argv=None):
               backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
               scaler=scaler, lm_head=lm_head, mlm_generator=mlm_generator)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
+    blocks = corpus.num_columns  # NLI: a block of rows a column (anchors, positives, ...)
+
+    def train_step(batch):  # one optimizer step: (loss, gradient norm), left on the device
+        def encode_part(part):  # the embeddings of some of the examples (None: all), one pass
+            inputs = data.part_of(batch, part, blocks)
+            # supervised: anchors, entailments, contradictions; else two dropout masks: views
+            views = inputs if args.supervised else common.repeat_views(
+                inputs, 1 if args.fixed_dropout_mask else 2)
+            with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
+                outputs = ddp_model(**views, output_hidden_states=True)
+            z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
+            if args.supervised:  # (anchors, positives, hard negatives) or Table 4's pairs
+                return z.chunk(blocks)
+            return (z, z) if args.fixed_dropout_mask else z.chunk(2)  # Table 3, "Fixed 0.1"
+
+        def contrastive_loss(z1, z2, *hard):  # InfoNCE over the global batch
+            z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
+            if args.no_negatives:  # miCSE Table 4
+                return common.positive_only_loss(z1, z2, args.temp)
+            # contradictions (then neutrals with --neutral_hard_negatives: Table 7)
+            hard = torch.cat([distributed.gather(h, rows) for h in hard]) if hard else None
+            return common.info_nce(z1, z2, args.temp, hard, args.hard_negative_weight)
+
+        mlm_term = None
+        if args.do_mlm:  # Appendix D.2: + lambda * MLM on masked copies of the same inputs
+            mlm_blocks = blocks if args.supervised else 1 if args.fixed_dropout_mask else 2
+            encoded = batch if args.supervised else common.repeat_views(batch, mlm_blocks)
+            masked_ids, mlm_labels = mask_tokens(encoded["input_ids"], special_ids,
+                                                 args.mlm_probability, tokenizer.mask_token_id,
+                                                 len(tokenizer), mlm_generator)
+            num_masked = (mlm_labels != -100).sum()  # the mean's denominator: the whole batch's
+
+            def mlm_term(part):  # the head under autocast too, as the released fp16 runs
+                masked = data.part_of(dict(encoded, input_ids=masked_ids, labels=mlm_labels),
+                                      part, mlm_blocks)
+                labels = masked.pop("labels")
+                with common.autocast(device, args.precision):
+                    prediction_scores = lm_head(ddp_model(**masked).last_hidden_state)
+                return args.mlm_weight * masked_lm_loss(prediction_scores, labels, num_masked)
+        optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+        if args.micro_batch_size:  # GradCache: the same loss and gradients, K examples at once
+            num_examples = len(batch["input_ids"]) // blocks
+            loss = common.grad_cache(encode_part, contrastive_loss, num_examples,
+                                     args.micro_batch_size, scaler.scale, ddp_model, mlm_term)
+        else:
+            loss = contrastive_loss(*encode_part(None))
+            if mlm_term is not None:
+                loss = loss + mlm_term(None)
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)  # fp16: clip the true gradients
+        # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+        scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
+        scaler.update()
+        return loss, grad_norm
+    # --cuda_graph: the step captured once and replayed (plumbing/graph.py); else called as it is
+    train = graph.StepGraph(train_step, optimizer, args.cuda_graph, generators=[mlm_generator])
     for step in run.steps():  # step 0 only evaluates the initial model
         if step > 0:
             rows, batch = next(batches)  # rows: the global batch's, which each gather takes
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            blocks = corpus.num_columns  # NLI: a block of rows a column (anchors, positives, ...)
-
-            def encode_part(part):  # the embeddings of some of the examples (None: all), one pass
-                inputs = data.part_of(batch, part, blocks)
-                # supervised: anchors, entailments, contradictions; else two dropout masks: views
-                views = inputs if args.supervised else common.repeat_views(
-                    inputs, 1 if args.fixed_dropout_mask else 2)
-                with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                    outputs = ddp_model(**views, output_hidden_states=True)
-                z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
-                if args.supervised:  # (anchors, positives, hard negatives) or Table 4's pairs
-                    return z.chunk(blocks)
-                return (z, z) if args.fixed_dropout_mask else z.chunk(2)  # Table 3, "Fixed 0.1"
-
-            def contrastive_loss(z1, z2, *hard):  # InfoNCE over the global batch
-                z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
-                if args.no_negatives:  # miCSE Table 4
-                    return common.positive_only_loss(z1, z2, args.temp)
-                # contradictions (then neutrals with --neutral_hard_negatives: Table 7)
-                hard = torch.cat([distributed.gather(h, rows) for h in hard]) if hard else None
-                return common.info_nce(z1, z2, args.temp, hard, args.hard_negative_weight)
-
-            mlm_term = None
-            if args.do_mlm:  # Appendix D.2: + lambda * MLM on masked copies of the same inputs
-                mlm_blocks = blocks if args.supervised else 1 if args.fixed_dropout_mask else 2
-                encoded = batch if args.supervised else common.repeat_views(batch, mlm_blocks)
-                masked_ids, mlm_labels = mask_tokens(encoded["input_ids"], special_ids,
-                                                     args.mlm_probability, tokenizer.mask_token_id,
-                                                     len(tokenizer), mlm_generator)
-                num_masked = (mlm_labels != -100).sum()  # the mean's denominator: the whole batch's
-
-                def mlm_term(part):  # the head under autocast too, as the released fp16 runs
-                    masked = data.part_of(dict(encoded, input_ids=masked_ids, labels=mlm_labels),
-                                          part, mlm_blocks)
-                    labels = masked.pop("labels")
-                    with common.autocast(device, args.precision):
-                        prediction_scores = lm_head(ddp_model(**masked).last_hidden_state)
-                    return args.mlm_weight * masked_lm_loss(prediction_scores, labels, num_masked)
-            optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-            if args.micro_batch_size:  # GradCache: the same loss and gradients, K examples at once
-                num_examples = len(batch["input_ids"]) // blocks
-                loss = common.grad_cache(encode_part, contrastive_loss, num_examples,
-                                         args.micro_batch_size, scaler.scale, ddp_model, mlm_term)
-            else:
-                loss = contrastive_loss(*encode_part(None))
-                if mlm_term is not None:
-                    loss = loss + mlm_term(None)
-                scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)  # fp16: clip the true gradients
-            # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
-            scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
-            scaler.update()
+            loss, grad_norm = train({k: v.to(device, non_blocking=True) for k, v in batch.items()})
             scheduler.step()
             run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
         if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate

@@ -65,6 +65,10 @@ def add_run_flags(parser) -> None:
                    help="pad every batch to --max_seq_length (the released train.py's flag): one "
                         "shape for every step, as a CUDA graph needs; the losses of padding to the "
                         "longest row (dropout draws other masks for another shape), more compute")
+    g.add_argument("--cuda_graph", action="store_true",
+                   help="replay each training step from one CUDA graph (plumbing/graph.py; implies "
+                        "--pad_to_max_length): a launch-bound step on a big GPU several times "
+                        "faster. One CUDA GPU, one process; simcse.py only so far (docs/gpu.md)")
     g.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms on CUDA (torch.use_deterministic_algorithms, "
                         "CUBLAS_WORKSPACE_CONFIG): a resumed GPU run is then bit-identical; slower")
@@ -158,7 +162,7 @@ def refuse_method_only_flags(args) -> None:
     method file's flags given to them are one line, not ignored."""
     plumbing.refuse_flags(args, ("resume", "auto_resume", "save_steps", "keep_last", "compile", "eval_transfer",
                                  "align_uniform_steps", "gradient_checkpointing", "micro_batch_size",
-                                 "pad_to_max_length"),
+                                 "pad_to_max_length", "cuda_graph"),
                           "not in the ablation scripts (method files have them)")
 
 
@@ -183,10 +187,34 @@ def check_args(args) -> torch.device:
     if args.count_host_syncs and args.compile:
         raise plumbing.UsageError("--count_host_syncs counts under a TorchDispatchMode, which --compile does not "
                                   "trace: give one of them")
+    check_cuda_graph(args, device)
     check_paths(args)
     args.output_dir = str(args.output_dir or Path("runs") / args.method)
     plumbing.check_writable(args.output_dir, "--output_dir")  # permissions, a read-only file system, a full disk
     return device
+
+
+GRAPHED_METHODS = ("simcse",)  # whose step plumbing.graph.StepGraph captures
+
+
+def check_cuda_graph(args, device: torch.device) -> None:
+    """--cuda_graph: what a CUDA graph cannot capture, refused in one line before any work; else every batch padded
+    to --max_seq_length, the one shape a graph replays."""
+    if not getattr(args, "cuda_graph", False):
+        return
+    cannot = {"the method": args.method not in GRAPHED_METHODS and f"{args.method}.py's step is not captured "
+                                                                    f"yet ({', '.join(GRAPHED_METHODS)}.py only)",
+              "the device": device.type != "cuda" and f"a CUDA graph needs a CUDA GPU, not {device.type}",
+              "torchrun": int(os.environ.get("WORLD_SIZE", "1")) > 1 and "DDP's all-reduce hooks are not captured: "
+                                                                           "one process",
+              "--compile": args.compile and "give one of them",
+              "--micro_batch_size": args.micro_batch_size and "GradCache reads and sets the RNG's state on the host",
+              "--gradient_checkpointing": args.gradient_checkpointing and "the recomputation reads the RNG's state "
+                                                                          "on the host"}
+    for what, why in cannot.items():
+        if why:
+            raise plumbing.UsageError(f"--cuda_graph with {what}: {why}; leave --cuda_graph out to run eagerly")
+    args.pad_to_max_length = True
 
 
 def check_paths(args) -> None:

@@ -336,8 +336,9 @@ class Run:
         message = progress_line(step, self.total_steps, self.history.losses, self.train_time)
         if self.history.skipped:  # fp16
             message += f"  skipped {len(self.history.skipped)} (fp16 overflow; the GradScaler lowers its scale)"
-        # lr: what the scheduler set for the next step (as the HF Trainer logs it)
-        point = {"step": step, "train_time_s": round(self.train_time, 3), "lr": self.scheduler.get_last_lr()[0]}
+        # lr: what the scheduler set for the next step (as the HF Trainer logs it; --cuda_graph: a device tensor)
+        point = {"step": step, "train_time_s": round(self.train_time, 3),
+                 "lr": float(self.scheduler.get_last_lr()[0])}
         if gate:
             point.update(self.measures, gate=True)
             message += f"  STS-B dev {self.measures['stsb_dev']:.2f}  best {self.best_dev:.2f} " \

@@ -184,3 +184,64 @@ def test_the_memory_estimate_is_the_gpus_peak(case, monkeypatch):
     estimated = found["step"]
     print(f"{case}: estimated {estimated / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB")
     assert abs(estimated - measured) <= 0.15 * measured, (estimated, measured)
+
+
+
+GRAPH_ROWS = {"unsupervised": [], "supervised": ["--supervised"], "mlm": ["--do_mlm"],
+              "fp16": ["--precision", "fp16"]}
+
+
+@pytest.mark.parametrize("row", list(GRAPH_ROWS))
+def test_the_step_replayed_from_a_cuda_graph_trains_as_the_eager_step(row, tiny_model, corpus, senteval_dir,
+                                                                      tmp_path, monkeypatch):
+    """Expected: 50 steps with dropout on at lr 1e-3 (the weights move), batch 12 (each epoch ends in a short batch,
+    run eagerly between the replays): --cuda_graph's losses and gradient norms are the eager step's on the same
+    padded batches (--pad_to_max_length) within bf16's rounding, its warm-up steps bit for bit; every other batch
+    is a replay; the counted steps 2..9 (warm-up, capture, replays) make no host sync."""
+    import simcse
+    from plumbing import graph
+    replays = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or replay(self))
+    flags = [*GRAPH_ROWS[row], "--max_steps", 50, "--eval_steps", 50, "--logging_steps", 10, "--batch_size", 12,
+             "--lr", 1e-3]
+    supervised = "--supervised" in flags
+    data = write_nli(tmp_path / "nli.csv", n=30) if supervised else corpus
+    runs = {}
+    for name, extra in (("eager", ["--pad_to_max_length"]), ("graph", ["--cuda_graph", "--count_host_syncs", 8])):
+        args = smoke_args(tiny_model, data, senteval_dir, tmp_path / name, "--device", "cuda", "--no_test_eval",
+                          *flags, *extra)
+        simcse.main([str(a) for a in args])
+        runs[name] = json.loads((tmp_path / name / "results.json").read_text())
+    eager, graphed = runs["eager"], runs["graph"]
+    assert graphed["host_syncs"]["per_step"] == [0] * 8, graphed["host_syncs"]
+    assert graphed["train_loss"][:graph.WARMUP] == eager["train_loss"][:graph.WARMUP]
+    assert graphed["train_loss"] == pytest.approx(eager["train_loss"], rel=2e-2)
+    assert graphed["grad_norm"] == pytest.approx(eager["grad_norm"], rel=5e-2)
+    examples = 30 if supervised else 200  # write_nli's rows, the corpus's sentences
+    per_epoch = -(-examples // 12)
+    short = [s for s in range(graph.WARMUP + 1, 51) if s % per_epoch == 0] if examples % 12 else []
+    assert len(replays) == 50 - graph.WARMUP - len(short), (len(replays), short)
+    assert sum(eager["train_loss"][-10:]) < sum(eager["train_loss"][:10])  # it trained: a graph that does not step
+    #                                                                        differs from it
+
+
+def test_the_capturable_optimizer_steps_exactly_as_the_eager_one_on_cuda(tiny_model):
+    import test_graph
+    test_graph.test_the_capturable_optimizer_with_its_lr_a_tensor_steps_exactly_as_the_eager_one(tiny_model, "cuda")
+
+
+def test_a_cuda_graph_run_resumes(tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """Expected: stopped at step 6 (after its capture) and resumed with --cuda_graph (warm-up and capture again), the
+    losses are the straight graph run's within bf16's rounding."""
+    import test_resume
+    argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "straight", "--device", "cuda",
+                                       "--max_steps", 12, "--no_test_eval", "--lr", 1e-3, "--cuda_graph")]
+    resumed_argv = [str(tmp_path / "resumed") if a == str(tmp_path / "straight") else a for a in argv]
+    test_resume.run("simcse", argv, monkeypatch)
+    test_resume.run("simcse", resumed_argv, monkeypatch, stop_at=6)
+    test_resume.run("simcse", resumed_argv + ["--resume"], monkeypatch)
+    straight, resumed = (json.loads((tmp_path / name / "results.json").read_text())
+                         for name in ("straight", "resumed"))
+    assert resumed["resumptions"] == [6]
+    assert resumed["train_loss"] == pytest.approx(straight["train_loss"], rel=2e-2)

@@ -25,8 +25,8 @@ against a naive file-order evaluation.
         --recipe_steps 80 --gate_every 20
 
 --compare_steps times the same SimCSE step each way of --rows, on one device, model, batch and --max_seq_length, in
-this process one after another: simcse.py as a user runs it (eager; --compile; the suite's CUDA-graph path, a slot
-that says it is not built yet), a bare eager step (the batch already on the device and padded to --max_seq_length,
+this process one after another: simcse.py as a user runs it (eager; --compile; --cuda_graph, CUDA only), a bare
+eager step (the batch already on the device and padded to --max_seq_length,
 fused AdamW, SDPA, autocast as --precision resolves, nothing recorded), that step captured in one torch.cuda.CUDAGraph
 and replayed (AdamW capturable, the learning rate a device tensor; CUDA only), and sentence-transformers' trainer
 with the same loss (MultipleNegativesRankingLoss at scale 20 = 1 / 0.05, [CLS] pooling; it needs accelerate). Each
@@ -539,7 +539,7 @@ def sentence_transformers_trainer(args, model: str, device, precision: str, work
 COMPARE_ROWS = {  # --rows: what each row of the comparison is
     "suite": "`simcse.py` (eager, the default)",
     "suite-compile": "`simcse.py --compile` (inductor's default mode)",
-    "suite-graph": "`simcse.py`, the training step in a CUDA graph",
+    "suite-graph": "`simcse.py --cuda_graph` (the step replayed from one CUDA graph)",
     "bare": "a bare eager step (the batch on the device, fused AdamW, SDPA, autocast)",
     "bare-graph": "the bare step in one `torch.cuda.CUDAGraph`, replayed (AdamW capturable, lr a tensor)",
     "sentence-transformers": "sentence-transformers' trainer (MultipleNegativesRankingLoss, scale 20, CLS)",
@@ -595,7 +595,8 @@ def compare_steps(args) -> dict:
         batches = device_batches(args, model, device)
         runs = {"suite": lambda: suite_step(args, model, workdir),
                 "suite-compile": lambda: suite_step(args, model, workdir, ["--compile"]),
-                "suite-graph": lambda: "not built yet (no CUDA-graph path in the suite)",
+                "suite-graph": lambda: suite_step(args, model, workdir, ["--cuda_graph"]) if device.type == "cuda"
+                else "needs CUDA (simcse.py --cuda_graph)",
                 "bare": lambda: bare_eager(args, model, batches, device, precision),
                 "bare-graph": lambda: bare_graph(args, model, batches, device, precision),
                 "sentence-transformers": lambda: sentence_transformers_trainer(args, model, device, precision,

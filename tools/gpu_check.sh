@@ -14,8 +14,8 @@
 #
 #   machine        the GPU, driver, torch and transformers                                     gpu.txt
 #   compare        the same SimCSE step six ways, BERT-base-sized (random weights, bert-base-uncased's shape and
-#                  WordPiece), batch 64 x 32, --precision auto: simcse.py eager and --compile, the suite's graph
-#                  path (not built yet), a bare eager step, the bare step in a CUDA graph, sentence-transformers'
+#                  WordPiece), batch 64 x 32, --precision auto: simcse.py eager, --compile and --cuda_graph,
+#                  a bare eager step, the bare step in a CUDA graph, sentence-transformers'
 #                  trainer; 100 steps timed after 10 (tools/bench.py --compare_steps)           compare_steps.txt
 #   recipes_base   the six rows' recipes in minutes at BERT-base size: 80 steps with a dev gate every 20 and the
 #                  whole final evaluation each (tools/bench.py --recipe_minutes)              recipes_bert_base.txt
@@ -24,12 +24,15 @@
 #   test_cuda      tests/test_cuda.py                                                                test_cuda.txt
 #   bench          each method as a user runs it, BERT-base-sized, batch 64 x 32 (tools/bench.py)      bench.txt
 #   saves          what writing best/ and last/ costs (tools/bench.py --save_cost)                     saves.txt
+#   graph          --cuda_graph's tests in tests/test_cuda.py, then simcse.py eager and --cuda_graph beside the
+#                  bare eager and graph steps (compare's setting)                  graph_tests.txt, graph_compare.txt
+#   recipes_graph  SimCSE's two recipes with --cuda_graph (recipes_base's setting)                  recipes_graph.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
 declare -A LIMIT=([machine]=15 [compare]=170 [recipes_base]=200 [flags]=45 [recipes_large]=300 [test_cuda]=240
-                  [bench]=170 [saves]=60)
+                  [bench]=170 [saves]=60 [graph]=200 [recipes_graph]=120)
 DEFAULT="machine compare recipes_base flags"
-ORDER="machine compare recipes_base flags recipes_large test_cuda bench saves"
+ORDER="machine compare recipes_base flags recipes_large test_cuda bench saves graph recipes_graph"
 for stage in $ORDER; do  # COMPARE_S=200 and the like
     override="${stage^^}_S"
     LIMIT[$stage]=${!override:-${LIMIT[$stage]}}
@@ -49,6 +52,10 @@ if [ "${1:-}" = "--prepare" ]; then
     # the comparison's sentence-transformers row: its trainer needs accelerate (and psutil); a GPU machine without
     # them installs these wheels below, and without them the row says so in one line
     mkdir -p .whl
+    # datasets and the two dependencies the GPU machine lacks (../shared/gpu/wheels), else from the registry
+    cp "$shared"/gpu/wheels/*.whl .whl/ 2>/dev/null \
+        || python3 -m pip download -q --no-deps -d .whl datasets dill multiprocess \
+        || echo "no wheels for datasets: the runs need it on the GPU machine"
     python3 -m pip download -q --no-deps -d .whl sentence-transformers accelerate psutil \
         || echo "no wheels for sentence-transformers/accelerate (no registry here?): that row will say it is missing"
     grep -qx '/.whl/' "$exclude" 2>/dev/null || echo /.whl/ >> "$exclude"
@@ -167,6 +174,23 @@ EOF
         --supervised_file $DATA/nli_snli_devtest.csv --methods simcse simcsepp sscl whitenedcse micse --batch_size 64 \
         --max_seq_length 32 --steps 40 --warmup 5 --skip_eval > "$OUT/bench.txt" 2>&1
     echo "exit $?" >> "$OUT/bench.txt"
+}
+
+stage_graph() {
+    limit graph python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -k "cuda_graph or capturable" \
+        > "$OUT/graph_tests.txt" 2>&1
+    echo "exit $?" >> "$OUT/graph_tests.txt"
+    limit graph python3 tools/bench.py --compare_steps --size bert-base --model_name_or_path $DATA/tokenizer $RUNS \
+        --batch_size 64 --max_seq_length 32 --steps 100 --warmup 10 --rows suite suite-graph bare bare-graph \
+        > "$OUT/graph_compare.txt" 2>&1
+    echo "exit $?" >> "$OUT/graph_compare.txt"
+}
+
+stage_recipes_graph() {
+    limit recipes_graph python3 tools/bench.py --recipe_minutes --size bert-base --model_name_or_path $DATA/tokenizer \
+        $RUNS --supervised_file $DATA/nli_snli_devtest.csv --recipe_steps 80 --gate_every 20 \
+        --recipes simcse simcse-sup --method_args simcse:--cuda_graph > "$OUT/recipes_graph.txt" 2>&1
+    echo "exit $?" >> "$OUT/recipes_graph.txt"
 }
 
 stage_saves() {
