@@ -19,6 +19,7 @@ cleanrl_utils/).
 - outdir.py: what an output folder holds (a started, resumable, evaluating, completed or stopped run) against what a
   command asks, room for the saves, what --overwrite_output_dir clears. lock.py: one process writes a folder.
 - syncs.py: the host-device sync counter (--count_host_syncs).
+- graph.py: --cuda_graph's training step, captured once in a CUDA graph and replayed.
 - memory.py: what a run needs of a GPU's memory, traced on fake tensors before any GPU (tools/bench.py --memory), and
   the one line before training on a GPU too small.
 - provenance.py: where a run came from (commit, versions, device, times) and best/'s model card with the citations.

@@ -612,6 +612,8 @@ def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device, 
     execution += ["--gradient_checkpointing (each layer recomputed in the backward pass)"] \
         if args.gradient_checkpointing else []
     execution += ["--compile (torch.compile)"] if args.compile else []
+    execution += ["--cuda_graph (the step replayed from one CUDA graph after 3 eager ones)"] \
+        if getattr(args, "cuda_graph", False) else []
     execution += [f"--pad_to_max_length (every batch {args.max_seq_length} tokens wide: one shape)"] \
         if args.pad_to_max_length else []
     model = f"{args.backbone} ({args.backbone_config})" if args.backbone else \

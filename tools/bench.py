@@ -26,8 +26,8 @@ against a naive file-order evaluation.
 
 --compare_steps times the same SimCSE step each way of --rows, on one device, model, batch and --max_seq_length, in
 this process one after another: simcse.py as a user runs it (eager; --compile; --cuda_graph, CUDA only), a bare
-eager step (the batch already on the device and padded to --max_seq_length,
-fused AdamW, SDPA, autocast as --precision resolves, nothing recorded), that step captured in one torch.cuda.CUDAGraph
+eager step (the batch already on the device and padded to --max_seq_length, fused AdamW, SDPA, autocast as
+--precision resolves, nothing recorded), that step captured in one torch.cuda.CUDAGraph
 and replayed (AdamW capturable, the learning rate a device tensor; CUDA only), and sentence-transformers' trainer
 with the same loss (MultipleNegativesRankingLoss at scale 20 = 1 / 0.05, [CLS] pooling; it needs accelerate). Each
 row: steps/s over --steps steps after --warmup, examples/s, MFU (6 x parameters x the tokens of both views, over the
