@@ -1,7 +1,8 @@
 """What only a GPU can show, skipped without CUDA: every script and ablation flag in bf16 and fp16 with fp32 losses,
 no host sync in a step (the dispatch-mode counter, and torch's own check set to "error"), fused AdamW, --compile
-with inductor and no recompiles after warm-up, DDP under NCCL (2 GPUs), resume with and without --deterministic,
-a checkpoint trained on CUDA evaluated on CPU, and the memory estimate against the GPU's own peak.
+with inductor and no recompiles after warm-up, DDP under NCCL (2 GPUs) and torchrun's one process under NCCL, resume
+with and without --deterministic, a checkpoint trained on CUDA evaluated on CPU, the memory estimate against the GPU's
+own peak, and --cuda_graph's replayed step against the eager one (tests/test_graph.py: its CPU side).
 
 Its logic runs on CPU too, where that is honest: the tables' scripts import (tests/test_syncs.py), the counter and
 its CUDA window with torch.cuda's debug mode faked (test_syncs.py), the same runs with --precision bf16 and fp16
@@ -245,3 +246,21 @@ def test_a_cuda_graph_run_resumes(tiny_model, corpus, senteval_dir, tmp_path, mo
                          for name in ("straight", "resumed"))
     assert resumed["resumptions"] == [6]
     assert resumed["train_loss"] == pytest.approx(straight["train_loss"], rel=2e-2)
+
+
+def test_torchrun_with_one_process_under_nccl_trains_as_python_does(tiny_model, corpus, senteval_dir, tmp_path):
+    """Expected: `torchrun --nproc_per_node 1 simcse.py ... --device cuda` joins an NCCL group of one (and the gloo
+    group for the host's values), trains, evaluates and exits 0 with world size 1; its losses are plain python's
+    within the non-deterministic kernels' 1e-3 (test_resume_on_cuda's tolerance)."""
+    runs = {}
+    for name, launcher in (("python", [sys.executable]),
+                           ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                         "--nproc_per_node", "1"])):
+        args = smoke_args(tiny_model, corpus, senteval_dir, tmp_path / name, "--device", "cuda", "--max_steps", 6,
+                          "--lr", 1e-3)
+        proc = subprocess.run([*launcher, str(ROOT / "simcse.py"), *map(str, args)], capture_output=True, text=True,
+                              cwd=ROOT, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = json.loads((tmp_path / name / "results.json").read_text())
+    assert runs["torchrun"]["world_size"] == 1 and runs["torchrun"]["test"]
+    assert runs["torchrun"]["train_loss"] == pytest.approx(runs["python"]["train_loss"], rel=1e-3)
