@@ -126,12 +126,13 @@ class Sentences:
 
     def __init__(self, sentences, encode=None, batch_size: int = 128):
         unique = sorted(set(sentences), key=lambda s: (len(s), s))
-        if hasattr(encode, "tokenizer"):  # a stable sort: alike counts stay in the characters' order
+        tokenizes = isinstance(encode, common.Encoder)  # else any encode(list[str]), e.g. an ST model's
+        if tokenizes:  # a stable sort: alike counts stay in the characters' order
             ids = encode.tokenizer(unique, truncation=True, max_length=encode.max_length)["input_ids"]
             unique = [s for _, s in sorted(zip(map(len, ids), unique), key=lambda pair: pair[0])]
         self.batches = [unique[i:i + batch_size] for i in reversed(range(0, len(unique), batch_size))]
         self.index = {s: i for i, s in enumerate(s for batch in self.batches for s in batch)}
-        self.tokens = [encode.tokenize(batch) for batch in self.batches] if hasattr(encode, "tokenize") else None
+        self.tokens = [encode.tokenize(batch) for batch in self.batches] if tokenizes else None
 
     def embed(self, encode, desc: str = "encoding") -> torch.Tensor:
         """Every sentence's embedding, a row each: computed and kept on the encoder's device by its on_device half

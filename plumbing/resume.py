@@ -72,7 +72,8 @@ def check(args, evaluating: bool = False) -> None:
     if last is None:
         raise plumbing.UsageError(f"--resume: {args.output_dir} has no last/ to resume from (a run writes it at a "
                                   "dev gate after --save_minutes of training, every --save_steps and on a signal, "
-                                  "and deletes it when it completes, unless --keep_last)")
+                                  "and deletes it when it completes, unless --keep_last); the same command with "
+                                  "--auto_resume instead starts a run that stopped before its first save again")
     compare(vars(args), read_run(last)["args"], last, skip_unset=True)
     for name in ["state.pt", *(p.name for p in sorted(last.glob("rng_rank*.pt")))]:
         readable(last / name)
@@ -191,7 +192,8 @@ def compare(current: dict, saved: dict, last: Path, skip_unset: bool = False) ->
     """The first argument that defines the run and differs from the saved run's, in one line."""
     other = difference(current, saved, skip_unset)
     if other:
-        raise plumbing.UsageError(f"--resume: {other} in the run in {last}; resume it with its own arguments, or "
+        flag = "--auto_resume" if current.get("auto_resume") else "--resume"
+        raise plumbing.UsageError(f"{flag}: {other} in the run in {last}; resume it with its own arguments, or "
                                   "start a new run in another --output_dir")
 
 

@@ -156,3 +156,22 @@ def test_the_two_modes_refuse_a_bad_setting_in_one_line_before_any_run(tmp_path,
                     "5", "--gate_every", "5"])
     with pytest.raises(plumbing.UsageError, match="--warmup"):
         bench.main(["--compare_steps", "--model_name_or_path", "m", "--train_file", str(corpus), "--warmup", "0"])
+
+
+def test_a_row_that_fails_or_exits_is_its_one_line_and_a_signal_still_ends_the_tool():
+    """--compare_steps and --recipe_minutes measure row after row on a GPU lent for minutes: a row's error or its
+    script's own exit (refused arguments, status 2) is that row's line; Ctrl-C's or SIGTERM's exit ends the tool; the
+    out-of-memory hook a row's run registered is gone after it."""
+    import plumbing
+
+    def refused():
+        plumbing.on_out_of_memory(lambda reason: "kept")
+        raise SystemExit(2)
+
+    def stopped():
+        raise SystemExit(143)
+    assert bench.one_row(refused) == "failed: the script exited with status 2"
+    assert plumbing._keep_after_out_of_memory is None
+    assert bench.one_row(lambda: 1 / 0).startswith("failed: ZeroDivisionError: division by zero")
+    with pytest.raises(SystemExit):
+        bench.one_row(stopped)

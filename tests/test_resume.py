@@ -128,7 +128,8 @@ def test_auto_resume_starts_resumes_and_restarts_one_command(tiny_model, corpus,
     run("simcse", argv, monkeypatch)
     assert outcome(out)[0]["train_loss"] == straight["train_loss"] and outcome(out)[0]["resumptions"] == []
     (out / "results.json").unlink()
-    with pytest.raises(plumbing.UsageError, match=r"--lr is 0.002 here but 0.001 in the run in .*started.json"):
+    with pytest.raises(plumbing.UsageError, match=r"^--auto_resume: --lr is 0.002 here but 0.001 in the run in "
+                                                  r".*started.json"):
         run("simcse", argv + ["--lr", "2e-3"], monkeypatch)
 
 
@@ -233,6 +234,8 @@ def test_resume_without_last_is_one_line_and_the_guards_stay(tiny_model, corpus,
                           capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --resume: {out} has no last/ to resume from")
+    assert proc.stderr.strip().endswith("the same command with --auto_resume instead starts a run that stopped "
+                                        "before its first save again")
     import simcse
     argv = case_args("simcse", tiny_model, corpus, senteval_dir, out, tmp_path)
     with pytest.raises(plumbing.UsageError, match="give one of them"):

@@ -350,7 +350,7 @@ def suite_step(args, model: str, workdir, flags=()) -> float:
     results = run_in_process("simcse", [*run_flags(args, model, out, args.train_file), "--batch_size",
                                         str(args.batch_size), "--max_seq_length", str(args.max_seq_length),
                                         "--max_steps", str(total), "--eval_steps", str(total), "--logging_steps",
-                                        str(args.warmup), "--no_test_eval", *flags])[0]
+                                        str(args.warmup), "--no_test_eval", "--no_align_uniform", *flags])[0]
     shutil.rmtree(out)
     if flags:  # --compile: dynamo's caches hold the compiled model; the next rows do not need them
         torch._dynamo.reset()
@@ -571,12 +571,17 @@ def one_row(measure):
     minutes, one row's failure does not cost the others."""
     try:
         return measure()
-    except Exception as err:  # an interrupt or a signal's exit still ends the tool
+    except SystemExit as err:  # a script's own exit (its arguments refused); an interrupt's or a signal's ends the tool
+        if err.code in (130, 143):
+            raise
+        return f"failed: the script exited with status {err.code}"
+    except Exception as err:
         if not isinstance(err, plumbing.UsageError):
             import traceback
             traceback.print_exc()
         return f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
-    finally:  # the row's model, optimizer and graph pool gone before the next row
+    finally:  # the row's model, optimizer and graph pool gone before the next row; its run's out-of-memory hook too
+        plumbing.on_out_of_memory(None)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
