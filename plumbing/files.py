@@ -79,25 +79,6 @@ def write_json(path: Path, data: dict) -> None:
         return
     write_text(path, text)
 
-def tensorboard(report_to: str, folder: Path, enabled: bool = True, resume_at: int | None = None):
-    """--report_to tensorboard: a SummaryWriter on `folder`, flushed every 10 s; None otherwise. A previous run's
-    events there are removed (--overwrite_output_dir replaces that run), unless the run resumes at step
-    `resume_at`: then its events from that step on, written after its last save, are dropped."""
-    if report_to != "tensorboard" or not enabled:
-        return None
-    from torch.utils.tensorboard import SummaryWriter
-    if folder.exists() and resume_at is None:
-        write(f"removing the previous run's TensorBoard events in {folder}")
-        shutil.rmtree(folder)
-    return SummaryWriter(str(folder), flush_secs=10, purge_step=resume_at)
-
-def add_scalars(writer, step: int, values: dict) -> None:
-    """TensorBoard scalars at `step`; undefined values (None, NaN, inf) are left out."""
-    if writer is not None:
-        for tag, value in values.items():
-            if value is not None and math.isfinite(value):
-                writer.add_scalar(tag, value, step)
-
 def trajectory(results: dict) -> list[dict]:
     """The trajectory rows of a results.json (plumbing/run.py: History.record), also from the format before
     them: "dev_curve" [[step, dev]] and "train_time_curve" [[step, seconds]] become rows without lr, align and

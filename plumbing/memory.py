@@ -495,6 +495,39 @@ def device_free(device) -> int | None:
     return free + torch.cuda.memory_allocated(device)
 
 
+def fit(args, config, device, world_size: int = 1, saved_args: dict | None = None) -> tuple[str | None, dict]:
+    """--fit_memory, before the model goes to the GPU: where this exact command's estimated peak exceeds the GPU's
+    free memory, the first setting of `settings` that fits (--gradient_checkpointing, then --micro_batch_size K from
+    the largest K), switched on in `args`: the same objective. A resumed run (`saved_args`, its started.json's) keeps
+    the setting its start chose. (one line or None, the record for results.json)."""
+    if saved_args is not None:  # resumed: the start's choice, whatever this GPU has free
+        chosen = {k: saved_args[k] for k in ("gradient_checkpointing", "micro_batch_size") if saved_args.get(k)}
+        for name, value in chosen.items():
+            setattr(args, name, value)
+        return None, {"chose": describe(chosen) if chosen else None, "at": "the run's start"}
+    free = device_free(device)
+    if free is None:
+        return None, {"chose": None, "why": f"no GPU free-memory figure on {device.type}"}
+    found = estimate(args, config, world_size)
+    record = {"free_gib": round(free / 2**30, 2), "usable_gib": round(usable(free) / 2**30, 2),
+              "estimated_gib": round(peak(found) / 2**30, 2), "chose": None}
+    if peak(found) <= usable(free):
+        return None, record
+    if getattr(args, "cuda_graph", False) or (args.gradient_checkpointing and args.micro_batch_size):
+        return (f"memory: --fit_memory: this run needs about {gib(peak(found))} and the GPU has {gib(usable(free))} "
+                "usable, and it runs both memory flags already or --cuda_graph, which takes neither: going on"), record
+    setting, fitted = first_fit(args, config, usable(free), world_size, found)
+    if setting is None:
+        return (f"memory: --fit_memory: this run needs about {gib(peak(found))} and the GPU has {gib(usable(free))} "
+                "usable; no setting of --gradient_checkpointing and --micro_batch_size fits: going on (a smaller "
+                "--batch_size or --max_seq_length, or more GPUs, would)"), record
+    for name, value in setting.items():
+        setattr(args, name, value)
+    record.update(chose=describe(setting), fitted_gib=round(peak(fitted) / 2**30, 2))
+    return (f"memory: --fit_memory switched on {describe(setting)}: the same objective in about {gib(peak(fitted))} "
+            f"instead of {gib(peak(found))}, of the {gib(usable(free))} this GPU has usable"), record
+
+
 def check_device(args, config, device, world_size: int = 1) -> str | None:
     """Before training on a GPU: one line when the estimated peak exceeds what the GPU has free, naming the setting
     that fits; None when it fits or off a GPU. The run goes on either way: the estimate leaves out what it cannot

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import plumbing
-from plumbing import backbones, hub
+from plumbing import backbones, hub, tracking
 
 
 def add_run_flags(parser) -> None:
@@ -44,9 +44,10 @@ def add_run_flags(parser) -> None:
                    help="also encode STS-B dev every this many steps between the dev gates, for "
                         "the trajectory's l_align / l_uniform (SimCSE Figure 2: 10); each costs a "
                         "dev encoding")
-    g.add_argument("--report_to", default="none", choices=["none", "tensorboard"],
-                   help="tensorboard: loss, lr, gradient norm, STS-B dev and l_align / l_uniform "
-                        "as scalars under <output_dir>/tb (pip install tensorboard)")
+    g.add_argument("--report_to", nargs="+", default=["none"], choices=["none", *tracking.TRACKERS],
+                   help="trackers of the loss, lr, gradient norm, STS-B dev, l_align / l_uniform and the test "
+                        "scores: tensorboard (<output_dir>/tb), wandb, mlflow, or several; each an optional "
+                        "install (plumbing/tracking.py)")
     g.add_argument("--no_test_eval", action="store_true", help="skip the final STS test evaluation")
     g.add_argument("--no_align_uniform", action="store_true",
                    help="skip the final l_align / l_uniform of the pretrained model and of best/ (two "
@@ -80,6 +81,10 @@ def add_run_flags(parser) -> None:
                    help="encode each process's batch K examples at a time (GradCache): the loss "
                         "and gradients of the whole batch, its negatives included, with K "
                         "examples' activations; an extra forward pass")
+    g.add_argument("--fit_memory", action="store_true",
+                   help="on a GPU, where this command's estimated peak exceeds the free memory, switch on the "
+                        "first exact setting that fits (--gradient_checkpointing, then --micro_batch_size K, "
+                        "the largest K): the same objective; said in one line, kept in results.json")
     g.add_argument("--count_host_syncs", type=int, default=None, metavar="N",
                    help="count the host-device syncs of training steps 2..N+1 into results.json "
                         "(plumbing/syncs.py; slow while it counts: for tests and bench.py)")
@@ -162,7 +167,7 @@ def refuse_method_only_flags(args) -> None:
     method file's flags given to them are one line, not ignored."""
     plumbing.refuse_flags(args, ("resume", "auto_resume", "save_steps", "keep_last", "compile", "eval_transfer",
                                  "align_uniform_steps", "gradient_checkpointing", "micro_batch_size",
-                                 "pad_to_max_length", "cuda_graph"),
+                                 "pad_to_max_length", "cuda_graph", "fit_memory"),
                           "not in the ablation scripts (method files have them)")
 
 
@@ -181,7 +186,7 @@ def check_args(args) -> torch.device:
         check(args, name, lambda v: v >= 0, "a non-negative number")
     check(args, "dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
     args.logging_steps = args.logging_steps or args.eval_steps
-    plumbing.check_installed(args.report_to == "tensorboard", "tensorboard", "--report_to tensorboard")
+    tracking.check(args.report_to)
     device = plumbing.resolve_device(args.device)
     args.precision = resolve_precision(args.precision, device)
     if args.count_host_syncs and args.compile:

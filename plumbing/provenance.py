@@ -171,6 +171,40 @@ def base_model(name_or_path: str) -> str:
                                   " (a local folder)")
 
 
+LICENSES = {"bert-base-uncased": "apache-2.0", "bert-large-uncased": "apache-2.0", "bert-base-cased": "apache-2.0",
+            "roberta-base": "mit", "roberta-large": "mit", "FacebookAI/roberta-base": "mit",
+            "FacebookAI/roberta-large": "mit", "google-bert/bert-base-uncased": "apache-2.0",
+            "google-bert/bert-large-uncased": "apache-2.0"}  # the papers' backbones' licenses (their Hub cards)
+# SentEval's STS tasks as the Hub and MTEB name the same data
+STS_DATASETS = {"STS12": "mteb/sts12-sts", "STS13": "mteb/sts13-sts", "STS14": "mteb/sts14-sts",
+                "STS15": "mteb/sts15-sts", "STS16": "mteb/sts16-sts", "STSBenchmark": "mteb/stsbenchmark-sts",
+                "SICKRelatedness": "mteb/sickr-sts"}
+
+
+def hub_metadata(args, paper: str, title: str, best: dict, sentence_transformers: bool) -> str:
+    """The card's YAML metadata in the Hub's format (huggingface_hub.ModelCardData): library, base model (a Hub id;
+    a local folder is not named), the training data's Hub dataset (the authors' corpus unless --train_file),
+    pipeline tag, tags, the base model's license where known, and a model-index with each STS test task's Spearman
+    x 100 (SimCSE's protocol) once the run has them."""
+    from huggingface_hub import EvalResult, ModelCardData
+    base = args.model_name_or_path
+    on_hub = not Path(base).expanduser().exists()
+    corpus = None if args.train_file else "sap-ai-research/datasets-for-micse" if args.method == "micse" and \
+        args.fraction < 1 else "princeton-nlp/datasets-for-simcse"
+    results = [EvalResult(task_type="sentence-similarity", dataset_type=STS_DATASETS[task], dataset_name=task,
+                          dataset_split="test", metric_type="spearman", metric_value=score,
+                          metric_name=f"Spearman x 100 ({title.split(':')[0]}'s STS protocol, SentEval 'all')")
+               for task, score in (best.get("test") or {}).items() if task in STS_DATASETS]
+    data = ModelCardData(library_name="sentence-transformers" if sentence_transformers else "transformers",
+                         base_model=base if on_hub else None, datasets=[corpus] if corpus else None,
+                         pipeline_tag="sentence-similarity", license=LICENSES.get(base) if on_hub else None,
+                         tags=["sentence-embeddings", "contrastive-learning", paper,
+                               *(["sentence-transformers"] if sentence_transformers else [])],
+                         model_name=f"{args.method} {Path(base).name}" if results else None,
+                         eval_results=results or None)
+    return data.to_yaml()
+
+
 def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_transformers: bool,
                untested: str | None = None) -> str:
     """best/README.md. `best`: {"step", "stsb_dev"} and, after the final evaluation, "test" (the 7 STS tasks).
@@ -179,10 +213,8 @@ def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_tr
     title, bibtex = PAPERS.get(paper, (args.method, ""))
     base = args.model_name_or_path
     data = args.train_file or "the Hugging Face Hub's default corpus of the method (princeton-nlp/datasets-for-simcse)"
-    lines = ["---", "tags:", "- sentence-embeddings", "- contrastive-learning", f"- {paper}"]
-    if sentence_transformers:
-        lines += ["- sentence-transformers", "library_name: sentence-transformers"]
-    lines += ["---", "", f"# {args.method}: {Path(base).name} trained with {title.split(':')[0]}", "",
+    lines = ["---", hub_metadata(args, paper, title, best, sentence_transformers).strip(), "---", "",
+             f"# {args.method}: {Path(base).name} trained with {title.split(':')[0]}", "",
               f"Trained by `{args.method}.py` of the contrastive sentence-embedding reference suite, which reproduces "
               f"{title}.", "", "## Training", "",
               "```bash", args.command if getattr(args, "command", None) else f"python {args.method}.py", "```", "",

@@ -41,8 +41,8 @@ STARTED = "started.json"  # written when a run starts: its arguments (--auto_res
 FREE_FLAGS = {"resume", "auto_resume", "overwrite_output_dir", "keep_last", "save_steps", "save_minutes",
               "eval_transfer", "num_workers", "report_to", "logging_steps", "align_uniform_steps", "no_test_eval",
               "no_align_uniform",
-              "output_dir", "count_host_syncs", "gradient_checkpointing", "cuda_graph", "command", "presets",
-              "backbone_config"}  # the last two are derived
+              "output_dir", "count_host_syncs", "gradient_checkpointing", "cuda_graph", "fit_memory", "command",
+              "presets", "backbone_config"}  # the last two are derived
 
 
 def new_run() -> dict:

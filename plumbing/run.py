@@ -23,6 +23,7 @@ plumbing/outdir.py and plumbing/lock.py; best/ and its copy: plumbing/checkpoint
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import resource
@@ -38,7 +39,7 @@ import data
 import eval_sts
 import plumbing
 from plumbing import (backbones, checkpoint, distributed, files, lock, memory, options, outdir, progress,
-                      provenance, resume, syncs)
+                      provenance, resume, syncs, tracking)
 
 
 FP16_SKIP_LIMIT = 25  # fp16: this many skipped steps in a row stop the run (the scale has fallen 2^25-fold)
@@ -55,13 +56,14 @@ class Stopped(plumbing.UsageError):
 class History:
     """What the loop measures: each step's loss and gradient norm (`add`: kept on the device until `read`, one host
     sync at a log step), the trajectory (`record`: a row at each log, dev and --align_uniform_steps step), and their
-    TensorBoard scalars (--report_to). `saved`: resume.new_run() or the record of the run being resumed."""
+    scalars in the trackers of --report_to (plumbing/tracking.py). `saved`: resume.new_run() or the record of the
+    run being resumed."""
 
-    def __init__(self, saved: dict, writer=None, fp16: bool = False):
+    def __init__(self, saved: dict, trackers=None, fp16: bool = False):
         self.losses, self.grad_norms = list(saved["losses"]), list(saved["grad_norms"])
         self.trajectory, self.resumptions = list(saved["trajectory"]), list(saved["resumptions"])
         self.skipped = list(saved.get("skipped", []))  # fp16: steps whose update the GradScaler skipped
-        self.pending, self.writer, self.fp16 = [], writer, fp16
+        self.pending, self.trackers, self.fp16 = [], trackers, fp16
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.pending.append(torch.stack([loss.detach().float(), grad_norm.float()]))
@@ -82,7 +84,7 @@ class History:
                               "divergence", step)
             self.losses.append(loss)
             self.grad_norms.append(grad_norm)
-            files.add_scalars(self.writer, step, {"train/loss": loss, "train/grad_norm": grad_norm})
+            self.scalars(step, {"train/loss": loss, "train/grad_norm": grad_norm})
         last = len(self.losses)
         if self.fp16 and last >= FP16_SKIP_LIMIT and self.skipped[-FP16_SKIP_LIMIT:] == list(
                 range(last - FP16_SKIP_LIMIT + 1, last + 1)):
@@ -94,9 +96,12 @@ class History:
         """A trajectory row: {"step", "train_time_s", "lr"} and, where STS-B dev was encoded, {"stsb_dev", "align",
         "uniform", "gate"}."""
         self.trajectory.append(point)
-        files.add_scalars(self.writer, point["step"], {f"{'train' if k == 'lr' else 'dev'}/{k}": v
-                                                       for k, v in point.items()
-                                                       if k in ("lr", "stsb_dev", "align", "uniform")})
+        self.scalars(point["step"], {f"{'train' if k == 'lr' else 'dev'}/{k}": v for k, v in point.items()
+                                     if k in ("lr", "stsb_dev", "align", "uniform")})
+
+    def scalars(self, step: int, values: dict) -> None:
+        if self.trackers is not None:
+            self.trackers.scalars(step, values)
 
 
 class Run:
@@ -115,7 +120,7 @@ class Run:
         self.args, self.resumable, self.started = args, resumable, provenance.now()
         self.device = distributed.init(device)
         self.best_dev, self.best_step, self.gate_step = -math.inf, None, None
-        self.encoder_notes = []  # check_encoder's
+        self.encoder_notes, self.fitted = [], None  # check_encoder's (--fit_memory's record)
 
     def check_encoder(self, backbone, tokenizer, attentions: bool = False, layers: bool = False,
                       mlm_head: bool = False) -> bool:
@@ -126,6 +131,12 @@ class Run:
         prebuilt, self.encoder_notes = backbones.check(
             backbone, tokenizer, self.args, lambda mask: common.attention_mask_4d(
                 mask, backbone.config._attn_implementation), attentions, layers, mlm_head)
+        if self.args.fit_memory and self.folder_state != "evaluating":  # before the flags take effect
+            started = Path(self.args.output_dir) / resume.STARTED  # a resumed run keeps its start's choice
+            saved = json.loads(started.read_text())["args"] if self.args.resume and started.is_file() else None
+            note, self.fitted = memory.fit(self.args, backbone.config, self.device, distributed.world_size(), saved)
+            if note:
+                distributed.log(note)
         if self.args.gradient_checkpointing:  # recomputed in the backward pass, dropout replayed
             backbones.checkpoint_layers(backbone, self.args.model_name_or_path)
         return prebuilt
@@ -198,10 +209,9 @@ class Run:
         self.checkpoint_time = saved.get("checkpoint_time") or {
             "best_copies": 0, "best_copy_s": 0.0, "best_writes": 0, "best_write_s": 0.0, "last_writes": 0,
             "last_write_s": 0.0}
-        self.history = History(saved, files.tensorboard(args.report_to, Path(args.output_dir) / "tb",
-                                                        distributed.rank() == 0,
-                                                        saved["next_step"] if args.resume else None),
-                               fp16=args.precision == "fp16")
+        trackers = tracking.Trackers(args, distributed.rank() == 0, saved["next_step"] if args.resume else None,
+                                     saved.get("tracking"), {"args": vars(args), "provenance": self.provenance})
+        self.history = History(saved, trackers, fp16=args.precision == "fp16")
         self.bar = progress.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
                                      initial=len(self.history.losses))
 
@@ -356,7 +366,8 @@ class Run:
             start = time.perf_counter()
             loop = {"best_dev": self.best_dev, "best_step": self.best_step, "train_time": self.train_time,
                     "checkpoint_time": self.checkpoint_time, "provenance": self.provenance,
-                    "total_steps": self.total_steps, "eval_pooler": self.eval_pooler}
+                    "total_steps": self.total_steps, "eval_pooler": self.eval_pooler,
+                    "tracking": self.history.trackers.ids}
             resume.save(args, step, self.state, self.loader, self.history, loop)
             self.saved_at = self.train_time
             self.checkpoint_time["last_writes"] += 1
@@ -494,6 +505,7 @@ class Run:
                 self._rewrite_card(results.get("test"), None if results.get("test") else "the run was given "
                                    "--no_test_eval")
             resume.drop(self.args, results)
+            self.history.trackers.finish(results)  # the test scores, the tracked runs closed
             distributed.log(in_context(results))
             distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
             if results["interrupted"] and self.resumable:  # a signal stopped it: how it goes on, last
@@ -512,8 +524,6 @@ class Run:
         """results.json before the final evaluation: the method, every argument, where and how it ran, what the
         loop measured, peak memory, and whether a signal stopped the training."""
         args, device, history = self.args, self.device, self.history
-        if history.writer is not None:
-            history.writer.close()
         results = {"method": args.method, "args": {k: v for k, v in vars(args).items() if k != "method"},
                    "device": str(device), "world_size": distributed.world_size(), "precision": args.precision,
                    "eval_pooler": eval_pooler, "summary": self.summary, **self.data, **extra,
@@ -526,7 +536,8 @@ class Run:
                                          for k, v in self.checkpoint_time.items()},
                    "steps_per_second": round(len(history.losses) / self.train_time, 3) if self.train_time else 0.0,
                    **peak_memory(device), "interrupted": self.stop.signum is not None,
-                   "provenance": dict(self.provenance)}
+                   "provenance": dict(self.provenance), "tracking": history.trackers.ids,
+                   **({"fit_memory": self.fitted} if self.fitted else {})}
         if args.count_host_syncs:
             results["host_syncs"] = syncs.WINDOW.record()
         if self.stop.signum is not None:
