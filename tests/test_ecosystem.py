@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import simcse
-from conftest import smoke_args
+from conftest import SHARED, needs_shared, smoke_args
 from plumbing import provenance
 
 
@@ -105,3 +105,136 @@ def test_fit_memory_switches_on_the_first_exact_setting_that_fits_and_a_resume_k
     assert results["fit_memory"] == {"chose": "--micro_batch_size 32", "at": "the run's start"}
     assert results["resumptions"] == [2] and results["steps"] == 4
     assert "--micro_batch_size 32 (GradCache" in json.dumps(results["summary"])  # the run's summary says it
+
+
+def wandb_records(path):
+    """The records of an offline W&B run file (run-<id>.wandb): its 7-byte header, then a log of 32 KiB blocks, each
+    record a 7-byte header (checksum, length, type: 1 whole, 2 first, 3 middle, 4 last part) and a protobuf Record
+    (wandb's own reader of these files is in its Go core now)."""
+    from wandb.proto import wandb_internal_pb2
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header: zeros
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("wandb") and importlib.util.find_spec("mlflow")),
+                    reason="wandb and mlflow-skinny are test requirements (requirements-test.txt); not installed here")
+def test_wandb_and_mlflow_track_the_run_and_a_resume_continues_the_same_tracked_runs(
+        tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """--report_to wandb mlflow tensorboard, W&B offline and MLflow on a local file store, stopped by SIGTERM at step
+    2 and resumed: each tracker has the loss at every step as results.json has it, the dev gates' STS-B dev, the STS
+    test scores at the end and the run's arguments; the resumed run continues the same W&B run id and MLflow run,
+    which ends FINISHED."""
+    import mlflow
+    import test_resume
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's local file store, for a test
+    out = tmp_path / "run"
+    argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--logging_steps", 1,
+                                       "--no_align_uniform", "--report_to", "wandb", "mlflow", "tensorboard")]
+    test_resume.run("simcse", argv, monkeypatch, stop_at=2)
+    test_resume.run("simcse", argv + ["--resume"], monkeypatch)
+    results = json.loads((out / "results.json").read_text())
+    losses = dict(enumerate(results["train_loss"], start=1))
+    gates = {row["step"]: row["stsb_dev"] for row in results["trajectory"] if row.get("gate")}
+    test = {f"test/{task}": score for task, score in results["test"].items()}
+    assert results["resumptions"] == [2]
+    # W&B: two offline parts of one run id, the second a resume of the first
+    parts = sorted(out.glob("wandb/offline-run-*"))
+    assert len(parts) == 2 and all(p.name.endswith(results["tracking"]["wandb"]) or
+                                   p.name.endswith(results["tracking"]["wandb"] + "-1") for p in parts), parts
+    logged, config = {}, {}
+    for part in parts:
+        for record in wandb_records(part / f"run-{results['tracking']['wandb']}.wandb"):
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                logged.setdefault(items["_step"], {}).update(items)
+            elif record.WhichOneof("record_type") == "run":
+                config.update({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                               for i in record.run.config.update})
+    assert {step: row["train/loss"] for step, row in logged.items() if "train/loss" in row} == \
+        pytest.approx(losses)
+    assert {step: row["dev/stsb_dev"] for step, row in logged.items() if "dev/stsb_dev" in row} == \
+        pytest.approx(gates)
+    assert {k: v for k, v in logged[4].items() if k.startswith("test/")} == pytest.approx(test)
+    assert config["args.lr"] == 3e-05 and config["args.seed"] == 42 and "provenance.started" in config
+    # MLflow: one run, its params the arguments, the same metrics, FINISHED
+    client = mlflow.MlflowClient()
+    run = client.get_run(results["tracking"]["mlflow"])
+    assert run.info.status == "FINISHED" and run.data.params["args.lr"] == "3e-05"
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert {m.step: m.value for m in history} == pytest.approx(losses)
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "dev/stsb_dev")} == \
+        pytest.approx(gates)
+    assert {k: v for k, v in run.data.metrics.items() if k.startswith("test/")} == pytest.approx(test)
+
+
+@pytest.mark.parametrize("tracker, package", [("wandb", "wandb"), ("mlflow", "mlflow")])
+def test_a_tracker_not_installed_is_one_line_before_any_work(tracker, package, tiny_model, corpus, senteval_dir,
+                                                            tmp_path, monkeypatch):
+    import sys
+    import plumbing
+    monkeypatch.setitem(sys.modules, package, None)  # what importlib sees when it is not installed
+    out = tmp_path / "run"
+    with pytest.raises(plumbing.UsageError, match=f"--report_to {tracker} needs the {package} package: pip "
+                                                  f"install {package}"):
+        simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--report_to", tracker)])
+    assert not out.exists()
+
+
+@needs_shared
+@pytest.mark.skipif(not importlib.util.find_spec("mteb"), reason="mteb is a test requirement (requirements-test.txt); "
+                                                                 "not installed here")
+def test_mteb_on_a_checkpoint_scores_a_local_sts_task_as_eval_sts_does(tmp_path):
+    """tools/mteb_eval.py on all-MiniLM-L6-v2 with --sts_file (STS-B test's 1,379 pairs, offline): MTEB's main score
+    (Spearman of the cosine similarities) x 100 is eval_sts.py's STS-B test score of the same model and pooler; MTEB's
+    result file is written in its cache layout, the suite's table beside it. (A tiny random model will not do: its
+    embeddings are so alike that fp32's rounding in other batches reorders the pairs.)"""
+    import csv
+    import eval_sts
+    import mteb_eval
+    senteval, model = SHARED / "data" / "senteval", str(SHARED / "models" / "all-MiniLM-L6-v2")
+    sts_file = tmp_path / "stsb.csv"
+    with open(sts_file, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["sentence1", "sentence2", "score"])
+        writer.writerows(eval_sts.load_pairs(senteval, "STSBenchmark"))
+    out = tmp_path / "mteb"
+    scores = mteb_eval.main(["--model_name_or_path", model, "--pooler", "avg", "--sts_file", str(sts_file),
+                             "--output_dir", str(out), "--device", "cpu"])
+    expected = eval_sts.evaluate(eval_sts.load_encode(model, "avg", "cpu"), senteval,
+                                 tasks=["STSBenchmark"])["STSBenchmark"]
+    assert scores == {"local-stsb": pytest.approx(expected, abs=0.011)}  # each rounded to 2 decimals
+    result = json.loads(next(out.glob("results/*/local/local-stsb.json")).read_text())
+    assert result["scores"]["test"][0]["main_score"] * 100 == pytest.approx(expected, abs=0.006)
+    assert "| local-stsb |" in (out / "scores.md").read_text()
+
+
+def test_mteb_without_the_package_or_with_a_bad_file_is_one_line(finished_run, tmp_path, monkeypatch):
+    import sys
+    import mteb_eval
+    from conftest import cli_in_process
+    bad = tmp_path / "bad.csv"
+    bad.write_text("sentence1,sentence2,score\na,b,high\n")
+    if importlib.util.find_spec("mteb"):
+        code, err = cli_in_process(mteb_eval, "--model_name_or_path", finished_run / "best", "--sts_file", bad,
+                                   "--device", "cpu", "--output_dir", tmp_path / "out")
+        assert code == 2 and err.strip().splitlines() == [
+            f"error: --sts_file {bad}, line 2: want sentence1, sentence2 and a numeric score, got ['a', 'b', 'high']"]
+    monkeypatch.setitem(sys.modules, "mteb", None)
+    code, err = cli_in_process(mteb_eval, "--model_name_or_path", finished_run / "best", "--device", "cpu")
+    assert code == 2 and "tools/mteb_eval.py needs the mteb package: pip install mteb" in err, err
