@@ -1,22 +1,21 @@
 """MTEB on any checkpoint, with the suite's own encoder and pooler (eval_sts.load_encode: the same as eval_sts.py),
 so that the numbers belong to the model a run selected; a new sentence encoder is reported on MTEB as well as on
 SentEval's STS. The mteb package is an optional install (pip install mteb). Not tools/mteb.py: a script of that
-name would shadow the package it imports.
+name would shadow the package it imports (run as a script, its folder comes first on the import path).
 
     python tools/mteb_eval.py --model_name_or_path runs/simcse/best                  # the papers' 7 STS tasks
     python tools/mteb_eval.py --model_name_or_path princeton-nlp/unsup-simcse-bert-base-uncased \\
         --pooler cls_before_pooler --tasks STS12 STSBenchmark STS22
     python tools/mteb_eval.py --model_name_or_path runs/simcse/best --sts_file pairs.csv   # your own pairs, offline
 
-MTEB's own result files go under --output_dir (default <model>/mteb for a local model, runs/mteb/<name> for a Hub
-id), in its ResultCache layout (results/<model>/<revision>/<task>.json), with the table below printed and written
-beside them (scores.md, scores.json): each task's main score (for STS: Spearman of the cosine similarities) x 100.
+MTEB's own result files go under --output_dir (default: a run's folder/mteb for its best/, <model>/mteb for another
+local model, runs/mteb/<name> for a Hub id), in its ResultCache layout (results/<model>/<revision>/<task>.json),
+with a table printed and written beside them (scores.md, scores.json): each task's main score (for STS: Spearman of
+the cosine similarities) x 100.
 
 MTEB downloads each task's data from the Hub on first use (its cache keeps it); offline, give --sts_file, a CSV or
-TSV of sentence1, sentence2, score: a local STS task scored as MTEB scores STS. MTEB's STS tasks are the same data
-as SentEval's, but MTEB scores the test split as one set, while SimCSE's protocol (eval_sts.py) takes STS12-16's
-"all" setting (the subsets pooled), so STS12-16 differ between the two; STS-B and SICK-R are the same computation
-(docs/using.md).
+TSV of sentence1, sentence2, score: a local STS task scored as MTEB scores STS (on STS-B's test pairs it gives
+eval_sts.py's score, tests/test_ecosystem.py). How MTEB's STS numbers relate to the papers': docs/using.md.
 """
 from __future__ import annotations
 
@@ -115,7 +114,9 @@ def output_folder(model: str, given: str | None) -> Path:
     if given:
         return Path(given)
     local = Path(model).expanduser()
-    return local / "mteb" if local.is_dir() else Path("runs") / "mteb" / model.replace("/", "__")
+    if local.is_dir():  # a run's best/: the run's folder; another model's folder: inside it
+        return local.parent / "mteb" if local.name == "best" else local / "mteb"
+    return Path("runs") / "mteb" / model.replace("/", "__")
 
 
 def evaluate(model: str, pooler: str | None, tasks: list[str], sts_file: str | None, output_dir: str | None,
