@@ -14,6 +14,7 @@ MLflow's run ids are kept in last/ and results.json (`ids`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -60,24 +61,32 @@ class Trackers:
         if "wandb" in self.names:
             import wandb
             (out / "wandb").mkdir(parents=True, exist_ok=True)
-            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), dir=str(out),
-                                    name=f"{args.method} {out.name}", id=self.ids.get("wandb"), resume="allow",
-                                    config=config if new else None, reinit="create_new")
+            with refused("wandb", "wandb login, or WANDB_MODE=offline to sync later"):
+                self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), dir=str(out),
+                                        name=f"{args.method} {out.name}", id=self.ids.get("wandb"), resume="allow",
+                                        config=config if new else None, reinit="create_new")
             self.ids["wandb"] = self.wandb.id
         if "mlflow" in self.names:
-            import mlflow
-            if self.ids.get("mlflow") is None:
-                mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT))
-            self.mlflow = mlflow.MlflowClient()
-            run = self.mlflow.get_run(self.ids["mlflow"]) if self.ids.get("mlflow") else self.mlflow.create_run(
-                mlflow.get_experiment_by_name(os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)).experiment_id,
-                run_name=f"{args.method} {out.name}")
-            self.ids["mlflow"] = run.info.run_id
-            if new:  # a resumed run's params are its run's already (MLflow keeps a param's first value)
-                from mlflow.entities import Param
-                self.mlflow.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in config.items()])
-            else:
-                self.mlflow.update_run(run.info.run_id, status="RUNNING")
+            with refused("mlflow", "check MLFLOW_TRACKING_URI"):
+                self._start_mlflow(args, out, config, new)
+
+    def _start_mlflow(self, args, out: Path, config: dict, new: bool) -> None:
+        """MLflow's run: created in the experiment (its params the config), or the resumed run's, running again."""
+        import mlflow
+        from mlflow.entities import Param
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
+        self.mlflow = mlflow.MlflowClient()
+        if self.ids.get("mlflow"):
+            run = self.mlflow.get_run(self.ids["mlflow"])
+        else:
+            mlflow.set_experiment(experiment)
+            run = self.mlflow.create_run(mlflow.get_experiment_by_name(experiment).experiment_id,
+                                         run_name=f"{args.method} {out.name}")
+        self.ids["mlflow"] = run.info.run_id
+        if new:  # a resumed run's params are its run's already (MLflow keeps a param's first value)
+            self.mlflow.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in config.items()])
+        else:
+            self.mlflow.update_run(run.info.run_id, status="RUNNING")
 
     def scalars(self, step: int, values: dict) -> None:
         """The scalars at `step` ("train/loss", "dev/stsb_dev", ...); undefined values (None, NaN, inf) left out."""
@@ -112,6 +121,18 @@ class Trackers:
         if self.mlflow is not None:
             self.mlflow.set_terminated(self.ids["mlflow"], "FINISHED" if ended else "KILLED")
         self.tensorboard = self.wandb = self.mlflow = None
+
+
+@contextlib.contextmanager
+def refused(tracker: str, advice: str):
+    """A tracker that cannot start (not logged in, a server out of reach) stops the run before training, in one
+    line."""
+    try:
+        yield
+    except Exception as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise plumbing.UsageError(f"--report_to {tracker}: it could not start ({reason}); {advice}, or leave "
+                                  f"{tracker} out of --report_to") from None
 
 
 def flat(config: dict, prefix: str = "") -> dict:

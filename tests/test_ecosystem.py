@@ -238,3 +238,23 @@ def test_mteb_without_the_package_or_with_a_bad_file_is_one_line(finished_run, t
     monkeypatch.setitem(sys.modules, "mteb", None)
     code, err = cli_in_process(mteb_eval, "--model_name_or_path", finished_run / "best", "--device", "cpu")
     assert code == 2 and "tools/mteb_eval.py needs the mteb package: pip install mteb" in err, err
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("mlflow"), reason="mlflow-skinny is a test requirement; not here")
+def test_a_tracker_that_cannot_start_stops_the_run_in_one_line(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                monkeypatch):
+    """An MLflow store that cannot be used (here MLflow 3's file store without its opt-in) is one line naming the
+    tracker and the way on, not a traceback, and the folder is free for the next command."""
+    from conftest import cli_in_process
+    from plumbing import lock
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    import mlflow
+    if int(mlflow.__version__.split(".")[0]) < 3:
+        pytest.skip("MLflow 2's file store starts")
+    out = tmp_path / "run"
+    code, err = cli_in_process(simcse, *smoke_args(tiny_model, corpus, senteval_dir, out, "--report_to", "mlflow"))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --report_to mlflow: it could not start ("), err
+    assert lines[0].endswith("check MLFLOW_TRACKING_URI, or leave mlflow out of --report_to")
+    assert not (out / lock.NAME).exists()
