@@ -294,14 +294,16 @@ def test_dev_measures_are_the_dev_score_and_align_uniform_of_the_same_model(tiny
 def test_tensorboard_scalars_read_back(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is a test requirement (requirements-test.txt)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from plumbing import files
+    import types
+    from plumbing import tracking
     from plumbing.run import History
-    history = History(resume.new_run(), files.tensorboard("tensorboard", tmp_path / "tb"))
+    args = types.SimpleNamespace(report_to=["tensorboard"], output_dir=str(tmp_path), method="simcse")
+    history = History(resume.new_run(), tracking.Trackers(args))
     history.add(torch.tensor(2.0), torch.tensor(0.5))
     history.read()
     history.record({"step": 1, "train_time_s": 0.1, "lr": 3e-5, "stsb_dev": 70.0, "align": 0.2,
                     "uniform": float("-inf"), "gate": True})  # an undefined value is left out
-    history.writer.close()
+    history.trackers.finish()
     events = EventAccumulator(str(tmp_path / "tb")).Reload()
     assert sorted(events.Tags()["scalars"]) == ["dev/align", "dev/stsb_dev", "train/grad_norm", "train/loss",
                                                 "train/lr"]

@@ -14,8 +14,8 @@ with a table printed and written beside them (scores.md, scores.json): each task
 the cosine similarities) x 100.
 
 MTEB downloads each task's data from the Hub on first use (its cache keeps it); offline, give --sts_file, a CSV or
-TSV of sentence1, sentence2, score: a local STS task scored as MTEB scores STS (on STS-B's test pairs it gives
-eval_sts.py's score, tests/test_ecosystem.py). How MTEB's STS numbers relate to the papers': docs/using.md.
+TSV of sentence1, sentence2, score: a local STS task scored as MTEB scores STS (on STS-B's test pairs, the Spearman
+correlation eval_sts.py computes: tests/test_ecosystem.py). How MTEB's STS numbers relate to the papers': docs/using.md.
 """
 from __future__ import annotations
 
