@@ -115,6 +115,15 @@ def broadcast_float(value: float) -> float:
     return float(t.item())
 
 
+def smallest(value: float) -> float:
+    """The smallest of the processes' `value`s, on every process (--fit_memory: the GPU with least room decides)."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_HOST_GROUP)
+    return float(t.item())
+
+
 class StopRequested(Exception):
     """A signal arrived after training: the final evaluation stops where it is."""
 

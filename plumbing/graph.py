@@ -73,10 +73,13 @@ class StepGraph:
         try:  # thread_local: the data loader's pinning thread may call CUDA meanwhile
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
                 self.static_outputs = detached(self.train_step(self.static_batch))
+        except torch.OutOfMemoryError:
+            raise  # the run's own out-of-memory stop (plumbing.cli)
         except RuntimeError as error:  # e.g. an encoder whose forward reads a value on the host (unpadding)
             reason = (str(error).splitlines() or [type(error).__name__])[0][:200]
-            raise plumbing.UsageError(f"--cuda_graph: this step cannot be captured in a CUDA graph ({reason}); "
-                                      "leave --cuda_graph out to run it eagerly") from error
+            raise plumbing.UsageError(f"--cuda_graph: this step cannot be captured in a CUDA graph ({reason}); to "
+                                      "run it eagerly, run the same command without --cuda_graph, with "
+                                      "--pad_to_max_length --auto_resume") from error
         finally:
             torch.set_autocast_cache_enabled(cache)
 

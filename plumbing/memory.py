@@ -495,11 +495,13 @@ def device_free(device) -> int | None:
     return free + torch.cuda.memory_allocated(device)
 
 
-def fit(args, config, device, world_size: int = 1, saved_args: dict | None = None) -> tuple[str | None, dict]:
+def fit(args, config, device, world_size: int = 1, saved_args: dict | None = None,
+        smallest=lambda free: free) -> tuple[str | None, dict]:
     """--fit_memory, before the model goes to the GPU: where this exact command's estimated peak exceeds the GPU's
     free memory, the first setting of `settings` that fits (--gradient_checkpointing, then --micro_batch_size K from
     the largest K), switched on in `args`: the same objective. A resumed run (`saved_args`, its started.json's) keeps
-    the setting its start chose. (one line or None, the record for results.json)."""
+    the setting its start chose, with or without the flag. `smallest`: the least free memory of torchrun's
+    processes, so that all choose alike. (one line or None, the record for results.json)."""
     if saved_args is not None:  # resumed: the start's choice, whatever this GPU has free
         chosen = {k: saved_args[k] for k in ("gradient_checkpointing", "micro_batch_size") if saved_args.get(k)}
         for name, value in chosen.items():
@@ -508,6 +510,7 @@ def fit(args, config, device, world_size: int = 1, saved_args: dict | None = Non
     free = device_free(device)
     if free is None:
         return None, {"chose": None, "why": f"no GPU free-memory figure on {device.type}"}
+    free = int(smallest(free))
     found = estimate(args, config, world_size)
     record = {"free_gib": round(free / 2**30, 2), "usable_gib": round(usable(free) / 2**30, 2),
               "estimated_gib": round(peak(found) / 2**30, 2), "chose": None}

@@ -28,7 +28,8 @@ from plumbing import progress, resume
 
 RESULTS = "results.json"
 RUN_FILES = (RESULTS, "best", "tb", "last", "last.old", resume.STARTED)  # a folder holding one of them holds a run
-CLEARED = RUN_FILES + ("best.tmp", "best.old", "last.tmp", RESULTS + ".tmp", resume.STARTED + ".tmp")
+CLEARED = RUN_FILES + ("best.tmp", "best.old", "last.tmp", RESULTS + ".tmp", resume.STARTED + ".tmp",
+                       "wandb")  # --report_to wandb's local files
 SELF_STOPS = ("divergence", "fp16 overflow")  # a resume would meet them again
 
 

@@ -175,10 +175,11 @@ LICENSES = {"bert-base-uncased": "apache-2.0", "bert-large-uncased": "apache-2.0
             "roberta-base": "mit", "roberta-large": "mit", "FacebookAI/roberta-base": "mit",
             "FacebookAI/roberta-large": "mit", "google-bert/bert-base-uncased": "apache-2.0",
             "google-bert/bert-large-uncased": "apache-2.0"}  # the papers' backbones' licenses (their Hub cards)
-# SentEval's STS tasks as the Hub and MTEB name the same data
+# SentEval's STS tasks by the Hub's names of the same data: MTEB's for STS12-16 and STS-B; SICK-R's test split (4,927
+# pairs) is not MTEB's sickr-sts (the whole corpus), so the SICK dataset's own name
 STS_DATASETS = {"STS12": "mteb/sts12-sts", "STS13": "mteb/sts13-sts", "STS14": "mteb/sts14-sts",
                 "STS15": "mteb/sts15-sts", "STS16": "mteb/sts16-sts", "STSBenchmark": "mteb/stsbenchmark-sts",
-                "SICKRelatedness": "mteb/sickr-sts"}
+                "SICKRelatedness": "sick"}
 
 
 def hub_metadata(args, paper: str, title: str, best: dict, sentence_transformers: bool) -> str:

@@ -285,7 +285,7 @@ def record_of_results(args) -> dict:
             "losses": results["train_loss"], "grad_norms": results["grad_norm"], "trajectory": results["trajectory"],
             "resumptions": results["resumptions"] + [results["steps"]], "skipped": results.get("skipped_steps", []),
             "checkpoint_time": results.get("checkpoint_time_s"), "provenance": results.get("provenance"),
-            "eval_pooler": results.get("eval_pooler"),
+            "eval_pooler": results.get("eval_pooler"), "tracking": results.get("tracking"),
             "trained": {key: results[key] for key in TRAINING_RECORD if key in results}}
 
 

@@ -126,15 +126,17 @@ class Run:
                       mlm_head: bool = False) -> bool:
         """What the method needs of the loaded encoder, before any training (plumbing/backbones.py): one line where it
         cannot work (attention weights, a layer list, an MLM head); --dropout 0.1 for a model without dropout;
-        --gradient_checkpointing switched on. Whether a training pass may give it the prebuilt 4-D mask
-        (common.BackboneWithHeads's prebuilt_mask); the run summary says."""
+        --fit_memory's choice (a resumed run's: its start's); --gradient_checkpointing switched on. Whether a
+        training pass may give it the prebuilt 4-D mask (common.BackboneWithHeads's prebuilt_mask); the run summary
+        says."""
         prebuilt, self.encoder_notes = backbones.check(
             backbone, tokenizer, self.args, lambda mask: common.attention_mask_4d(
                 mask, backbone.config._attn_implementation), attentions, layers, mlm_head)
-        if self.args.fit_memory and self.folder_state != "evaluating":  # before the flags take effect
-            started = Path(self.args.output_dir) / resume.STARTED  # a resumed run keeps its start's choice
-            saved = json.loads(started.read_text())["args"] if self.args.resume and started.is_file() else None
-            note, self.fitted = memory.fit(self.args, backbone.config, self.device, distributed.world_size(), saved)
+        started = Path(self.args.output_dir) / resume.STARTED
+        saved = json.loads(started.read_text())["args"] if self.args.resume and started.is_file() else {}
+        if self.args.fit_memory or saved.get("fit_memory"):  # before the flags take effect
+            note, self.fitted = memory.fit(self.args, backbone.config, self.device, distributed.world_size(),
+                                           saved if self.args.resume else None, distributed.smallest)
             if note:
                 distributed.log(note)
         if self.args.gradient_checkpointing:  # recomputed in the backward pass, dropout replayed
@@ -191,6 +193,9 @@ class Run:
         if evaluating:  # the training's device and processes, as the model card names them
             self.provenance.update({k: v for k, v in (saved.get("provenance") or {}).items()
                                     if k in ("device_name", "processes")})
+        # the trackers first: one that cannot start stops the run before the folder says a run started
+        trackers = tracking.Trackers(args, distributed.rank() == 0, saved["next_step"] if args.resume else None,
+                                     saved.get("tracking"), {"args": vars(args), "provenance": self.provenance})
         if not args.resume and distributed.rank() == 0:  # which run this folder holds (--auto_resume reads it)
             files.write_json(Path(args.output_dir) / resume.STARTED, {"args": vars(args)})
         self.best_dev, self.best_step, self.train_time = saved["best_dev"], saved["best_step"], saved["train_time"]
@@ -209,8 +214,6 @@ class Run:
         self.checkpoint_time = saved.get("checkpoint_time") or {
             "best_copies": 0, "best_copy_s": 0.0, "best_writes": 0, "best_write_s": 0.0, "last_writes": 0,
             "last_write_s": 0.0}
-        trackers = tracking.Trackers(args, distributed.rank() == 0, saved["next_step"] if args.resume else None,
-                                     saved.get("tracking"), {"args": vars(args), "provenance": self.provenance})
         self.history = History(saved, trackers, fp16=args.precision == "fp16")
         self.bar = progress.Progress(total_steps, "training", "step", distributed.rank() == 0, leave=True,
                                      initial=len(self.history.losses))
@@ -489,6 +492,7 @@ class Run:
         if not evaluation:
             self._rewrite_card(untested=f"the run stopped itself at step {step} ({by})" if by in outdir.SELF_STOPS
                                else f"the run stopped at step {step} ({by})")
+        self.history.trackers.finish(results)  # its events flushed, its tracked runs marked stopped
         lock.release(self.args.output_dir)
 
     def write(self, results: dict | None) -> None:

@@ -130,7 +130,8 @@ def refused(tracker: str, advice: str):
     try:
         yield
     except Exception as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        reason = reason if len(reason) <= 200 else reason[:199] + "…"
         raise plumbing.UsageError(f"--report_to {tracker}: it could not start ({reason}); {advice}, or leave "
                                   f"{tracker} out of --report_to") from None
 

@@ -81,7 +81,8 @@ def test_fit_memory_switches_on_the_first_exact_setting_that_fits_and_a_resume_k
         tiny_model, corpus, senteval_dir, tmp_path, monkeypatch, capsys):
     """--fit_memory with a GPU's free memory given (the CPU has no figure): the estimate of this command (batch 64)
     exceeds it, recomputation alone does not fit, GradCache's parts of 32 do; the run says so in one line, trains
-    with them, and records the choice; stopped and resumed where the GPU has room, it keeps parts of 32."""
+    with them, and records the choice; stopped and resumed where the GPU has room, with the flag or without it, it
+    keeps parts of 32."""
     import test_resume
     import transformers
     from plumbing import memory
@@ -99,7 +100,7 @@ def test_fit_memory_switches_on_the_first_exact_setting_that_fits_and_a_resume_k
     assert len(line) == 1 and line[0].startswith("memory: --fit_memory switched on --micro_batch_size 32: the same "
                                                  "objective in about"), line
     monkeypatch.setattr(memory, "device_free", lambda device: 2 ** 40)  # room for anything now
-    test_resume.run("simcse", argv + ["--resume"], monkeypatch)
+    test_resume.run("simcse", [a for a in argv if a != "--fit_memory"] + ["--resume"], monkeypatch)  # flag or not
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["args"]["micro_batch_size"] == 32 and not results["args"]["gradient_checkpointing"]
     assert results["fit_memory"] == {"chose": "--micro_batch_size 32", "at": "the run's start"}
@@ -263,3 +264,52 @@ def test_a_tracker_that_cannot_start_stops_the_run_in_one_line(tiny_model, corpu
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --report_to mlflow: it could not start ("), err
     assert lines[0].endswith("check MLFLOW_TRACKING_URI, or leave mlflow out of --report_to")
     assert not (out / lock.NAME).exists()
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("mlflow"), reason="mlflow-skinny is a test requirement; not here")
+def test_a_run_that_stops_itself_closes_its_tracked_run_and_an_evaluation_alone_continues_it(
+        tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """A run that diverges (its loss made NaN at step 3) marks its MLflow run KILLED with what it logged; a run killed
+    in its final evaluation and finished by --auto_resume (the evaluation alone) logs the test scores into the same
+    MLflow run, which ends FINISHED."""
+    import math
+    import mlflow
+    import common
+    import test_faults
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow.MlflowClient()
+    out = tmp_path / "diverged"
+    real_info_nce, calls = common.info_nce, []
+
+    def diverging(*args, **kwargs):
+        calls.append(1)
+        loss = real_info_nce(*args, **kwargs)
+        return loss * math.nan if len(calls) == 3 else loss
+    with monkeypatch.context() as patch:
+        patch.setattr(common, "info_nce", diverging)
+        with pytest.raises(SystemExit):
+            import plumbing
+            plumbing.cli(lambda: simcse.main([str(a) for a in smoke_args(
+                tiny_model, corpus, senteval_dir, out, "--logging_steps", 1, "--report_to", "mlflow")]))
+    results = json.loads((out / "results.json").read_text())
+    assert results["stop"]["by"] == "divergence"
+    run = client.get_run(results["tracking"]["mlflow"])
+    assert run.info.status == "KILLED" and [m.step for m in client.get_metric_history(run.info.run_id,
+                                                                                       "train/loss")] == [1, 2]
+    # killed in the final evaluation, finished by the same command with --auto_resume: the same MLflow run
+    out = tmp_path / "evaluated"
+    argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--report_to", "mlflow",
+                                       "--no_align_uniform", "--auto_resume")]
+    import eval_sts
+    with monkeypatch.context() as patch:  # SIGTERM in the final evaluation's STS test
+        test_faults.signal_at(patch, eval_sts, "evaluate", 0, when=lambda *a, mode="test", **k: mode == "test")
+        with pytest.raises(SystemExit):
+            simcse.main(argv)
+    first = json.loads((out / "results.json").read_text())["tracking"]["mlflow"]
+    assert client.get_run(first).info.status == "KILLED"
+    simcse.main(argv)
+    results = json.loads((out / "results.json").read_text())
+    assert results["tracking"]["mlflow"] == first and "evaluation_alone" in results
+    run = client.get_run(first)
+    assert run.info.status == "FINISHED" and run.data.metrics["test/avg"] == pytest.approx(results["test"]["avg"])

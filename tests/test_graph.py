@@ -14,7 +14,7 @@ from conftest import cli_in_process, smoke_args
 from plumbing import graph, hub, options
 
 
-def simcse_steps(tiny_model, switch_at=None, steps=20, overflow_at=6, device="cpu"):
+def simcse_steps(tiny_model, switch_at=None, steps=20, overflow_at=6, device="cpu", keep=None):
     """SimCSE's step on a tiny BERT (two dropout views, [CLS] through the MLP head, InfoNCE), fused AdamW with the
     linear schedule and warm-up, fp16's GradScaler (an overflow injected at `overflow_at`: the step is skipped on
     the device and the scale halved), clipping at 1; graph.capturable() switched on before step `switch_at` as
@@ -33,6 +33,8 @@ def simcse_steps(tiny_model, switch_at=None, steps=20, overflow_at=6, device="cp
     for step in range(1, steps + 1):
         if step == switch_at:
             graph.capturable(optimizer, torch.device(device))
+            if keep is not None:  # the tensor a graph would capture, and its optimizer
+                keep.update(lr=optimizer.param_groups[0]["lr"], optimizer=optimizer)
         optimizer.zero_grad(set_to_none=True)
         views = common.repeat_views(batch, 2)
         hidden = backbone(**views).last_hidden_state
@@ -52,7 +54,10 @@ def simcse_steps(tiny_model, switch_at=None, steps=20, overflow_at=6, device="cp
 def test_the_capturable_optimizer_with_its_lr_a_tensor_steps_exactly_as_the_eager_one(tiny_model, device="cpu"):
     """(tests/test_cuda.py runs it on CUDA, where the fused kernel reads lr as float32.)"""
     eager_weights, eager_rates, eager_scale = simcse_steps(tiny_model, device=device)
-    weights, rates, scale = simcse_steps(tiny_model, switch_at=graph.WARMUP + 1, device=device)
+    kept = {}
+    weights, rates, scale = simcse_steps(tiny_model, switch_at=graph.WARMUP + 1, device=device, keep=kept)
+    # the schedule wrote into the tensor the graph reads (a new tensor in its place would be read by no replay)
+    assert kept["lr"] is kept["optimizer"].param_groups[0]["lr"] and float(kept["lr"]) == rates[-1]
     assert eager_scale == scale == 2.0 ** 9  # the overflow's step was skipped once
     # the schedule's rates, rounded to the tensor's dtype (float32 on CUDA)
     assert rates == pytest.approx(eager_rates, rel=2 ** -24, abs=0) and eager_rates[-1] == 0.0
@@ -132,7 +137,7 @@ class FakeCuda:
             assert capture_error_mode == "thread_local" and not torch.is_autocast_cache_enabled()
             yield
             if fail:
-                raise RuntimeError(fail)
+                raise fail if isinstance(fail, BaseException) else RuntimeError(fail)
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
         monkeypatch.setattr(torch.cuda, "Stream", lambda *a: Stream())
         monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
@@ -179,6 +184,17 @@ def test_a_step_that_cannot_be_captured_stops_the_run_in_one_line(monkeypatch):
     for _ in range(graph.WARMUP):
         step({"x": torch.randn(8, 4)})
     with pytest.raises(options.plumbing.UsageError, match=r"^--cuda_graph: this step cannot be captured in a CUDA "
-                       r"graph \(operation not permitted when stream is capturing\); leave --cuda_graph out"):
+                       r"graph \(operation not permitted when stream is capturing\); to run it eagerly, run the same command "
+                       r"without --cuda_graph, with --pad_to_max_length --auto_resume$"):
         step({"x": torch.randn(8, 4)})
     assert torch.is_autocast_cache_enabled()  # autocast's cache as it was
+
+
+def test_running_out_of_memory_in_the_capture_is_the_runs_own_out_of_memory_stop(monkeypatch):
+    FakeCuda(monkeypatch, fail=torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    train_step, optimizer, _ = linear_step()
+    step = graph.StepGraph(train_step, optimizer, enabled=True)
+    for _ in range(graph.WARMUP):
+        step({"x": torch.randn(8, 4)})
+    with pytest.raises(torch.OutOfMemoryError):  # plumbing.cli's out-of-memory line, with what the run kept
+        step({"x": torch.randn(8, 4)})

@@ -110,6 +110,13 @@ def local_sts_task(mteb, path: Path):
     return LocalSTS()
 
 
+def main_score(result) -> float:
+    """A task's main score: its test split's (else the split it is scored on), the mean over its subsets (a
+    multilingual task's languages: give --tasks of one language's task to compare with SentEval)."""
+    split = "test" if "test" in result.scores else next(iter(result.scores))
+    return float(np.mean([subset["main_score"] for subset in result.scores[split]]))
+
+
 def output_folder(model: str, given: str | None) -> Path:
     if given:
         return Path(given)
@@ -142,8 +149,7 @@ def evaluate(model: str, pooler: str | None, tasks: list[str], sts_file: str | N
     except (OSError, ConnectionError) as err:  # an MTEB task's data not in the Hub cache, offline
         raise plumbing.UsageError(f"an MTEB task's data could not be loaded ({str(err).splitlines()[0][:160]}): run "
                                   "once with internet (the Hub's cache keeps it), or give --sts_file") from None
-    scores = {result.task_name: round(100 * float(np.mean([s["main_score"] for s in result.scores["test"]])), 2)
-              for result in found.task_results}
+    scores = {result.task_name: round(100 * main_score(result), 2) for result in found.task_results}
     table = "\n".join([f"MTEB on {model} (pooler {pooler}); main score x 100 (STS: Spearman of the cosine "
                        "similarities)", "", "| task | score |", "|---|---|",
                        *(f"| {task} | {score:.2f} |" for task, score in scores.items())])
