@@ -509,7 +509,8 @@ def fit(args, config, device, world_size: int = 1, saved_args: dict | None = Non
         return None, {"chose": describe(chosen) if chosen else None, "at": "the run's start"}
     free = device_free(device)
     if free is None:
-        return None, {"chose": None, "why": f"no GPU free-memory figure on {device.type}"}
+        why = f"no GPU free-memory figure on {device.type}"
+        return f"memory: --fit_memory: {why}, nothing to fit; going on as given", {"chose": None, "why": why}
     free = int(smallest(free))
     found = estimate(args, config, world_size)
     record = {"free_gib": round(free / 2**30, 2), "usable_gib": round(usable(free) / 2**30, 2),

@@ -61,13 +61,13 @@ class Trackers:
         if "wandb" in self.names:
             import wandb
             (out / "wandb").mkdir(parents=True, exist_ok=True)
-            with refused("wandb", "wandb login, or WANDB_MODE=offline to sync later"):
+            with refused("wandb", "check wandb login and the network, or WANDB_MODE=offline to sync later"):
                 self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), dir=str(out),
                                         name=f"{args.method} {out.name}", id=self.ids.get("wandb"), resume="allow",
                                         config=config if new else None, reinit="create_new")
             self.ids["wandb"] = self.wandb.id
         if "mlflow" in self.names:
-            with refused("mlflow", "check MLFLOW_TRACKING_URI"):
+            with refused("mlflow", "check MLFLOW_TRACKING_URI (docs/using.md)"):
                 self._start_mlflow(args, out, config, new)
 
     def _start_mlflow(self, args, out: Path, config: dict, new: bool) -> None:
@@ -130,8 +130,7 @@ def refused(tracker: str, advice: str):
     try:
         yield
     except Exception as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        reason = reason if len(reason) <= 200 else reason[:199] + "…"
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]  # whole: it may hold the fix
         raise plumbing.UsageError(f"--report_to {tracker}: it could not start ({reason}); {advice}, or leave "
                                   f"{tracker} out of --report_to") from None
 

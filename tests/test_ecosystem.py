@@ -262,7 +262,8 @@ def test_a_tracker_that_cannot_start_stops_the_run_in_one_line(tiny_model, corpu
     code, err = cli_in_process(simcse, *smoke_args(tiny_model, corpus, senteval_dir, out, "--report_to", "mlflow"))
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: --report_to mlflow: it could not start ("), err
-    assert lines[0].endswith("check MLFLOW_TRACKING_URI, or leave mlflow out of --report_to")
+    assert lines[0].endswith("check MLFLOW_TRACKING_URI (docs/using.md), or leave mlflow out of --report_to")
+    assert "MLFLOW_ALLOW_FILE_STORE" in lines[0]  # MLflow's own fix, not cut off
     assert not (out / lock.NAME).exists()
 
 
@@ -313,3 +314,20 @@ def test_a_run_that_stops_itself_closes_its_tracked_run_and_an_evaluation_alone_
     assert results["tracking"]["mlflow"] == first and "evaluation_alone" in results
     run = client.get_run(first)
     assert run.info.status == "FINISHED" and run.data.metrics["test/avg"] == pytest.approx(results["test"]["avg"])
+
+
+def test_mteb_refuses_scores_that_do_not_vary_and_an_unknown_task_in_one_line(finished_run, tmp_path):
+    pytest.importorskip("mteb", reason="mteb is a test requirement (requirements-test.txt)")
+    import mteb_eval
+    from conftest import cli_in_process
+    flat = tmp_path / "flat.csv"
+    flat.write_text("sentence1,sentence2,score\na b,c d,3\ne f,g h,3\n")
+    code, err = cli_in_process(mteb_eval, "--model_name_or_path", finished_run / "best", "--sts_file", flat,
+                               "--device", "cpu", "--output_dir", tmp_path / "out")
+    assert code == 2 and err.strip().splitlines() == [f"error: --sts_file {flat}: fewer than 2 pairs, or every score "
+                                                      "the same (a correlation needs scores that vary)"]
+    code, err = cli_in_process(mteb_eval, "--model_name_or_path", finished_run / "best", "--tasks", "NoSuchTask",
+                               "--device", "cpu", "--output_dir", tmp_path / "out")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "NoSuchTask" in lines[0] and "mteb.get_tasks(task_types=['STS'])" in \
+        lines[0], err

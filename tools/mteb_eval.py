@@ -85,8 +85,9 @@ def read_pairs(path: Path) -> dict:
                                       f"score, got {row[:3]}") from None
         pairs["sentence1"].append(a)
         pairs["sentence2"].append(b)
-    if len(pairs["score"]) < 2:
-        raise plumbing.UsageError(f"--sts_file {path}: fewer than 2 pairs")
+    if len(pairs["score"]) < 2 or len(set(pairs["score"])) < 2:
+        raise plumbing.UsageError(f"--sts_file {path}: fewer than 2 pairs, or every score the same (a correlation "
+                                  "needs scores that vary)")
     return pairs
 
 
@@ -137,11 +138,17 @@ def evaluate(model: str, pooler: str | None, tasks: list[str], sts_file: str | N
         try:
             chosen += list(mteb.get_tasks(tasks=tasks))
         except (KeyError, ValueError) as err:
-            raise plumbing.UsageError(f"--tasks: {str(err).splitlines()[0]}") from None
+            reason = str(err.args[0] if err.args else err).strip("'\"").splitlines()[0]
+            raise plumbing.UsageError(f"--tasks: {reason}; the STS tasks' names: python -c \"import mteb; "
+                                      "print([t.metadata.name for t in mteb.get_tasks(task_types=['STS'])])\"") \
+                from None
     out = output_folder(model, output_dir)
     plumbing.check_writable(str(out), "--output_dir")
     encode = eval_sts.load_encode(model, pooler, device)
-    name = f"suite/{Path(model).name if Path(model).expanduser().is_dir() else model.replace('/', '__')}"
+    local = Path(model).expanduser().resolve()
+    # a run's best/ by its run's folder (runs would collide in a shared cache as "best")
+    name = f"suite/{(local.parent.name + '-best') if local.name == 'best' else local.name}" if local.is_dir() \
+        else f"suite/{model.replace('/', '__')}"
     encoder = SuiteEncoder(lambda texts: encode(texts), name, mteb)
     try:
         found = mteb.evaluate(encoder, chosen, cache=mteb.ResultCache(str(out)), show_progress_bar=False,
