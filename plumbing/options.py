@@ -199,7 +199,12 @@ def check_args(args) -> torch.device:
     return device
 
 
-GRAPHED_METHODS = ("simcse",)  # whose step plumbing.graph.StepGraph captures
+GRAPHED_METHODS = ("simcse",)  # whose step plumbing.graph.StepGraph captures; why not the others:
+NOT_GRAPHED = {"whitenedcse": "its eigh reads a convergence flag on the host, which a graph cannot capture",
+               "micse": "its momentum queue grows and is replaced each step, which a replay of fixed buffers would "
+                        "not follow",
+               "simcsepp": "its step has not been captured on a GPU yet", "sscl": "its step has not been captured "
+                                                                                  "on a GPU yet"}
 
 
 def check_cuda_graph(args, device: torch.device) -> None:
@@ -207,8 +212,8 @@ def check_cuda_graph(args, device: torch.device) -> None:
     to --max_seq_length, the one shape a graph replays."""
     if not getattr(args, "cuda_graph", False):
         return
-    cannot = {"the method": args.method not in GRAPHED_METHODS and f"{args.method}.py's step is not captured "
-                                                                    f"yet ({', '.join(GRAPHED_METHODS)}.py only)",
+    cannot = {"the method": args.method not in GRAPHED_METHODS and f"{args.method}.py: "
+                                                                    f"{NOT_GRAPHED.get(args.method, 'not captured')}",
               "the device": device.type != "cuda" and f"a CUDA graph needs a CUDA GPU, not {device.type}",
               "torchrun": int(os.environ.get("WORLD_SIZE", "1")) > 1 and "DDP's all-reduce hooks are not captured: "
                                                                            "one process",

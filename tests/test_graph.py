@@ -80,7 +80,9 @@ def cuda_graph_args(**given):
 
 
 @pytest.mark.parametrize("given, needle", [
-    ({"method": "whitenedcse"}, "--cuda_graph with the method: whitenedcse.py's step is not captured yet"),
+    ({"method": "whitenedcse"}, "--cuda_graph with the method: whitenedcse.py: its eigh reads a convergence flag"),
+    ({"method": "micse"}, "--cuda_graph with the method: micse.py: its momentum queue grows and is replaced"),
+    ({"method": "sscl"}, "--cuda_graph with the method: sscl.py: its step has not been captured on a GPU yet"),
     ({"compile": True}, "--cuda_graph with --compile: give one of them"),
     ({"micro_batch_size": 4}, "--cuda_graph with --micro_batch_size: GradCache reads and sets the RNG's state"),
     ({"gradient_checkpointing": True}, "--cuda_graph with --gradient_checkpointing: the recomputation reads"),
@@ -102,7 +104,7 @@ def test_under_torchrun_the_graph_is_refused_and_alone_it_pads_every_batch(monke
 
 @pytest.mark.parametrize("module, needle", [
     (simcse, "--cuda_graph with the device: a CUDA graph needs a CUDA GPU, not cpu"),
-    (whitenedcse, "--cuda_graph with the method: whitenedcse.py's step is not captured yet"),
+    (whitenedcse, "--cuda_graph with the method: whitenedcse.py: its eigh reads a convergence flag on the host"),
 ])
 def test_a_user_asking_for_the_graph_where_it_cannot_run_gets_one_line(module, needle, tiny_model, corpus,
                                                                         senteval_dir, tmp_path):
