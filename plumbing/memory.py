@@ -517,13 +517,12 @@ def fit(args, config, device, world_size: int = 1, saved_args: dict | None = Non
               "estimated_gib": round(peak(found) / 2**30, 2), "chose": None}
     if peak(found) <= usable(free):
         return None, record
+    short = f"memory: --fit_memory: this run needs about {gib(peak(found))} and the GPU has {gib(usable(free))} usable"
     if getattr(args, "cuda_graph", False) or (args.gradient_checkpointing and args.micro_batch_size):
-        return (f"memory: --fit_memory: this run needs about {gib(peak(found))} and the GPU has {gib(usable(free))} "
-                "usable, and it runs both memory flags already or --cuda_graph, which takes neither: going on"), record
+        return f"{short}, and it runs both memory flags already or --cuda_graph, which takes neither: going on", record
     setting, fitted = first_fit(args, config, usable(free), world_size, found)
     if setting is None:
-        return (f"memory: --fit_memory: this run needs about {gib(peak(found))} and the GPU has {gib(usable(free))} "
-                "usable; no setting of --gradient_checkpointing and --micro_batch_size fits: going on (a smaller "
+        return (f"{short}; no setting of --gradient_checkpointing and --micro_batch_size fits: going on (a smaller "
                 "--batch_size or --max_seq_length, or more GPUs, would)"), record
     for name, value in setting.items():
         setattr(args, name, value)

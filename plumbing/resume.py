@@ -145,15 +145,22 @@ def load(path: Path, device=None):
         raise damaged(path, type(err).__name__) from None
 
 
+def started_args(out: Path) -> dict | None:
+    """The arguments a run in `out` started with (its started.json), or None where there is none readable."""
+    try:
+        return json.loads((Path(out) / STARTED).read_text())["args"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def check_restart(args) -> None:
     """--auto_resume without a last/ or results.json: the folder holds this same run stopped before its first save
     (its started.json has these arguments), which starts again; anything else is one line."""
     out = Path(args.output_dir)
-    try:
-        started = json.loads((out / STARTED).read_text())["args"]
-    except (OSError, ValueError, KeyError):
+    started = started_args(out)
+    if started is None:
         raise plumbing.UsageError(f"--auto_resume: {out} holds a run but no {STARTED} saying which; give another "
-                                  "--output_dir, or --overwrite_output_dir to replace it") from None
+                                  "--output_dir, or --overwrite_output_dir to replace it")
     compare(vars(args), started, out / STARTED, skip_unset=True)
     distributed.log(f"--auto_resume: {out} has no last/ yet (the run stopped before its first save): starting "
                     "it again")

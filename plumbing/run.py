@@ -23,7 +23,6 @@ plumbing/outdir.py and plumbing/lock.py; best/ and its copy: plumbing/checkpoint
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import resource
@@ -132,8 +131,7 @@ class Run:
         prebuilt, self.encoder_notes = backbones.check(
             backbone, tokenizer, self.args, lambda mask: common.attention_mask_4d(
                 mask, backbone.config._attn_implementation), attentions, layers, mlm_head)
-        started = Path(self.args.output_dir) / resume.STARTED
-        saved = json.loads(started.read_text())["args"] if self.args.resume and started.is_file() else {}
+        saved = (resume.started_args(self.args.output_dir) if self.args.resume else None) or {}
         if self.args.fit_memory or saved.get("fit_memory"):  # before the flags take effect
             note, self.fitted = memory.fit(self.args, backbone.config, self.device, distributed.world_size(),
                                            saved if self.args.resume else None, distributed.smallest)
@@ -173,7 +171,8 @@ class Run:
         of the run being resumed (or a new run's)."""
         args = self.args
         evaluating = self.folder_state == "evaluating"  # the training ended: the final evaluation alone
-        if state.get("backbone") is not None and not evaluating:  # on a GPU: its peak against its free memory
+        measured = (self.fitted or {}).get("free_gib") is not None  # --fit_memory has weighed this GPU already
+        if state.get("backbone") is not None and not evaluating and not measured:  # its peak against its free memory
             note = memory.check_device(args, state["backbone"].config, self.device, distributed.world_size())
             if note:  # too little free memory, or no estimate for this model (one line either way)
                 distributed.log(note)

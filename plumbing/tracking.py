@@ -19,28 +19,33 @@ import json
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 
 import plumbing
 from plumbing import files
 
-TRACKERS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # --report_to: the package each needs
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # --report_to's choices, each the name of the package it needs
 PROJECT = "sentence-embeddings"
 
 
+def given(report_to) -> list[str]:
+    """--report_to as a list (a results.json of an earlier version holds one name)."""
+    return [report_to] if isinstance(report_to, str) else list(report_to or [])
+
+
 def chosen(report_to) -> list[str]:
-    """--report_to's trackers (a name, a list, "none")."""
-    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    return [name for name in names if name != "none"]
+    """--report_to's trackers ("none" left out)."""
+    return [name for name in given(report_to) if name != "none"]
 
 
 def check(report_to) -> None:
     """Each tracker asked for is installed, else one line naming the install, before any work."""
     names = chosen(report_to)
-    if "none" in (report_to if not isinstance(report_to, str) else [report_to]) and names:
+    if "none" in given(report_to) and names:
         raise plumbing.UsageError(f"--report_to none with {' '.join(names)}: give the trackers, or none alone")
     for name in names:
-        plumbing.check_installed(True, TRACKERS[name], f"--report_to {name}")
+        plumbing.check_installed(True, name, f"--report_to {name}")
 
 
 class Trackers:
@@ -100,7 +105,6 @@ class Trackers:
             self.wandb.log(values, step=step)
         if self.mlflow is not None:
             from mlflow.entities import Metric
-            import time
             now = int(time.time() * 1000)
             self.mlflow.log_batch(self.ids["mlflow"], metrics=[Metric(k, v, now, step) for k, v in values.items()])
 

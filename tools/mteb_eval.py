@@ -149,7 +149,7 @@ def evaluate(model: str, pooler: str | None, tasks: list[str], sts_file: str | N
     # a run's best/ by its run's folder (runs would collide in a shared cache as "best")
     name = f"suite/{(local.parent.name + '-best') if local.name == 'best' else local.name}" if local.is_dir() \
         else f"suite/{model.replace('/', '__')}"
-    encoder = SuiteEncoder(lambda texts: encode(texts), name, mteb)
+    encoder = SuiteEncoder(encode, name, mteb)
     try:
         found = mteb.evaluate(encoder, chosen, cache=mteb.ResultCache(str(out)), show_progress_bar=False,
                               encode_kwargs={"batch_size": batch_size}, overwrite_strategy="always")
