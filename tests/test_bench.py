@@ -118,10 +118,17 @@ def test_mfu_has_a_peak_only_where_the_datasheet_gives_one(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
         assert bench.peak_flops(cuda, precision) == peak, name
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 matmuls in fp32: no tensor cores
-    assert bench.peak_flops(cuda, "fp32") is None and bench.peak_flops(torch.device("cpu"), "bf16") is None
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert bench.peak_flops(cuda, "fp32") == 156e12  # TF32
+    # TF32 is torch's setting, served by the module's __getattr__: set through its setter and restored the same way
+    # (monkeypatch's undo deletes the attribute, which pytest >= 9.2 does and the module refuses)
+    matmul, was = torch.backends.cuda.matmul, torch.backends.cuda.matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = False  # fp32 matmuls in fp32: no tensor cores
+        assert bench.peak_flops(cuda, "fp32") is None and bench.peak_flops(torch.device("cpu"), "bf16") is None
+        matmul.allow_tf32 = True
+        assert bench.peak_flops(cuda, "fp32") == 156e12  # TF32
+    finally:
+        matmul.allow_tf32 = was
+    assert torch.backends.cuda.matmul.allow_tf32 == was
 
 
 def test_gpu_check_fits_the_device_budget():
