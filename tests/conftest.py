@@ -29,6 +29,31 @@ STS_SUBSETS = {
 }
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The versions and the CPU this run of the suite was tested with, after its result line (also under -q, as CI
+    runs it): the tolerances' floating point comes from the CPU's kernels (its ISA level) and the libraries."""
+    import platform
+    from importlib import metadata
+    import torch
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               None) if os.path.exists("/proc/cpuinfo") else None
+    versions = ", ".join(f"{name} {metadata.version(name)}" for name in (
+        "torch", "transformers", "pytest", "numpy", "scipy", "sentence-transformers", "wandb", "mlflow-skinny", "mteb")
+        if _installed(name))
+    terminalreporter.write_line(f"tested with Python {platform.python_version()}; {versions}")
+    terminalreporter.write_line(f"on CPU {cpu or platform.processor()} ({torch.backends.cpu.get_cpu_capability()}), "
+                                f"{os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
+
+
+def _installed(name: str) -> bool:
+    from importlib import metadata
+    try:
+        metadata.version(name)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
 def random_sentence(rng, lo=3, hi=9):
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
