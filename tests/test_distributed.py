@@ -19,30 +19,41 @@ import torch
 from conftest import ROOT, gates, smoke_args, write_nli, write_tiny_model
 
 DRIVER = '''
-import atexit, json, sys
+import contextlib, importlib, json, os, sys, traceback
 sys.path[:0] = [{root!r}, {tests!r}]
-import importlib, plumbing
+import plumbing
 from plumbing import distributed, run
 from test_distributed import recording_dev_measures
-script, out, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-run.dev_measures = recording_dev_measures(run.dev_measures, out)
-seen = {{"ddp_forwards": 0, "stop_flag_exchanges": 0}}
+rank = os.environ["RANK"]
+real_dev_measures, real_any_process = run.dev_measures, distributed.any_process
+seen = {{}}
 
 class CountingDDP(distributed.DistributedDataParallel):
     def forward(self, *args, **kwargs):
         seen["ddp_forwards"] += 1
         return super().forward(*args, **kwargs)
 
-distributed.DistributedDataParallel = CountingDDP
-real_any_process = distributed.any_process
-
 def any_process(flag):
     seen["stop_flag_exchanges"] += 1
     return real_any_process(flag)
 
-distributed.any_process = any_process
-atexit.register(lambda: open(f"{{out}}/seen_rank{{distributed.rank()}}.json", "w").write(json.dumps(seen)))
-plumbing.cli(lambda: importlib.import_module(script).main(argv))
+distributed.DistributedDataParallel, distributed.any_process = CountingDDP, any_process
+for i, (script, out, argv) in enumerate(json.load(open(sys.argv[1]))):  # one run after another
+    # each run's process group under keys of its own in torchrun's store, as a restarted attempt's
+    # (plumbing/distributed.init): the last group's addresses, still there, would be read and tried
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = f"run{{i}}" if i else "0"
+    seen.update(ddp_forwards=0, stop_flag_exchanges=0, exit=0)
+    run.dev_measures = recording_dev_measures(real_dev_measures, out)
+    with open(f"{{out}}/stdout_rank{{rank}}.txt", "w") as stdout, open(f"{{out}}/stderr_rank{{rank}}.txt", "w") as err:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(err):
+            try:
+                plumbing.cli(lambda: importlib.import_module(script).main(argv))
+            except SystemExit as exit:
+                seen["exit"] = exit.code
+            except BaseException:
+                traceback.print_exc()
+                seen["exit"] = "traceback"
+    open(f"{{out}}/seen_rank{{rank}}.json", "w").write(json.dumps(seen))
 '''
 
 
@@ -118,37 +129,71 @@ def run_in_this_process(script, args, out, monkeypatch):
     return out
 
 
-def launch(script, args, workdir):
-    """DRIVER under torchrun with two processes."""
+def launch(runs, workdir):
+    """DRIVER under torchrun with two processes, once for several runs ([(script, args, out), ...]): the
+    interpreters' start and imports (most of a tiny run's time) paid once. Each run's output folder gets what its
+    processes printed (stdout_rank<r>.txt, stderr_rank<r>.txt) and saw (seen_rank<r>.json: the DDP passes, the stop
+    flag's exchanges, the exit status or "traceback")."""
     workdir.mkdir(parents=True, exist_ok=True)
     driver = workdir / "driver.py"
     driver.write_text(DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests")))
-    out = workdir / "run"
-    out.mkdir(parents=True)
+    for _, _, out in runs:
+        out.mkdir(parents=True)
+    (workdir / "runs.json").write_text(json.dumps([
+        [script, str(out), [*map(str, args), "--output_dir", str(out), "--overwrite_output_dir"]]
+        for script, args, out in runs]))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run([*launcher, str(driver), script, str(out), *map(str, args), "--output_dir", str(out),
-                           "--overwrite_output_dir"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
-    return proc, out
+    return subprocess.run([*launcher, str(driver), str(workdir / "runs.json")], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=900)
+
+
+def case_args(case, no_dropout_model, well_conditioned_no_dropout_model, corpus, senteval_dir, nli):
+    data = nli if "--supervised" in METHOD_FLAGS[case] else corpus
+    model = well_conditioned_no_dropout_model if case in WELL_CONDITIONED else no_dropout_model
+    args = smoke_args(model, data, senteval_dir, "unused")[:-4]  # without --output_dir and --device
+    return args + ["--dropout", 0, "--device", DEVICE, "--max_steps", 4, "--eval_steps", 2, "--batch_size", 8,
+                   "--no_test_eval", "--logging_steps", 2, "--precision", "fp32", *METHOD_FLAGS[case]]  # last wins
+
+
+@pytest.fixture(scope="module")
+def two_processes(no_dropout_model, well_conditioned_no_dropout_model, corpus, senteval_dir, tmp_path_factory):
+    """Every case of METHOD_FLAGS, and a global batch of 7, under one torchrun launch: {case: output folder},
+    "launch": the launcher's CompletedProcess."""
+    workdir = tmp_path_factory.mktemp("two_processes")
+    nli = write_nli(workdir / "nli.csv")
+    runs = [(case.split("-")[0], case_args(case, no_dropout_model, well_conditioned_no_dropout_model, corpus,
+                                           senteval_dir, nli), workdir / case) for case in METHOD_FLAGS]
+    indivisible = smoke_args(no_dropout_model, corpus, senteval_dir, "unused")[:-4] + ["--device", "cpu",
+                                                                                         "--batch_size", 7]
+    runs.append(("simcse", indivisible, workdir / "indivisible"))
+    proc = launch(runs, workdir)
+    return {"launch": proc, **{out.name: out for _, _, out in runs}}
+
+
+def two_process_run(two_processes, case) -> Path:
+    """The case's output folder, once both its processes ended it without a traceback."""
+    launched, out = two_processes["launch"], two_processes[case]
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    for rank in (0, 1):
+        seen = json.loads((out / f"seen_rank{rank}.json").read_text())
+        assert seen["exit"] == 0, (out / f"stderr_rank{rank}.txt").read_text()[-3000:]
+    return out
 
 
 @pytest.mark.parametrize("case", list(METHOD_FLAGS))
-def test_two_processes_train_like_one(case, no_dropout_model, well_conditioned_no_dropout_model, corpus, senteval_dir,
-                                     tmp_path, monkeypatch):
+def test_two_processes_train_like_one(case, two_processes, no_dropout_model, well_conditioned_no_dropout_model,
+                                     corpus, senteval_dir, tmp_path, monkeypatch):
     script = case.split("-")[0]
-    data = write_nli(tmp_path / "nli.csv") if "--supervised" in METHOD_FLAGS[case] else corpus
-    model = well_conditioned_no_dropout_model if case in WELL_CONDITIONED else no_dropout_model
-    args = smoke_args(model, data, senteval_dir, "unused")[:-4]  # without --output_dir and --device
-    args += ["--dropout", 0, "--device", DEVICE, "--max_steps", 4, "--eval_steps", 2, "--batch_size", 8,
-             "--no_test_eval", "--logging_steps", 2, "--precision", "fp32", *METHOD_FLAGS[case]]  # the last flag wins
+    args = case_args(case, no_dropout_model, well_conditioned_no_dropout_model, corpus, senteval_dir,
+                     write_nli(tmp_path / "nli.csv"))
     if case == "whitenedcse":
         import whitenedcse
         whiten = whitenedcse.shuffled_group_whitening
         monkeypatch.setattr(whitenedcse, "shuffled_group_whitening", lambda x, *rest: torch.cat(
             [whiten(half, *rest) for half in x.split(len(x) // 2)]))  # the processes' slices: 16 + 16 rows
     one_out = run_in_this_process(script, args, tmp_path / "one", monkeypatch)
-    two, two_out = launch(script, args, tmp_path / "two")
-    assert two.returncode == 0, two.stderr[-3000:]
+    two_out = two_process_run(two_processes, case)
     single, rank0, rank1 = (torch.load(p) for p in (one_out / "params_rank0.pt", two_out / "params_rank0.pt",
                                                     two_out / "params_rank1.pt"))
     assert single.keys() == rank0.keys() == rank1.keys()
@@ -176,20 +221,21 @@ def test_two_processes_train_like_one(case, no_dropout_model, well_conditioned_n
     # and 4 only, not at each of the 5 steps
     for rank in (0, 1):
         seen = json.loads((two_out / f"seen_rank{rank}.json").read_text())
-        assert seen == {"ddp_forwards": 4 * PASSES.get(case, 1), "stop_flag_exchanges": 3}, seen
+        assert seen == {"ddp_forwards": 4 * PASSES.get(case, 1), "stop_flag_exchanges": 3, "exit": 0}, seen
     # written once, by process 0: one results.json, one checkpoint, one "wrote" line
-    assert sorted(p.name for p in two_out.iterdir() if not p.name.startswith(("params", "seen"))) == \
+    assert sorted(p.name for p in two_out.iterdir() if not p.name.startswith(("params", "seen", "std"))) == \
         ["best", "results.json", "started.json"]
     if "--count_host_syncs" in METHOD_FLAGS[case]:  # DDP's bucket rebuild is in step 1, which is not counted
         assert r2["host_syncs"]["per_step"] == r1["host_syncs"]["per_step"] == [0, 0], r2["host_syncs"]
-    assert two.stdout.count("wrote ") == 1
+    printed = [(two_out / f"stdout_rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert printed[0].count("wrote ") == 1 and "wrote " not in printed[1]
 
 
-def test_global_batch_must_divide_over_the_processes(no_dropout_model, corpus, senteval_dir, tmp_path):
-    args = smoke_args(no_dropout_model, corpus, senteval_dir, "unused")[:-4] + ["--device", "cpu", "--batch_size", 7]
-    proc, out = launch("simcse", args, tmp_path)
-    assert proc.returncode != 0
-    assert "--batch_size 7 must be divisible by the 2 processes" in proc.stderr
+def test_global_batch_must_divide_over_the_processes(two_processes):
+    out = two_processes["indivisible"]
+    for rank in (0, 1):
+        assert json.loads((out / f"seen_rank{rank}.json").read_text())["exit"] == 2
+    assert "--batch_size 7 must be divisible by the 2 processes" in (out / "stderr_rank0.txt").read_text()
     assert not (out / "results.json").exists()
 
 

@@ -1,0 +1,135 @@
+"""Plausible one-line bugs planted in the suite's core, one at a time, each against the tests that should catch it:
+a test suite that lets one pass has a hole. Each mutant is applied to a copy of the checkout (git's tracked and
+untracked files, never this one), the tests named beside it run there, and the table says which mutants a test
+caught. docs/tests.md lists the verdicts of the last run.
+
+    python tools/mutants.py                  # every mutant (about 15 minutes on 2 cores)
+    python tools/mutants.py --only sscl-tie  # some of them, by name
+    python tools/mutants.py --list
+
+A mutant whose text is not found (the code moved) is reported as such, never as caught.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGS = "tests/test_flags.py"
+
+# name: (file, the line's text, its mutation, the tests that should catch it)
+MUTANTS = {
+    # the four that passed every test before tests/test_flags.py, and the DCL sign
+    "simcse-hard-negative-weight": ("simcse.py", "args.temp, hard, args.hard_negative_weight)", "args.temp, hard, 0)",
+                                    [FLAGS]),
+    "simcsepp-dcl-only-temp": ("simcsepp.py", "return dcl_loss(z1, z2, args.dcl_temp)",
+                               "return dcl_loss(z1, z2, args.temp)", [FLAGS]),
+    "whitenedcse-groups": ("whitenedcse.py", "head = WhitenedHead(hidden, args.num_groups,",
+                           "head = WhitenedHead(hidden, hidden // 2,", [FLAGS]),
+    "sscl-tie": ("sscl.py", "if run.dev_gate(step) > run.best_dev", "if run.dev_gate(step) >= run.best_dev",
+                 [FLAGS]),
+    "simcsepp-dcl-sign": ("simcsepp.py", "loss = loss + args.dcl_weight * dcl_loss(",
+                          "loss = loss - args.dcl_weight * dcl_loss(", [FLAGS]),
+    # the losses
+    "info-nce-no-temperature": ("common.py", "logits = cos_sim(z1, z2) / temp", "logits = cos_sim(z1, z2)",
+                                ["tests/test_common.py"]),
+    "sscl-plain-term-dropped": ("sscl.py", "return (F.cross_entropy(logits, labels) + F.cross_entropy(in_batch, "
+                                "labels)) / 2", "return F.cross_entropy(logits, labels)", ["tests/test_sscl.py"]),
+    "multi-positive-anchor": ("whitenedcse.py", "anchor = views[0]", "anchor = views[1]",
+                              ["tests/test_whitenedcse.py"]),
+    "dcl-unbiased-variance": ("simcsepp.py", "z.var(0, unbiased=False)", "z.var(0)", ["tests/test_simcsepp.py"]),
+    "moco-own-keys-kept": ("micse.py", "logits = logits.masked_fill(F.pad(own_keys, (len(z2), 0)), -torch.inf)",
+                           "logits = logits", ["tests/test_micse.py"]),
+    "ami-log-dropped": ("micse.py", "mutual_information = -0.5 * torch.log(1 - (rho ** 2).clamp(max=1 - 1e-6))",
+                        "mutual_information = 0.5 * (rho ** 2)", ["tests/test_micse.py"]),
+    # the poolers, the queue, the EMA, the schedule, the gather, resume, the dev gate, Spearman
+    "avg-pooler-counts-padding": ("common.py", "mask = attention_mask.unsqueeze(-1).float()",
+                                  "mask = torch.ones_like(attention_mask).unsqueeze(-1).float()",
+                                  ["tests/test_common.py"]),
+    "queue-keeps-oldest": ("micse.py", "self.tensor = torch.cat([self.tensor, embeddings.detach().float()])"
+                           "[-self.size:]", "self.tensor = torch.cat([self.tensor, embeddings.detach().float()])"
+                           "[:self.size]", ["tests/test_micse.py"]),
+    "ema-wrong-weight": ("micse.py", "list(source.parameters()), 1.0 - momentum)",
+                         "list(source.parameters()), momentum)", ["tests/test_micse.py"]),
+    "micse-ami-lambda": ("micse.py", "return loss + args.ami_lambda * ami_loss(",
+                         "return loss + 2.5e-3 * ami_loss(", [FLAGS]),
+    "gather-local-rows": ("plumbing/distributed.py", "return torch.cat([part[:n] for part, n in zip(parts, counts)])",
+                          "return t",
+                          ["tests/test_distributed.py::test_two_processes_train_like_one[simcse]"]),
+    "warmup-ignored": ("common.py", "get_linear_schedule_with_warmup(optimizer, args.warmup_steps,",
+                       "get_linear_schedule_with_warmup(optimizer, 0,",
+                       ["tests/test_common.py"]),
+    "spearman-is-pearson": ("eval_sts.py", "float(spearmanr(cosine, np.array(gold)).correlation)",
+                            "float(np.corrcoef(cosine, np.array(gold))[0, 1])",
+                            ["tests/test_eval_sts.py"]),
+    "resume-skips-rng": ("plumbing/resume.py", "torch.set_rng_state(", "(lambda state: None)(",
+                         ["tests/test_resume.py"]),
+    "dev-gate-in-train-mode": ("plumbing/run.py", "            m.eval()\n        measures = dev_set(encode)",
+                               "            m.train()\n        measures = dev_set(encode)",
+                               ["tests/test_eval_sts.py", "tests/test_simcse.py"]),
+}
+
+
+def checkout_copy(workdir: Path) -> Path:
+    """The files git knows of (tracked, and untracked but not ignored), copied into `workdir`."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    copy = workdir / ROOT.name
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy / name)
+    if (ROOT.parent / "shared").is_dir():  # the tests look for ../shared beside the checkout
+        (workdir / "shared").symlink_to(ROOT.parent / "shared")
+    return copy
+
+
+def try_mutant(name: str, workdir: Path) -> tuple[str, float]:
+    """(verdict, seconds): "caught" where a named test fails, "MISSED" where all pass, "not found" where the line
+    is gone."""
+    file, old, new, tests = MUTANTS[name]
+    copy = checkout_copy(workdir / name)
+    path = copy / file
+    text = path.read_text()
+    if text.count(old) != 1:
+        return f"not found ({text.count(old)} matches in {file})", 0.0
+    path.write_text(text.replace(old, new))
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests], cwd=copy,
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode == 0:
+        return "MISSED", seconds
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in proc.stdout.splitlines()
+              if line.startswith(("FAILED ", "ERROR "))]
+    return (f"caught by {failed[0]}" if failed else f"pytest exit {proc.returncode}"), seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=list(MUTANTS), help="these mutants")
+    parser.add_argument("--list", action="store_true", help="name, file and the tests of each mutant")
+    args = parser.parse_args(argv)
+    names = args.only or list(MUTANTS)
+    if args.list:
+        for name in names:
+            print(f"{name:<30} {MUTANTS[name][0]:<26} {' '.join(MUTANTS[name][3])}")
+        return 0
+    missed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            verdict, seconds = try_mutant(name, Path(tmp))
+            missed += not verdict.startswith("caught")
+            print(f"{name:<30} {verdict} ({seconds:.0f} s)", flush=True)
+    print(f"{len(names) - missed} of {len(names)} caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
