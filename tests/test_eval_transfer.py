@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import eval_transfer as et
-from conftest import SHARED, WORDS, in_process_scores, needs_shared, run_script
+from conftest import SHARED, WORDS, cli_in_process, in_process_scores, needs_shared, run_script
 
 
 def sentence_classifier_reference(X, y, train, validation, l2, n_classes, mode):
@@ -182,16 +182,15 @@ def test_cli_on_tiny_model(tiny_model, tmp_path):
     scores = json.loads((tmp_path / "t.json").read_text())
     assert set(scores) == {"CR", "MRPC", "avg"}
     assert re.search(r"wall time [0-9.]+s: encoding [0-9.]+s, classifiers [0-9.]+s", proc.stdout), proc.stdout
-    bad = run_script("eval_transfer.py", "--model_name_or_path", tiny_model, "--senteval_dir", root, "--batch_size", 0)
-    assert bad.returncode == 2 and "--batch_size" in bad.stderr and "Traceback" not in bad.stderr
+    code, stderr = cli_in_process(et, "--model_name_or_path", tiny_model, "--senteval_dir", root, "--batch_size", 0)
+    assert code == 2 and "--batch_size" in stderr and "Traceback" not in stderr
 
 
 def minilm_transfer(tmp_path, *tasks):
-    proc = run_script("eval_transfer.py", "--model_name_or_path", SHARED / "models/all-MiniLM-L6-v2", "--pooler",
-                      "cls_before_pooler", "--senteval_dir", SHARED / "data/senteval", "--mode", "fasttest",
-                      "--json", tmp_path / "t.json", *(["--tasks", *tasks] if tasks else []))
-    assert proc.returncode == 0, proc.stderr
-    return json.loads((tmp_path / "t.json").read_text())
+    """eval_transfer.py's scores of MiniLM, run in this process (its CLI has its own subprocess test above)."""
+    return in_process_scores(et, "--model_name_or_path", SHARED / "models/all-MiniLM-L6-v2", "--pooler",
+                             "cls_before_pooler", "--senteval_dir", SHARED / "data/senteval", "--mode", "fasttest",
+                             *(["--tasks", *tasks] if tasks else []))
 
 
 @needs_shared
