@@ -70,8 +70,8 @@ def test_ten_sentences_at_batch_four_are_three_steps_an_epoch(tiny_model, sentev
 def test_supervised_smoke_run(tiny_model, senteval_dir, tmp_path):
     nli = write_nli(tmp_path / "nli.csv")
     out = tmp_path / "sup"
-    proc = run_script("simcse.py", "--supervised", *smoke_args(tiny_model, nli, senteval_dir, out))
-    assert proc.returncode == 0, proc.stderr
+    import simcse  # in-process: the CLI has its own subprocess test (the unsupervised smoke run)
+    simcse.main([str(a) for a in ["--supervised", *smoke_args(tiny_model, nli, senteval_dir, out)]])
     results = json.loads((out / "results.json").read_text())
     assert results["eval_pooler"] == "cls" and results["args"]["lr"] == 5e-5
     # eval pooler "cls" is the trained MLP, saved as BERT's pooler: eval_sts --pooler cls reproduces the test row.
