@@ -164,9 +164,9 @@ def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def info_nce(z1, z2, temp: float = 0.05, z3=None,
              hard_negative_weight: float = 0.0) -> torch.Tensor:
-    """SimCSE InfoNCE with in-batch negatives (Eq. 1, 4); with hard negatives `z3` Eq. 5, and Eq.
-    8's alpha as the authors add it: `hard_negative_weight` on each anchor's own hard negative.
-    `z3` may stack blocks of N (Table 7's contradictions, then neutrals), row i anchor i's own."""
+    """SimCSE InfoNCE with in-batch negatives (Eq. 1, 4); with hard negatives `z3` Eq. 5, Eq. 8's
+    alpha as the authors add it (`hard_negative_weight` on anchor i's own, row i of each block of
+    N in `z3`: Table 7's contradictions, then neutrals). Inputs in fp32 (after autocast)."""
     logits = cos_sim(z1, z2) / temp
     if z3 is not None:
         hard = cos_sim(z1, z3) / temp

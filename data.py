@@ -1,9 +1,6 @@
-"""The data: wiki1m's sentences or NLI triplets (and miCSE's few-shot subsets), tokenised once;
-the seeded batch order, each process's slice of a global batch, and the loader.
-
-Every file comes from the Hugging Face Hub (cached) or a local path (--train_file); `datasets`
-reads and caches it as SimCSE's train.py does. A batch is then only gathered from the token ids and
-padded to its longest row."""
+"""The data: wiki1m's sentences or NLI triplets (and miCSE's few-shot subsets), tokenised once; the
+seeded batch order, each process's slice of a global batch, and the loader. A file comes from the
+Hub (cached) or --train_file; `datasets` reads and caches it as SimCSE's train.py does."""
 from __future__ import annotations
 
 import collections
@@ -25,8 +22,7 @@ MICSE_SUBSETS = {0.000064: "000.0064", 0.0001: "000.01", 0.0005: "000.05", 0.001
 
 
 def micse_subset(fraction: float, seed: int) -> str | None:
-    """The file name of miCSE's released subset for (fraction, seed), or None if they released
-    none."""
+    """The file name of miCSE's released subset for (fraction, seed); None where there is none."""
     percent = MICSE_SUBSETS.get(fraction)
     if percent is None or not 48 <= seed <= 52:
         return None
@@ -36,10 +32,9 @@ def micse_subset(fraction: float, seed: int) -> str | None:
 def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplets: bool = False,
                       hard_negatives: bool = True, neutral: bool = False):
     """(examples, path, miCSE subset or None): a `datasets` Dataset with a "text" column (lines
-    stripped, empty ones skipped) or, with `triplets`, NLI's sent0/sent1/hard_neg columns
-    (sent0/sent1 only when the file has no hard_neg or `hard_negatives` is off; + neutral with
-    `neutral`), --fraction applied deterministically unless the file is miCSE's subset for
-    (--fraction, --seed), downloaded or a --train_file with its name."""
+    stripped, empty ones skipped) or, with `triplets`, NLI's sent0/sent1/hard_neg columns (no
+    hard_neg when the file has none or `hard_negatives` is off; + neutral with `neutral`),
+    --fraction applied unless the file is miCSE's subset for (--fraction, --seed)."""
     subset = None if triplets else micse_subset(args.fraction, args.seed)
     if args.train_file and Path(args.train_file).name != subset:
         subset = None  # a local copy of the authors' subset keeps its name and is read whole
@@ -47,8 +42,7 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
     path = args.train_file or hub.hub_file(repo, name, "--train_file")
     if Path(path).is_file() and Path(path).stat().st_size > 20 * 2**20:
         distributed.log(f"reading {path} (datasets caches it: the next run is faster)")
-    # missing, unreadable, not UTF-8, empty: one line
-    lines = plumbing.read_lines(path, "--train_file")
+    lines = plumbing.read_lines(path, "--train_file")  # missing, unreadable, not UTF-8: one line
     if triplets:
         rows = csv.reader(lines)
         header = next(rows)
@@ -89,8 +83,7 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
 
 
 def subsample(items, fraction: float, seed: int) -> list:
-    """A deterministic random subset of round(fraction * n) items, kept in file order (miCSE's
-    few-shot sets)."""
+    """A seeded random subset of round(fraction * n) items in file order (miCSE's few-shot sets)."""
     k = round(fraction * len(items))
     if k < 1:
         raise plumbing.UsageError(f"--fraction {fraction} of {len(items)} examples keeps none; "
@@ -99,10 +92,9 @@ def subsample(items, fraction: float, seed: int) -> list:
 
 
 class BatchSampler:
-    """Global batches of a seeded shuffle, a new order each epoch, the last incomplete batch kept
-    (the Trainer's dataloader_drop_last=False) unless it has fewer than `min_rows`. Process `rank`
-    of `world_size` takes its contiguous slice of every global batch: the union of the slices is the
-    batch one process would draw."""
+    """Global batches of a seeded shuffle, a new order each epoch, the last short batch kept (as the
+    Trainer's) unless it has fewer than `min_rows`. Process `rank` of `world_size` takes its
+    contiguous slice of each global batch: the slices make the batch one process would draw."""
     def __init__(self, num_examples: int, batch_size: int, seed: int, min_rows: int = 2, rank=0,
                  world_size=1):
         self.n, self.batch_size, self.seed = num_examples, batch_size, seed
@@ -131,19 +123,17 @@ class BatchSampler:
 
 
 class TokenizedCorpus:
-    """Every example tokenised once (datasets' batched `map`, cached as SimCSE's train.py does), its
-    token ids kept in one flat array with each sequence's offsets. `collate(rows)` gathers those
-    rows and pads them to their longest; a triplet's sequences are laid out column-major (all sent0,
-    then all sent1, then all hard_neg). With `example_ids`, a batch also holds the rows' indices."""
+    """Every example tokenised once (datasets' `map`, cached as SimCSE's train.py does), its token
+    ids in one flat array with each sequence's offsets. `collate(rows)` pads those rows; a triplet
+    is laid out column-major (all sent0, all sent1, all hard_neg); `example_ids`: the rows' ids."""
 
     def __init__(self, examples, tokenizer, max_length: int, pad_to_multiple_of: int = 1,
                  example_ids: bool = False):
         columns = examples.column_names  # ["text"] or ["sent0", "sent1", "hard_neg"]
 
         def tokenize(batch):
-            return {f"{c}_ids": tokenizer(batch[c], truncation=True,
-                                          max_length=max_length)["input_ids"]
-                    for c in columns}
+            return {f"{c}_ids": tokenizer(batch[c], truncation=True, max_length=max_length)[
+                "input_ids"] for c in columns}
         if len(examples) > 100_000:
             distributed.log(f"tokenising {len(examples):,} examples (cached: the next run is "
                             "faster)")
@@ -164,8 +154,7 @@ class TokenizedCorpus:
         return (len(self.offsets) - 1) // self.num_columns
 
     def collate(self, rows: list[int]) -> dict:
-        """What tokenizer(sentences, padding=True) returns for these rows (one sequence each, token
-        types 0)."""
+        """What tokenizer(sentences, padding=True) returns for these rows (token types 0)."""
         sequences = np.array([c * len(self) + r for c in range(self.num_columns) for r in rows])
         starts = self.offsets[sequences]
         lengths = self.offsets[sequences + 1] - starts
@@ -194,13 +183,18 @@ def make_loader(corpus: TokenizedCorpus, args, device,
                                   f"{world} processes")
     sampler = BatchSampler(len(corpus), args.batch_size, args.seed, min_rows, distributed.rank(),
                            world)
-    # its own generator: starting an epoch draws nothing from the RNG stream dropout uses (--resume)
-    # workers ignore Ctrl-C and SIGTERM: the main process stops the run at a step boundary
+    # its own generator (an epoch draws nothing from dropout's RNG stream); workers ignore Ctrl-C
     return torch.utils.data.DataLoader(range(len(corpus)), batch_sampler=sampler,
                                        collate_fn=corpus.collate, num_workers=args.num_workers,
                                        pin_memory=device.type == "cuda",
                                        worker_init_fn=distributed.ignore_stop_signals,
                                        generator=torch.Generator().manual_seed(args.seed))
+
+
+def pad_multiple(args) -> int:
+    """Batches padded to their longest row (1), to a multiple of 8 (--compile: few shapes), or all
+    --max_seq_length wide (--pad_to_max_length: a CUDA graph's one shape)."""
+    return args.max_seq_length if args.pad_to_max_length else 8 if args.compile else 1
 
 
 def part_of(batch: dict, part: slice | None, blocks: int = 1) -> dict:
@@ -212,9 +206,8 @@ def part_of(batch: dict, part: slice | None, blocks: int = 1) -> dict:
 
 
 def batches(loader):
-    """(rows, batch): the loader's batches, epoch after epoch, each with the global batch's row
-    count (known from the sampler, no collective), which distributed.gather takes; each opens a
-    step's window for --count_host_syncs."""
+    """(rows, batch): the loader's batches, epoch after epoch, with the global batch's row count
+    (the sampler's: no collective) that distributed.gather takes; --count_host_syncs' windows."""
     sampler = loader.batch_sampler
     for _ in itertools.count():
         with distributed.stop_signals_held():  # the epoch's workers start ignoring them

@@ -21,6 +21,7 @@ says what the paper leaves open and how this file settles it.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -58,29 +59,23 @@ def parse_args(argv=None):
     parser = options.parser(__doc__, method="simcse")
     g = parser.add_argument_group("SimCSE")
     g.add_argument("--supervised", action="store_true",
-                   help="train on NLI triplets (sent0, sent1, hard_neg); default file "
-                        "nli_for_simcse.csv; sets batch 512, lr 5e-5, 3 epochs, dev every 250 "
-                        "steps, MLP kept at evaluation unless given")
+                   help="train on NLI triplets (sent0, sent1, hard_neg; nli_for_simcse.csv): batch "
+                        "512, lr 5e-5, 3 epochs, dev every 250 steps, the MLP kept at evaluation")
     g.add_argument("--fixed_dropout_mask", action="store_true",
-                   help="Table 3's 'Fixed 0.1' row: both views share one dropout mask (one view "
-                        "used twice)")
+                   help="Table 3's 'Fixed 0.1': both views share one mask (one view used twice)")
     g.add_argument("--no_hard_negatives", action="store_true",
-                   help="with --supervised: train on the (sent0, sent1) positive pairs alone, "
-                        "in-batch negatives only (Table 4's entailment-pairs row); a CSV without a "
-                        "hard_neg column trains this way too")
+                   help="with --supervised: the (sent0, sent1) pairs alone, in-batch negatives "
+                        "only (Table 4's entailment pairs; as a CSV without hard_neg trains)")
     g.add_argument("--no_negatives", action="store_true",
                    help="unsupervised: the positive pairs alone, no in-batch negatives (miCSE "
                         "Table 4's 'SimCSE w/o negatives'; common.positive_only_loss)")
     g.add_argument("--hard_negative_weight", type=float, default=0.0,
-                   help="Eq. 8: added to the logit of each anchor's own hard negative "
-                        "(alpha = e^weight)")
+                   help="Eq. 8: added to an anchor's own hard negative's logit (alpha = e^weight)")
     g.add_argument("--neutral_hard_negatives", action="store_true",
                    help="with --supervised: a CSV's neutral column as a second hard negative "
-                        "(Table 7's 'Contra. + Neutral'; nli_for_simcse.csv has none: "
-                        "docs/reproducing.md)")
+                        "(Table 7's 'Contra. + Neutral'; nli_for_simcse.csv has none)")
     g.add_argument("--do_mlm", action="store_true",
-                   help="add the masked-LM objective on masked copies of the inputs (Appendix "
-                        "D.2, the released code's --do_mlm)")
+                   help="+ the masked-LM loss of masked copies of the inputs (Appendix D.2)")
     g.add_argument("--mlm_weight", type=float, default=0.1,
                    help="lambda of the MLM term (Table D.2: 0.01, 0.1, 1; released default 0.1)")
     g.add_argument("--mlm_probability", type=float, default=0.15,
@@ -132,13 +127,10 @@ def keep_first_layers(backbone, k: int) -> None:
 
 
 def mlm_head(backbone, name_or_path: str) -> torch.nn.Module:
-    """The released code's MLM head: RoBERTa's (and XLM-R's) pretrained lm_head (its decoder's bias
-    tied to its `bias`, as transformers ties them on loading); for BERT a fresh
-    BertLMPredictionHead (the checkpoint's cls.predictions does not load into BertForCL's lm_head),
-    initialised as BertForCL's init_weights did under transformers 4.2: weights normal(0,
-    initializer_range), biases zero, the decoder's bias tied to the head's zero `bias`
-    (transformers 5 builds it with PyTorch's uniform init and an untied decoder bias, which left
-    `bias` unused)."""
+    """The released code's MLM head: RoBERTa's (XLM-R's) pretrained lm_head; for BERT a fresh
+    BertLMPredictionHead (cls.predictions does not load into BertForCL's), initialised as under
+    transformers 4.2: weights normal(0, initializer_range), biases zero, the decoder's bias tied to
+    the zero `bias` (transformers 5's uniform init and untied decoder bias left `bias` unused)."""
     if backbone.config.model_type in ("roberta", "xlm-roberta"):
         masked_lm_class = transformers.AutoModelForMaskedLM
         return hub.load_pretrained(name_or_path, auto_class=masked_lm_class)[1].lm_head
@@ -153,11 +145,10 @@ def mlm_head(backbone, name_or_path: str) -> torch.nn.Module:
 
 def mask_tokens(input_ids, special_ids, probability: float, mask_token_id: int, vocab_size: int,
                 generator: torch.Generator, replace_prob: float = 0.8, random_prob: float = 0.1):
-    """BERT's masking, as transformers' DataCollatorForLanguageModeling.torch_mask_tokens draws it
-    (the same draws from `generator`, so the same masks for a seed: tested), without its boolean
-    indexing, on the input's device: (masked ids, labels with -100 where nothing is scored). Each
-    token but the special ones (and padding) is chosen with `probability`; a chosen one becomes
-    [MASK] with `replace_prob`, a random token with `random_prob`, else stays."""
+    """BERT's masking, drawn from `generator` as transformers' DataCollatorForLanguageModeling draws
+    it (the same masks for a seed: tested), on the device: (masked ids, labels, -100 where nothing
+    is scored). A token but the special ones is chosen with `probability`, then becomes [MASK] with
+    `replace_prob`, a random token with `random_prob`, else stays."""
     shape, device = input_ids.shape, input_ids.device
     chance = torch.full(shape, probability, device=device)
     chance.masked_fill_(torch.isin(input_ids, special_ids), 0.0)
@@ -173,9 +164,85 @@ def mask_tokens(input_ids, special_ids, probability: float, mask_token_id: int, 
     return torch.where(as_random, words, masked), labels
 
 
+def views_of(batch: dict, columns: int, args, part: slice | None = None) -> dict:
+    """The rows one pass encodes for `part`'s examples (None: all): NLI's columns as they are; a
+    sentence twice, a dropout mask each: its two views (Table 3's "Fixed 0.1": once, used twice)."""
+    inputs = data.part_of(batch, part, columns)
+    if args.supervised:
+        return inputs
+    return common.repeat_views(inputs, 1 if args.fixed_dropout_mask else 2)
+
+
+def embeddings(batch, ddp_model, head, columns: int, args, part=None) -> tuple:
+    """(z1, z2, *hard negatives) of the examples of `part`: the views' forward pass under autocast
+    (the encoder only), the pooled embeddings in fp32."""
+    views = views_of(batch, columns, args, part)
+    with common.autocast(views["input_ids"].device, args.precision):
+        outputs = ddp_model(**views, output_hidden_states=True)
+    z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
+    if args.supervised:  # (anchors, positives, hard negatives) or Table 4's pairs
+        return z.chunk(columns)
+    return (z, z) if args.fixed_dropout_mask else z.chunk(2)  # Table 3, "Fixed 0.1"
+
+
+def contrastive_loss(z1, z2, *hard, global_rows: int, args) -> torch.Tensor:
+    """InfoNCE over the global batch (its `global_rows` rows gathered from every process)."""
+    z1, z2 = distributed.gather(z1, global_rows), distributed.gather(z2, global_rows)
+    if args.no_negatives:  # miCSE Table 4
+        return common.positive_only_loss(z1, z2, args.temp)
+    # contradictions (then neutrals with --neutral_hard_negatives: Table 7)
+    hard = torch.cat([distributed.gather(h, global_rows) for h in hard]) if hard else None
+    return common.info_nce(z1, z2, args.temp, hard, args.hard_negative_weight)
+
+
+def mlm_loss(masked: dict, ddp_model, lm_head, blocks: int, args, part=None) -> torch.Tensor:
+    """lambda x the MLM loss of `part`'s rows of the masked views (in `blocks` blocks; the mean
+    over the whole batch's masked tokens), the head under autocast, as the released fp16 runs."""
+    rows = data.part_of(masked, part, blocks)
+    inputs = {k: v for k, v in rows.items() if k != "labels"}
+    with common.autocast(inputs["input_ids"].device, args.precision):
+        prediction_scores = lm_head(ddp_model(**inputs).last_hidden_state)
+    num_masked = (masked["labels"] != -100).sum()
+    return args.mlm_weight * masked_lm_loss(prediction_scores, rows["labels"], num_masked)
+
+
+def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, mlm, batch: dict,
+               global_rows: int):
+    """One optimizer step on this process's rows of the global batch: the views' forward pass,
+    InfoNCE (+ lambda MLM), backward, unscale and clip, the optimizer step; (loss, gradient norm)
+    on the device. `columns`: NLI's (1: sentences); `mlm`: --do_mlm's (lm_head, generator, special
+    ids, [MASK]'s id, vocabulary size), else None."""
+    if mlm is not None:  # Appendix D.2: masked copies of the views' rows, from the MLM's generator
+        lm_head, generator, special_ids, mask_token_id, vocab_size = mlm
+        views = views_of(batch, columns, args)
+        input_ids, labels = mask_tokens(views["input_ids"], special_ids, args.mlm_probability,
+                                        mask_token_id, vocab_size, generator)
+        masked = dict(views, input_ids=input_ids, labels=labels)
+        blocks = len(input_ids) // len(batch["input_ids"]) * columns  # NLI's columns, or the views
+    optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+    if args.micro_batch_size:  # GradCache: the same loss and gradients, K examples at once
+        loss = common.grad_cache(
+            functools.partial(embeddings, batch, ddp_model, head, columns, args),
+            functools.partial(contrastive_loss, global_rows=global_rows, args=args),
+            len(batch["input_ids"]) // columns, args.micro_batch_size, scaler.scale, ddp_model,
+            mlm and functools.partial(mlm_loss, masked, ddp_model, lm_head, blocks, args))
+    else:
+        z1, z2, *hard = embeddings(batch, ddp_model, head, columns, args)
+        loss = contrastive_loss(z1, z2, *hard, global_rows=global_rows, args=args)
+        if mlm is not None:
+            loss = loss + mlm_loss(masked, ddp_model, lm_head, blocks, args)
+        scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)  # fp16: clip the true gradients
+    # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+    scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
+    scaler.update()
+    return loss, grad_norm
+
+
 def main(argv=None):
     args = parse_args(argv)
-    run = Run(args)  # every flag checked, the seeds, the device (and torchrun's process group)
+    run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
     # Data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard
@@ -183,30 +250,30 @@ def main(argv=None):
     default_file = "nli_for_simcse.csv" if args.supervised else "wiki1m_for_simcse.txt"
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
-        # what this run needs of the encoder, else one line before any work; the mask it takes
-        prebuilt_mask = run.check_encoder(backbone, tokenizer, layers=bool(args.num_layers),
-                                          mlm_head=args.do_mlm)
+        # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
+        prebuilt_mask, switched_on = run.check_encoder(
+            backbone, tokenizer, layers=bool(args.num_layers), mlm_head=args.do_mlm)
+        vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(
             args, default_file, triplets=args.supervised, hard_negatives=not args.no_hard_negatives,
             neutral=args.neutral_hard_negatives)
-        # the batches' width: all alike (a CUDA graph's), few (to compile), or each its longest row
-        pad_multiple = args.max_seq_length if args.pad_to_max_length else 8 if args.compile else 1
-        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
+        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length,
+                                      data.pad_multiple(args))  # to its longest row, or alike
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
-    # --no-mlp_only_train.
+    # Encoder and head: the MLP on [CLS] ("cls"), evaluated before it unless --no-mlp_only_train
     if args.num_layers:  # SSCL Table 1: SimCSE on a shallower encoder
         keep_first_layers(backbone, args.num_layers)
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (Table 3); None: the checkpoint's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    lm_head, mlm_generator = None, None
+    lm_head, mlm_generator, mlm = None, None, None
     if args.do_mlm:  # Appendix D.2: the MLM head; masking on the device from its own generator
         lm_head = mlm_head(backbone, args.model_name_or_path).to(device).train()
         mlm_generator = torch.Generator(device).manual_seed(args.seed + distributed.rank())
-        special_ids = torch.tensor(tokenizer.all_special_ids, device=device)
+        mlm = (lm_head, mlm_generator, torch.tensor(tokenizer.all_special_ids, device=device),
+               tokenizer.mask_token_id, len(tokenizer))
     # what trains, one module: the backbone (its forward) and the heads, for DDP
     model = common.BackboneWithHeads(backbone, head, lm_head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -214,74 +281,22 @@ def main(argv=None):
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     eval_pooler = common.eval_pooler(args)
-    encode = common.Encoder(model, head, tokenizer, eval_pooler, device)
+    eval_encoder = common.Encoder(model, head, tokenizer, eval_pooler, device)
 
-    run.start(loader, total_steps, encode, [backbone, head], train_file, subset,
+    run.start(loader, total_steps, eval_encoder, [backbone, head], train_file, subset,
               backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
               scaler=scaler, lm_head=lm_head, mlm_generator=mlm_generator)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
-    blocks = corpus.num_columns  # NLI: a block of rows a column (anchors, positives, ...)
-
-    def train_step(batch):  # one optimizer step: (loss, gradient norm), left on the device
-        def encode_part(part):  # the embeddings of some of the examples (None: all), one pass
-            inputs = data.part_of(batch, part, blocks)
-            # supervised: anchors, entailments, contradictions; else two dropout masks: views
-            views = inputs if args.supervised else common.repeat_views(
-                inputs, 1 if args.fixed_dropout_mask else 2)
-            with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                outputs = ddp_model(**views, output_hidden_states=True)
-            z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
-            if args.supervised:  # (anchors, positives, hard negatives) or Table 4's pairs
-                return z.chunk(blocks)
-            return (z, z) if args.fixed_dropout_mask else z.chunk(2)  # Table 3, "Fixed 0.1"
-
-        def contrastive_loss(z1, z2, *hard):  # InfoNCE over the global batch
-            z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
-            if args.no_negatives:  # miCSE Table 4
-                return common.positive_only_loss(z1, z2, args.temp)
-            # contradictions (then neutrals with --neutral_hard_negatives: Table 7)
-            hard = torch.cat([distributed.gather(h, rows) for h in hard]) if hard else None
-            return common.info_nce(z1, z2, args.temp, hard, args.hard_negative_weight)
-
-        mlm_term = None
-        if args.do_mlm:  # Appendix D.2: + lambda * MLM on masked copies of the same inputs
-            mlm_blocks = blocks if args.supervised else 1 if args.fixed_dropout_mask else 2
-            encoded = batch if args.supervised else common.repeat_views(batch, mlm_blocks)
-            masked_ids, mlm_labels = mask_tokens(encoded["input_ids"], special_ids,
-                                                 args.mlm_probability, tokenizer.mask_token_id,
-                                                 len(tokenizer), mlm_generator)
-            num_masked = (mlm_labels != -100).sum()  # the mean's denominator: the whole batch's
-
-            def mlm_term(part):  # the head under autocast too, as the released fp16 runs
-                masked = data.part_of(dict(encoded, input_ids=masked_ids, labels=mlm_labels),
-                                      part, mlm_blocks)
-                labels = masked.pop("labels")
-                with common.autocast(device, args.precision):
-                    prediction_scores = lm_head(ddp_model(**masked).last_hidden_state)
-                return args.mlm_weight * masked_lm_loss(prediction_scores, labels, num_masked)
-        optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-        if args.micro_batch_size:  # GradCache: the same loss and gradients, K examples at once
-            num_examples = len(batch["input_ids"]) // blocks
-            loss = common.grad_cache(encode_part, contrastive_loss, num_examples,
-                                     args.micro_batch_size, scaler.scale, ddp_model, mlm_term)
-        else:
-            loss = contrastive_loss(*encode_part(None))
-            if mlm_term is not None:
-                loss = loss + mlm_term(None)
-            scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)  # fp16: clip the true gradients
-        # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
-        scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
-        scaler.update()
-        return loss, grad_norm
-    # --cuda_graph: the step captured once and replayed (plumbing/graph.py); else called as it is
-    train = graph.StepGraph(train_step, optimizer, args.cuda_graph, generators=[mlm_generator])
-    for step in run.steps():  # step 0 only evaluates the initial model
+    # the step, replayed from a CUDA graph with --cuda_graph (plumbing/graph.py), else called
+    train = graph.StepGraph(functools.partial(train_step, ddp_model, head, params, optimizer,
+                                              scaler, args, corpus.num_columns, mlm),
+                            optimizer, args.cuda_graph, generators=[mlm_generator])
+    for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
-            rows, batch = next(batches)  # rows: the global batch's, which each gather takes
-            loss, grad_norm = train({k: v.to(device, non_blocking=True) for k, v in batch.items()})
-            scheduler.step()
+            global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
+            loss, grad_norm = train({k: v.to(device, non_blocking=True) for k, v in batch.items()},
+                                    global_rows)
+            scheduler.step()  # outside the step (and its graph): the next step's lr
             run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
         if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves

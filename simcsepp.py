@@ -22,6 +22,7 @@ leaves open.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -31,11 +32,10 @@ import torch.nn.functional as F
 import common
 import data
 import plumbing
-from plumbing import distributed, hub, options
+from plumbing import distributed, graph, hub, options
 from plumbing.run import Run
 
-# The paper's settings, one row a condition (flags the user gives win); base models: common.FLAGS'
-# lr 3e-5 and batch 64 (Section 5.1).
+# The paper's settings (flags the user gives win); base models: common.FLAGS' (Section 5.1)
 PRESETS = {
     "bert-large": ({"lr": 8e-6}, "SimCSE++ Section 5.1, large models"),
     "roberta-large": ({"lr": 8e-6}, "SimCSE++ Section 5.1, large models"),
@@ -123,10 +123,8 @@ def dropout_off(module: nn.Module):
         if isinstance(m, nn.Dropout):
             m.eval()
         setattr(m, slot, 0.0)
-    # --gradient_checkpointing: this pass keeps its activations (recomputed in the backward pass, it
-    # would run with dropout back on)
-    checkpointed = [m for m in module.modules()
-                    if getattr(m, "gradient_checkpointing", False) is True]
+    # --gradient_checkpointing: this pass keeps its activations (recomputed, dropout would be on)
+    checkpointed = [m for m in module.modules() if getattr(m, "gradient_checkpointing", 0) is True]
     for m in checkpointed:
         m.gradient_checkpointing = False
     try:
@@ -139,24 +137,78 @@ def dropout_off(module: nn.Module):
             m.gradient_checkpointing = True
 
 
+def embeddings(batch, ddp_model, backbone, head, args, part=None) -> tuple:
+    """(z1, z2, z_dropout_off) of `part`'s sentences (None: all) in fp32: two dropout views in one
+    pass, then one with every dropout off for the negatives (--no_off_dropout, --dcl_only: none)."""
+    inputs = data.part_of(batch, part)
+    views = common.repeat_views(inputs, 2)  # one pass over the batch repeated
+    with common.autocast(inputs["input_ids"].device, args.precision):  # the encoder only
+        outputs = ddp_model(**views, output_hidden_states=True)
+    z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
+    if args.no_off_dropout or args.dcl_only:
+        return z.chunk(2)
+    with dropout_off(backbone), common.autocast(inputs["input_ids"].device, args.precision):
+        outputs_off = ddp_model(**inputs, output_hidden_states=True)
+    mask = inputs["attention_mask"]
+    return (*z.chunk(2), common.embed(outputs_off.hidden_states, mask, args.pooler, head))
+
+
+def simcsepp_loss(z1, z2, z_dropout_off=None, *, global_rows: int, args) -> torch.Tensor:
+    """Off-dropout InfoNCE + dcl_weight x DCL over the global batch (`global_rows` rows gathered
+    from the processes); Table 4's DCL alone; Table 3's view negatives."""
+    z1, z2 = distributed.gather(z1, global_rows), distributed.gather(z2, global_rows)
+    # DCL's statistics: the global batch's (released under torchrun: C / local batch; fidelity.md)
+    if args.dcl_only:  # Table 4: DCL alone
+        return dcl_loss(z1, z2, args.dcl_temp)
+    if args.no_off_dropout:
+        loss = view_negatives_info_nce(z1, z2, args.temp, args.m)
+    else:
+        loss = off_dropout_info_nce(z1, z2, distributed.gather(z_dropout_off, global_rows),
+                                    args.temp, args.m)
+    if args.dcl_weight > 0:
+        loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
+    return loss
+
+
+def train_step(ddp_model, backbone, head, params, optimizer, scaler, args, batch: dict,
+               global_rows: int):
+    """One optimizer step on this process's rows of the global batch: the views' passes, the loss,
+    backward, unscale and clip, the optimizer step; (loss, gradient norm) on the device."""
+    optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+    if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
+        loss = common.grad_cache(
+            functools.partial(embeddings, batch, ddp_model, backbone, head, args),
+            functools.partial(simcsepp_loss, global_rows=global_rows, args=args),
+            len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
+    else:
+        z1, z2, *z_dropout_off = embeddings(batch, ddp_model, backbone, head, args)
+        loss = simcsepp_loss(z1, z2, *z_dropout_off, global_rows=global_rows, args=args)
+        scaler.scale(loss).backward()  # through both views' pass and the dropout-off one
+    scaler.unscale_(optimizer)  # fp16: clip the true gradients
+    # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+    scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
+    scaler.update()
+    return loss, grad_norm
+
+
 def main(argv=None):
     args = parse_args(argv)
-    run = Run(args)  # every flag checked, the seeds, the device (and torchrun's process group)
+    run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
-        # what this run needs of the encoder, else one line before any work; the mask it takes
-        prebuilt_mask = run.check_encoder(backbone, tokenizer)
+        # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
+        prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # dropout to turn off
+        vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)
-        # the batches' width: all alike (a CUDA graph's), few (to compile), or each its longest row
-        pad_multiple = args.max_seq_length if args.pad_to_max_length else 8 if args.compile else 1
-        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
+        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length,
+                                      data.pad_multiple(args))  # to its longest row, or alike
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: the MLP on [CLS] (SimCSE's "cls" pooler); evaluated before it unless
-    # --no-mlp_only_train.
+    # Encoder and head: the MLP on [CLS] ("cls"), evaluated before it unless --no-mlp_only_train
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
@@ -167,58 +219,21 @@ def main(argv=None):
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     eval_pooler = common.eval_pooler(args)
-    encode = common.Encoder(model, head, tokenizer, eval_pooler, device)
+    eval_encoder = common.Encoder(model, head, tokenizer, eval_pooler, device)
 
-    run.start(loader, total_steps, encode, [backbone, head], train_file, subset, backbone=backbone,
-              head=head, optimizer=optimizer, scheduler=scheduler, scaler=scaler)  # for last/
+    run.start(loader, total_steps, eval_encoder, [backbone, head], train_file, subset,
+              backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
+              scaler=scaler)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
-    for step in run.steps():  # step 0 only evaluates the initial model
+    # the step, replayed from a CUDA graph with --cuda_graph (plumbing/graph.py), else called
+    train = graph.StepGraph(functools.partial(train_step, ddp_model, backbone, head, params,
+                                              optimizer, scaler, args), optimizer, args.cuda_graph)
+    for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
-            rows, batch = next(batches)  # rows: the global batch's, which each gather takes
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-            def encode_part(part):  # two dropout views of some sentences (None: all), one pass
-                inputs = data.part_of(batch, part)
-                views = common.repeat_views(inputs, 2)  # one pass over the batch repeated
-                with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                    outputs = ddp_model(**views, output_hidden_states=True)
-                z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
-                if args.no_off_dropout or args.dcl_only:
-                    return z.chunk(2)
-                # a third pass with every dropout off gives the negatives (with grads)
-                with dropout_off(backbone), common.autocast(device, args.precision):
-                    outputs_off = ddp_model(**inputs, output_hidden_states=True)
-                z_dropout_off = common.embed(outputs_off.hidden_states, inputs["attention_mask"],
-                                             args.pooler, head)
-                return (*z.chunk(2), z_dropout_off)
-
-            def simcsepp_loss(z1, z2, z_dropout_off=None):  # over the global batch
-                z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
-                # DCL's statistics are the global batch's (the released code under torchrun divides
-                # C by the local batch size: docs/fidelity.md)
-                if args.dcl_only:  # Table 4: DCL alone
-                    return dcl_loss(z1, z2, args.dcl_temp)
-                if args.no_off_dropout:
-                    loss = view_negatives_info_nce(z1, z2, args.temp, args.m)
-                else:
-                    loss = off_dropout_info_nce(z1, z2, distributed.gather(z_dropout_off, rows),
-                                                args.temp, args.m)
-                if args.dcl_weight > 0:
-                    loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
-                return loss
-            optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-            if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
-                loss = common.grad_cache(encode_part, simcsepp_loss, len(batch["input_ids"]),
-                                         args.micro_batch_size, scaler.scale, ddp_model)
-            else:
-                loss = simcsepp_loss(*encode_part(None))
-                scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)  # fp16: clip the true gradients
-            # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
-            scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
-            scaler.update()
-            scheduler.step()
+            global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
+            loss, grad_norm = train({k: v.to(device, non_blocking=True) for k, v in batch.items()},
+                                    global_rows)
+            scheduler.step()  # outside the step (and its graph): the next step's lr
             run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
         if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves

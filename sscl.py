@@ -20,6 +20,7 @@ settles what the paper leaves open.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 import common
 import data
 import plumbing
-from plumbing import distributed, hub, options, progress
+from plumbing import distributed, graph, hub, options, progress
 from plumbing.run import Run
 
 # The paper's settings (flags the user gives win): the released scripts train and evaluate with the
@@ -43,24 +44,19 @@ def parse_args(argv=None):
     parser = options.parser(__doc__, method="sscl")
     g = parser.add_argument_group("SSCL")
     g.add_argument("--neg_layers", type=int, default=2,
-                   help="k: negatives from layers L-1, ..., L-k below the last (progressive SSCL, "
-                        "Figure 3b: 2)")
+                   help="k: negatives from layers L-1, ..., L-k (progressive SSCL, Figure 3b: 2)")
     g.add_argument("--neg_layer_index", type=int, default=None,
-                   help="use this one hidden-state layer (1..L-1) as the negatives instead "
-                        "(Figure 3a)")
+                   help="this one hidden-state layer (1..L-1) as the negatives (Figure 3a)")
     g.add_argument("--layer_negatives", choices=["both", "anchor"], default="both",
-                   help="both: each negative layer of both dropout views, 2N negatives a layer "
-                        "(the released code); anchor: of the anchor's view only, N a layer (the "
-                        "paper's 'from N pairs to 2N pairs', Table 7)")
+                   help="both: a negative layer of both views, 2N a layer (the released code); "
+                        "anchor: the anchor's view's, N (the paper's 'N pairs to 2N', Table 7)")
     g.add_argument("--no_dropout_positive", action="store_true",
-                   help="SSCL-BERT (Table 2): one pass, no dropout positive pair; each sentence is "
-                        "its own positive and the layer negatives do the work")
+                   help="SSCL-BERT (Table 2): no dropout positive; a sentence is its own positive")
     g.add_argument("--output_dim", type=int, default=None,
-                   help="Table 5: project every representation to this many dimensions with a "
-                        "linear layer, kept at evaluation (128, 256)")
+                   help="Table 5: every representation linearly projected to this many dimensions, "
+                        "also at evaluation (128, 256)")
     g.add_argument("--report_oversmoothing", action="store_true",
-                   help="write SetSim (Eq. 2) of adjacent layers on STS-B test, before and after "
-                        "training")
+                   help="SetSim (Eq. 2) of adjacent layers on STS-B test before and after training")
     args = options.parse(parser, argv, PRESETS, lambda known, backbone: ["released", backbone])
     if args.pooler not in ("cls", "avg"):
         parser.error("SSCL trains with --pooler cls or avg (Section 4.2)")
@@ -88,12 +84,10 @@ def sscl_loss(z1, z2, layer_negatives, temp: float = 0.05) -> torch.Tensor:
 
 
 def negative_layers(num_layers: int, k: int, index: int | None = None) -> list[int]:
-    """hidden_states indices of the negative layers: [index], or L-1, ..., L-k (hidden_states[L] is
-    the last)."""
+    """hidden_states indices of the negative layers: [index], or L-1, ..., L-k (L: the last)."""
     if index is not None:
         if not 1 <= index < num_layers:
-            raise plumbing.UsageError(f"--neg_layer_index must be in 1..{num_layers - 1}, "
-                                      f"got {index}")
+            raise plumbing.UsageError(f"--neg_layer_index must be in 1..{num_layers - 1}: {index}")
         return [index]
     if not 0 <= k < num_layers:
         raise plumbing.UsageError(f"--neg_layers must be in 0..{num_layers - 1}, got {k}")
@@ -102,8 +96,7 @@ def negative_layers(num_layers: int, k: int, index: int | None = None) -> list[i
 
 def layer_representations(hidden_states, attention_mask, layers, pooler: str, head=None,
                           num_views: int = 2):
-    """Each negative layer's sentence representations, pooled like z, split into the dropout
-    views."""
+    """Each negative layer's sentence representations, pooled like z, split into the views."""
     # hidden_states[:l + 1] ends at layer l: embed pools (for [CLS], applies the MLP to) layer l
     return [tuple(common.embed(hidden_states[:layer + 1], attention_mask, pooler, head)
                   .chunk(num_views)) for layer in layers]
@@ -136,19 +129,76 @@ def oversmoothing(backbone, tokenizer, pooler: str, sentences, device, desc="Set
     return {f"{layer}-{layer + 1}": round(v, 4) for layer, v in enumerate(means, start=1)}
 
 
+def views_per_layer(args) -> int:
+    """A negative layer's views: both (the released code's, 2N a layer), or the anchor's (N)."""
+    return min(1 if args.no_dropout_positive else 2, 2 if args.layer_negatives == "both" else 1)
+
+
+def embeddings(batch, ddp_model, head, projection, neg_layers, args, part=None) -> tuple:
+    """(z1, z2, *each negative layer's views) of `part`'s sentences (None: all), fp32: one pass of
+    two dropout views (SSCL-BERT: one, used twice), whose intermediate layers give the negatives."""
+    num_views = 1 if args.no_dropout_positive else 2
+    views = common.repeat_views(data.part_of(batch, part), num_views)  # the batch repeated
+    with common.autocast(views["input_ids"].device, args.precision):  # the encoder only
+        outputs = ddp_model(**views, output_hidden_states=True)
+    mask = views["attention_mask"]
+    z = common.embed(outputs.hidden_states, mask, args.pooler, head)
+    reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head,
+                                 num_views)
+    if projection is not None:  # Table 5: every representation projected to d dims
+        z = projection(z)
+        reps = [tuple(projection(n) for n in layer) for layer in reps]
+    z1, z2 = (z, z) if args.no_dropout_positive else z.chunk(2)
+    # Code over paper: both views' layers (2N a layer); the paper adds N (--layer_negatives)
+    return (z1, z2, *(n for layer in reps for n in layer[:views_per_layer(args)]))
+
+
+def sscl_objective(z1, z2, *negatives, global_rows: int, args) -> torch.Tensor:
+    """sscl_loss over the global batch (`global_rows` rows gathered from the processes)."""
+    # Released code under torchrun: each process's own layer negatives; gathered here
+    negatives = [distributed.gather(n, global_rows) for n in negatives]
+    per_layer = views_per_layer(args)
+    layer_negatives = [tuple(negatives[i:i + per_layer]) for i in range(0, len(negatives),
+                                                                        per_layer)]
+    z1, z2 = distributed.gather(z1, global_rows), distributed.gather(z2, global_rows)
+    return sscl_loss(z1, z2, layer_negatives, args.temp)
+
+
+def train_step(ddp_model, head, projection, neg_layers, params, optimizer, scaler, args,
+               batch: dict, global_rows: int):
+    """One optimizer step on this process's rows of the global batch: the views' pass, the loss,
+    backward, unscale and clip, the optimizer step; (loss, gradient norm) on the device."""
+    optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+    if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
+        loss = common.grad_cache(
+            functools.partial(embeddings, batch, ddp_model, head, projection, neg_layers, args),
+            functools.partial(sscl_objective, global_rows=global_rows, args=args),
+            len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
+    else:
+        z1, z2, *negatives = embeddings(batch, ddp_model, head, projection, neg_layers, args)
+        loss = sscl_objective(z1, z2, *negatives, global_rows=global_rows, args=args)
+        scaler.scale(loss).backward()  # into the last layer and the negatives' layers
+    scaler.unscale_(optimizer)  # fp16: clip the true gradients
+    # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+    scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
+    scaler.update()
+    return loss, grad_norm
+
+
 def main(argv=None):
     args = parse_args(argv)
-    run = Run(args)  # every flag checked, the seeds, the device (and torchrun's process group)
+    run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
-        # a hidden state a layer (the negatives), else one line before any work; the mask it takes
-        prebuilt_mask = run.check_encoder(backbone, tokenizer)  # (plumbing/backbones.py)
+        # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
+        prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # a state a layer
+        vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)
-        # the batches' width: all alike (a CUDA graph's), few (to compile), or each its longest row
-        pad_multiple = args.max_seq_length if args.pad_to_max_length else 8 if args.compile else 1
-        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
+        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length,
+                                      data.pad_multiple(args))  # to its longest row, or alike
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
@@ -157,12 +207,12 @@ def main(argv=None):
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     eval_pooler = common.eval_pooler(args)
-    projection = None
-    if args.output_dim:  # Table 5: a linear projection after the pooler, at evaluation too
-        projection = torch.nn.Linear(backbone.config.hidden_size, args.output_dim).to(device)
+    # Table 5: a linear projection after the pooler, at evaluation too
+    projection = torch.nn.Linear(backbone.config.hidden_size, args.output_dim).to(device) \
+        if args.output_dim else None
     # what trains, one module: the backbone (its forward) and the heads, for DDP
     model = common.BackboneWithHeads(backbone, head, projection, prebuilt_mask=prebuilt_mask)
-    encode = common.Encoder(model, head, tokenizer, eval_pooler, device, projection)
+    eval_encoder = common.Encoder(model, head, tokenizer, eval_pooler, device, projection)
     params = [p for p in model.parameters() if p.requires_grad]
     ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
@@ -170,55 +220,20 @@ def main(argv=None):
     neg_layers = negative_layers(backbone.config.num_hidden_layers, args.neg_layers,
                                  args.neg_layer_index)
 
-    run.start(loader, total_steps, encode, [backbone, head], train_file, subset, backbone=backbone,
-              head=head, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-              projection=projection)  # what last/ saves
+    run.start(loader, total_steps, eval_encoder, [backbone, head], train_file, subset,
+              backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
+              scaler=scaler, projection=projection)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
-    for step in run.steps():  # step 0 only evaluates the initial model
+    # the step, replayed from a CUDA graph with --cuda_graph (plumbing/graph.py), else called
+    train = graph.StepGraph(functools.partial(train_step, ddp_model, head, projection, neg_layers,
+                                              params, optimizer, scaler, args),
+                            optimizer, args.cuda_graph)
+    for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
-            rows, batch = next(batches)  # rows: the global batch's, which each gather takes
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            num_views = 1 if args.no_dropout_positive else 2
-            per_layer = min(num_views, 2 if args.layer_negatives == "both" else 1)  # views a layer
-
-            def encode_part(part):  # some of the sentences (None: all), one pass
-                # the batch repeated: two dropout views (SSCL-BERT: one view, used twice)
-                views = common.repeat_views(data.part_of(batch, part), num_views)
-                with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                    outputs = ddp_model(**views, output_hidden_states=True)
-                mask = views["attention_mask"]
-                z = common.embed(outputs.hidden_states, mask, args.pooler, head)
-                # The negatives come from the same pass: intermediate layers of both views.
-                reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler,
-                                             head, num_views)
-                if projection is not None:  # Table 5: every representation projected to d dims
-                    z = projection(z)
-                    reps = [tuple(projection(n) for n in layer) for layer in reps]
-                z1, z2 = (z, z) if args.no_dropout_positive else z.chunk(2)
-                # Code over paper: both views' layers (2N a layer); the paper adds N
-                # (--layer_negatives)
-                return (z1, z2, *(n for layer in reps for n in layer[:per_layer]))
-
-            def sscl_objective(z1, z2, *negatives):  # over the global batch
-                # Released code under torchrun: each process's own layer negatives; gathered here
-                negatives = [distributed.gather(n, rows) for n in negatives]
-                layer_negatives = [tuple(negatives[i:i + per_layer])
-                                   for i in range(0, len(negatives), per_layer)]
-                z1, z2 = distributed.gather(z1, rows), distributed.gather(z2, rows)
-                return sscl_loss(z1, z2, layer_negatives, args.temp)
-            optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-            if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
-                loss = common.grad_cache(encode_part, sscl_objective, len(batch["input_ids"]),
-                                         args.micro_batch_size, scaler.scale, ddp_model)
-            else:
-                loss = sscl_objective(*encode_part(None))
-                scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)  # fp16: clip the true gradients
-            # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
-            scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
-            scaler.update()
-            scheduler.step()
+            global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
+            loss, grad_norm = train({k: v.to(device, non_blocking=True) for k, v in batch.items()},
+                                    global_rows)
+            scheduler.step()  # outside the step (and its graph): the next step's lr
             run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
         if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves

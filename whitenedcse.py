@@ -19,6 +19,7 @@ docs/methods.md says where the two differ and how this file settles what the pap
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -28,12 +29,11 @@ import torch.nn.functional as F
 import common
 import data
 import plumbing
-from plumbing import distributed, hub, options
+from plumbing import distributed, graph, hub, options
 from plumbing.run import Run
 
-# The paper's settings (flags the user gives win): --num_groups per backbone, Section 4.1: "384" for
-# BERT-base and -large, "256" for RoBERTa-base and -large. 384 does not divide BERT-large's 1024
-# channels; read as groups of 2 channels, as 384 is for BERT-base: 512. Others: hidden size / 2.
+# The paper's settings (flags win): --num_groups, Section 4.1: "384" for BERT-base and -large, "256"
+# for RoBERTa; 384 does not divide BERT-large's 1024: groups of 2 channels (512). Else hidden / 2.
 PRESETS = {
     "bert-large": ({"num_groups": 512}, "WhitenedCSE Section 4.1 read as groups of 2 channels"),
     "roberta-base": ({"num_groups": 256}, "WhitenedCSE Section 4.1, RoBERTa"),
@@ -45,8 +45,8 @@ def parse_args(argv=None):
     parser = options.parser(__doc__, method="whitenedcse")
     g = parser.add_argument_group("WhitenedCSE (Section 4.1 defaults)")
     g.add_argument("--num_groups", type=int, default=None,
-                   help="SGW groups (default: the backbone's setting, else groups of 2 channels, "
-                        "hidden_size / 2: 384 for BERT-base, the paper's best in Table 4)")
+                   help="SGW groups (default: the backbone's, else groups of 2 channels, "
+                        "hidden_size / 2: BERT-base's 384, Table 4's best)")
     g.add_argument("--num_pos", type=int, default=3,
                    help="m, the number of whitened views (Table 5: 3)")
     g.add_argument("--no_shuffle", action="store_true",
@@ -54,8 +54,8 @@ def parse_args(argv=None):
     g.add_argument("--no_whitening", action="store_true",
                    help="no SGW: the m positives differ by dropout alone (Table 6 ablation)")
     g.add_argument("--global_whitening", action="store_true",
-                   help="under torchrun: whiten with the statistics of the global batch (gathered "
-                        "first) instead of each process's own rows, as the released code does")
+                   help="under torchrun: whiten with the global batch's statistics, not each "
+                        "process's own rows as the released code does")
     args = options.parse(parser, argv, PRESETS)
     plumbing.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
     plumbing.check_range(args, "num_groups", lambda v: v >= 1, "a positive number of groups")
@@ -64,14 +64,11 @@ def parse_args(argv=None):
 
 def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tensor,
                              eps: float = 0.0) -> torch.Tensor:
-    """Shuffled group whitening (Section 3.2; ZCA per group, W = U diag(lambda^-1/2) U^T).
-
-    Channels are taken in the order x[:, perm], split into `num_groups` consecutive groups, each
-    centred over the batch and multiplied by the ZCA matrix of its covariance X^T X / N (+ eps I);
-    the channels are then put back in their original order. W is computed from the detached
-    covariance, as the authors' code does, so gradients flow through X only. Everything runs in fp32
-    (fp64 for fp64 input), also inside an autocast block.
-    """
+    """Shuffled group whitening (Section 3.2; ZCA per group, W = U diag(lambda^-1/2) U^T): the
+    channels x[:, perm] in `num_groups` consecutive groups, each centred over the batch and times
+    the ZCA matrix of its covariance X^T X / N (+ eps I), then put back in their order. W comes from
+    the detached covariance, as the authors' code has it: gradients flow through X only. In fp32
+    (fp64 for fp64 input), also inside an autocast block."""
     n, d = x.shape
     if d % num_groups:
         raise ValueError(f"{d} channels cannot be split into {num_groups} equal groups")
@@ -87,12 +84,24 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
         c = centred.detach()
         identity = torch.eye(width, dtype=x.dtype, device=x.device)
         covariance = c.transpose(1, 2) @ c / n + eps * identity
-        # checks convergence on the host: one sync
-        eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
-        inverse_sqrt = torch.diag_embed(eigenvalues.clamp_min(1e-12).rsqrt())
-        whitening = eigenvectors @ inverse_sqrt @ eigenvectors.transpose(1, 2)
+        if width == 2:  # the recipes' groups: C^-1/2 in closed form, no host sync (CUDA graphs)
+            whitening = inverse_sqrt_2x2(covariance)
+        else:  # eigh checks its convergence on the host: one sync
+            eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
+            inverse_sqrt = torch.diag_embed(eigenvalues.clamp_min(1e-12).rsqrt())
+            whitening = eigenvectors @ inverse_sqrt @ eigenvectors.transpose(1, 2)
         whitened = centred @ whitening
     return whitened.transpose(0, 1).reshape(n, d)[:, torch.argsort(perm)]
+
+
+def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
+    """C^-1/2 of each 2 x 2 covariance [[a, b], [b, c]] (G, 2, 2): with s = sqrt(det C) and t =
+    sqrt(a + c + 2 s), C^1/2 = (C + s I) / t, so C^-1/2 = [[c + s, -b], [-b, a + s]] / (s t): the
+    ZCA matrix U diag(lambda^-1/2) U^T that eigh gives, to rounding (tests/test_whitenedcse.py)."""
+    a, b, c = covariance[:, 0, 0], covariance[:, 0, 1], covariance[:, 1, 1]
+    s = (a * c - b * b).clamp_min(1e-24).sqrt()  # eigh's clamp: lambda >= 1e-12
+    t = (a + c + 2 * s).sqrt()
+    return torch.stack([c + s, -b, -b, a + s], dim=-1).view(-1, 2, 2) / (s * t)[:, None, None]
 
 
 def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
@@ -128,19 +137,67 @@ class WhitenedHead(nn.Module):
         return torch.tanh(self.linear(cls))
 
 
+def cls_views(batch, ddp_model, args, part=None) -> tuple:
+    """[CLS] of --num_pos dropout views of `part`'s sentences (None: all): one pass, in fp32."""
+    views = common.repeat_views(data.part_of(batch, part), args.num_pos)  # the batch repeated
+    with common.autocast(views["input_ids"].device, args.precision):  # the encoder only
+        outputs = ddp_model(**views)
+    return outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)
+
+
+def whitened_loss(*cls, head, generator, global_rows: int, args) -> torch.Tensor:
+    """Each view shuffled, whitened and through the head; multi-positive InfoNCE, global batch."""
+    if args.global_whitening:  # each covariance over the global batch
+        cls = [distributed.gather(c, global_rows) for c in cls]
+    hidden, device = cls[0].shape[1], cls[0].device
+    # Eq. 11: a fresh shuffle per view and step (the identity with --no_shuffle)
+    perms = [torch.arange(hidden, device=device) if args.no_shuffle else
+             torch.randperm(hidden, generator=generator, device=device) for _ in cls]
+    if args.no_whitening:  # Table 6: the positives differ by dropout alone
+        perms = [None] * len(cls)
+    views = [head(c, perm) for c, perm in zip(cls, perms)]
+    # Code over paper: the released code whitens each GPU's own rows, then gathers
+    if not args.global_whitening:
+        views = [distributed.gather(v, global_rows) for v in views]
+    return multi_positive_info_nce(views, args.temp)
+
+
+def train_step(ddp_model, head, generator, params, optimizer, scaler, args, batch: dict,
+               global_rows: int):
+    """One optimizer step on this process's rows of the global batch: the views' pass, whitening,
+    the loss, backward, unscale and clip, the optimizer step; (loss, gradient norm)."""
+    optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+    if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
+        loss = common.grad_cache(
+            functools.partial(cls_views, batch, ddp_model, args),
+            functools.partial(whitened_loss, head=head, generator=generator,
+                              global_rows=global_rows, args=args),
+            len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
+    else:
+        loss = whitened_loss(*cls_views(batch, ddp_model, args), head=head, generator=generator,
+                             global_rows=global_rows, args=args)
+        scaler.scale(loss).backward()  # through the whitening (not its covariance)
+    scaler.unscale_(optimizer)  # fp16: clip the true gradients
+    # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+    scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
+    scaler.update()
+    return loss, grad_norm
+
+
 def main(argv=None):
     args = parse_args(argv)
-    run = Run(args)  # every flag checked, the seeds, the device (and torchrun's process group)
+    run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
-        # what this run needs of the encoder, else one line before any work; the mask it takes
-        prebuilt_mask = run.check_encoder(backbone, tokenizer)
+        # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
+        prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # its [CLS]
+        vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)
-        # the batches' width: all alike (a CUDA graph's), few (to compile), or each its longest row
-        pad_multiple = args.max_seq_length if args.pad_to_max_length else 8 if args.compile else 1
-        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, pad_multiple)
+        corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length,
+                                      data.pad_multiple(args))  # to its longest row, or alike
     hidden = backbone.config.hidden_size
     args.num_groups = args.num_groups or hidden // 2  # no backbone setting: groups of 2 channels
     width = group_width(hidden, args.num_groups)
@@ -148,8 +205,7 @@ def main(argv=None):
     processes = 1 if args.global_whitening else distributed.world_size()
     if args.batch_size // processes <= width:
         raise plumbing.UsageError(f"groups of {width} channels need --batch_size above "
-                                  f"{width * processes}" + (f" ({width} a process)" if processes > 1
-                                                            else ""))
+                                  f"{width * processes}{f' ({width} a process)' * (processes > 1)}")
     # fewer rows: a singular covariance
     loader = data.make_loader(corpus, args, device, min_rows=(width + 1) * processes)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
@@ -166,50 +222,22 @@ def main(argv=None):
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     generator = torch.Generator(device).manual_seed(args.seed)  # the shuffles, alike everywhere
     eval_pooler = "cls_before_pooler"
-    encode = common.Encoder(model, None, tokenizer, eval_pooler, device)
+    eval_encoder = common.Encoder(model, None, tokenizer, eval_pooler, device)
 
-    run.start(loader, total_steps, encode, [backbone, head], train_file, subset, backbone=backbone,
-              head=head, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-              shuffle_generator=generator)  # what last/ saves
+    run.start(loader, total_steps, eval_encoder, [backbone, head], train_file, subset,
+              backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
+              scaler=scaler, shuffle_generator=generator)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
-    for step in run.steps():  # step 0 only evaluates the initial model
+    # the step, replayed from a CUDA graph with --cuda_graph (plumbing/graph.py), else called
+    train = graph.StepGraph(functools.partial(train_step, ddp_model, head, generator, params,
+                                              optimizer, scaler, args), optimizer, args.cuda_graph,
+                            generators=[generator])
+    for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
-            rows, batch = next(batches)  # rows: the global batch's, which each gather takes
-            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-            def encode_part(part):  # [CLS] of m dropout views of some sentences (None: all)
-                views = common.repeat_views(data.part_of(batch, part), args.num_pos)  # one pass
-                with common.autocast(device, args.precision):  # the encoder only: the rest is fp32
-                    outputs = ddp_model(**views)
-                return outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)
-
-            def whitened_loss(*cls_views):  # the whitening and the loss: over the batch
-                if args.global_whitening:  # each covariance over the global batch
-                    cls_views = [distributed.gather(c, rows) for c in cls_views]
-                # Eq. 11: a fresh shuffle per view and step (the identity with --no_shuffle)
-                perms = [torch.arange(hidden, device=device) if args.no_shuffle else
-                         torch.randperm(hidden, generator=generator, device=device)
-                         for _ in cls_views]
-                if args.no_whitening:  # Table 6: the positives differ by dropout alone
-                    perms = [None] * len(cls_views)
-                views = [head(cls, perm) for cls, perm in zip(cls_views, perms)]
-                # Code over paper: the released code whitens each GPU's own rows, then gathers
-                if not args.global_whitening:
-                    views = [distributed.gather(v, rows) for v in views]
-                return multi_positive_info_nce(views, args.temp)
-            optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-            if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
-                loss = common.grad_cache(encode_part, whitened_loss, len(batch["input_ids"]),
-                                         args.micro_batch_size, scaler.scale, ddp_model)
-            else:
-                loss = whitened_loss(*encode_part(None))
-                scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)  # fp16: clip the true gradients
-            # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
-            scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
-            scaler.update()
-            scheduler.step()
+            global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
+            loss, grad_norm = train({k: v.to(device, non_blocking=True) for k, v in batch.items()},
+                                    global_rows)
+            scheduler.step()  # outside the step (and its graph): the next step's lr
             run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
         if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves

@@ -205,7 +205,8 @@ def main(argv=None):
     # Data: the pairs (x_i, x_i+), built once, laid out as (all anchors, all positives) per batch.
     examples, train_file, _ = data.training_examples(args)
     tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
-    prebuilt_mask = run.check_encoder(backbone, tokenizer)  # else one line; the mask it takes
+    prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # else one line; the mask
+    vars(args).update(switched_on)  # the model's --dropout, --fit_memory's choice
     anchors, positives = make_pairs(args, list(examples["text"]), device)
     pairs = datasets.Dataset.from_dict({"sent0": anchors, "sent1": positives})
     corpus = data.TokenizedCorpus(pairs, tokenizer, args.max_seq_length)

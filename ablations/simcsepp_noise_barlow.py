@@ -115,7 +115,8 @@ def main(argv=None):
 
     examples, train_file, subset = data.training_examples(args)
     tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
-    prebuilt_mask = run.check_encoder(backbone, tokenizer)  # else one line; the mask it takes
+    prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # else one line; the mask
+    vars(args).update(switched_on)  # the model's --dropout, --fit_memory's choice
     corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)

@@ -115,7 +115,8 @@ def main(argv=None):
 
     examples, train_file, subset = data.training_examples(args)
     tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
-    prebuilt_mask = run.check_encoder(backbone, tokenizer)  # else one line; the mask it takes
+    prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # else one line; the mask
+    vars(args).update(switched_on)  # the model's --dropout, --fit_memory's choice
     corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length)
     hidden = backbone.config.hidden_size
     args.num_groups = args.num_groups or hidden // 2  # as whitenedcse.py: groups of 2 channels

@@ -68,12 +68,14 @@ def rank() -> int:
 def gather(t: torch.Tensor, rows: int) -> torch.Tensor:
     """The rows of every process in rank order, gradients flowing back to each own rows. `rows`: how many rows the
     global batch has (data.batches gives it with each batch); process r holds rows n r / N to n (r + 1) / N of it
-    (data.BatchSampler), so every process knows every count without asking (they may differ by one)."""
-    if world_size() == 1:
+    (data.BatchSampler), so every process knows every count without asking (they may differ by one). It keeps no state:
+    torch.distributed says whether a process group runs and its size, so it works in any torchrun loop."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return t
-    counts = [rows * (r + 1) // _WORLD - rows * r // _WORLD for r in range(_WORLD)]
-    if len(t) != counts[rank()]:
-        raise RuntimeError(f"gather: {len(t)} rows here, a global batch of {rows} gives this process {counts[rank()]}")
+    world, here = dist.get_world_size(), dist.get_rank()
+    counts = [rows * (r + 1) // world - rows * r // world for r in range(world)]
+    if len(t) != counts[here]:
+        raise RuntimeError(f"gather: {len(t)} rows here, a global batch of {rows} gives this process {counts[here]}")
     padded = F.pad(t, (0, 0) * (t.dim() - 1) + (0, max(counts) - len(t)))
     with warnings.catch_warnings():  # torch 2.13 points to a private module instead; this public one still works
         warnings.simplefilter("ignore", FutureWarning)

@@ -2,7 +2,8 @@
 
 At the papers' batch (64 x 32 tokens) a step on a big GPU waits for Python to launch about a thousand kernels; a
 CUDA graph records them once and launches them all in one call (docs/gpu.md: a bare BERT-base step 3.2 x faster on
-an H200). `StepGraph(train_step, optimizer, ...)` is called as train_step would be, with the step's batch:
+an H200). `StepGraph(train_step, optimizer, ...)` is called as train_step would be, with the step's batch (and
+values that stay the same for a shape, such as the global batch's row count):
 
 - The first WARMUP steps run eagerly on a side stream (PyTorch's recipe: the lazy state, the optimizer's moments and
   the GradScaler's scale, is made before the capture).
@@ -14,16 +15,22 @@ an H200). `StepGraph(train_step, optimizer, ...)` is called as train_step would 
   batch) runs eagerly.
 - What a replay returns lives in the graph's memory and is overwritten by the next replay: it is returned as copies.
 
-What cannot be captured is refused before any work (options.check_args): another device, torchrun's processes
-(DDP's all-reduce hooks), --micro_batch_size (GradCache reads and sets the RNG's state on the host), --compile, and
-the methods whose step has a host check (WhitenedCSE's eigh)."""
+What cannot be captured is refused before any work where --cuda_graph is given, and left eager by default
+(options.check_cuda_graph): another device, torchrun's processes (DDP's all-reduce hooks), --micro_batch_size and
+--gradient_checkpointing (they read and set the RNG's state on the host), --compile. A step that turns out not to be
+capturable (an encoder whose forward reads a value on the host, as ModernBERT's unpadding does; WhitenedCSE's eigh for
+groups wider than 2) goes on eagerly after one line. `release()` frees the graphs' memory (before the final
+evaluation)."""
 from __future__ import annotations
+
+import weakref
 
 import torch
 
-import plumbing
+from plumbing import distributed
 
 WARMUP = 3  # eager steps before the capture
+_LIVE = weakref.WeakSet()  # the StepGraphs holding a graph: release() frees them
 
 
 class StepGraph:
@@ -32,20 +39,22 @@ class StepGraph:
         generators: the torch.Generators on the GPU that the step draws from besides the default one (None: none)."""
         self.train_step, self.optimizer, self.enabled = train_step, optimizer, enabled
         self.generators, self.calls, self.largest = [g for g in generators if g is not None], 0, 0
-        self.graph, self.static_batch, self.static_outputs = None, None, None
+        self.graph, self.static_batch, self.static_outputs, self.same = None, None, None, ()
 
-    def __call__(self, batch: dict):
+    def __call__(self, batch: dict, *same):
         if not self.enabled:
-            return self.train_step(batch)
+            return self.train_step(batch, *same)
         self.calls += 1
         rows = next(iter(batch.values())).shape[0]
         self.largest = max(self.largest, rows)
         if self.calls <= WARMUP:
-            return self._on_side_stream(batch)
+            return self._on_side_stream(batch, *same)
         if self.graph is None and rows == self.largest:  # a full batch: the shape to capture
-            self._capture(batch)
-        elif self.graph is None or any(batch[k].shape != buffer.shape for k, buffer in self.static_batch.items()):
-            return self.train_step(batch)  # an epoch's short last batch: another shape, eagerly
+            if not self._capture(batch, *same):
+                return detached(self.train_step(batch, *same))  # not capturable: eagerly from now on
+        elif self.graph is None or same != self.same or any(
+                batch[k].shape != buffer.shape for k, buffer in self.static_batch.items()):
+            return detached(self.train_step(batch, *same))  # an epoch's short last batch: eagerly
         for k, buffer in self.static_batch.items():
             buffer.copy_(batch[k], non_blocking=True)
         self.graph.replay()
@@ -53,17 +62,19 @@ class StepGraph:
             return tuple(t.clone() for t in self.static_outputs)
         return self.static_outputs.clone()
 
-    def _on_side_stream(self, batch: dict):
+    def _on_side_stream(self, batch: dict, *same):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            outputs = detached(self.train_step(batch))  # its autograd nodes not kept into the capture
+            outputs = detached(self.train_step(batch, *same))  # its autograd nodes not kept into the capture
         torch.cuda.current_stream().wait_stream(side)
         return outputs
 
-    def _capture(self, batch: dict) -> None:
+    def _capture(self, batch: dict, *same) -> bool:
+        """The step captured on this batch's buffers; False (and one line) where it cannot be: the run then goes on
+        eagerly, with what the capture attempt left (no kernel of it ran) cleared by the eager step's zero_grad."""
         capturable(self.optimizer, next(iter(batch.values())).device)
-        self.static_batch = {k: v.clone() for k, v in batch.items()}
+        self.static_batch, self.same = {k: v.clone() for k, v in batch.items()}, same
         self.optimizer.zero_grad(set_to_none=True)  # the graph's backward makes the gradients in its own pool
         self.graph = torch.cuda.CUDAGraph()
         for generator in self.generators:
@@ -72,16 +83,33 @@ class StepGraph:
         torch.set_autocast_cache_enabled(False)
         try:  # thread_local: the data loader's pinning thread may call CUDA meanwhile
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.static_outputs = detached(self.train_step(self.static_batch))
+                self.static_outputs = detached(self.train_step(self.static_batch, *same))
         except torch.OutOfMemoryError:
             raise  # the run's own out-of-memory stop (plumbing.cli)
         except RuntimeError as error:  # e.g. an encoder whose forward reads a value on the host (unpadding)
             reason = (str(error).splitlines() or [type(error).__name__])[0][:200]
-            raise plumbing.UsageError(f"--cuda_graph: this step cannot be captured in a CUDA graph ({reason}); to "
-                                      "run it eagerly, run the same command without --cuda_graph, with "
-                                      "--pad_to_max_length --auto_resume") from error
+            distributed.log(f"note: --cuda_graph: this step cannot be captured in a CUDA graph ({reason}); the run "
+                            "goes on eagerly (its batches still padded to --max_seq_length)")
+            self.enabled = False
+            self.release()
+            return False
         finally:
             torch.set_autocast_cache_enabled(cache)
+        _LIVE.add(self)
+        return True
+
+    def release(self) -> None:
+        """The graph, its buffers and its memory pool given back."""
+        self.graph, self.static_batch, self.static_outputs = None, None, None
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+
+def release() -> None:
+    """Every StepGraph's graph and memory pool freed (the training has ended: the final evaluation needs the room)."""
+    for step_graph in list(_LIVE):
+        step_graph.release()
+        step_graph.enabled = False
 
 
 def capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -206,7 +206,7 @@ def _mlm_head(config):
 
 
 def ami_layers(args, num_layers: int) -> tuple[int, int]:
-    """miCSE's AMI layers: the run's, else its default (micse.default_ami_layers)."""
+    """miCSE's AMI layers: the run's, else its default (micse.ami_layers)."""
     if getattr(args, "ami_min_layer", None) is not None and getattr(args, "ami_max_layer", None) is not None:
         return args.ami_min_layer, args.ami_max_layer
     return (num_layers - 5, num_layers - 1) if num_layers >= 6 else (0, num_layers - num_layers % 2)

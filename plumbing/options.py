@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import plumbing
-from plumbing import backbones, hub, tracking
+from plumbing import backbones, hub, resume, tracking
 
 
 def add_run_flags(parser) -> None:
@@ -66,10 +66,13 @@ def add_run_flags(parser) -> None:
                    help="pad every batch to --max_seq_length (the released train.py's flag): one "
                         "shape for every step, as a CUDA graph needs; the losses of padding to the "
                         "longest row (dropout draws other masks for another shape), more compute")
-    g.add_argument("--cuda_graph", action="store_true",
-                   help="replay each training step from one CUDA graph (plumbing/graph.py; implies "
-                        "--pad_to_max_length): a launch-bound step on a big GPU several times "
-                        "faster. One CUDA GPU, one process; simcse.py only so far (docs/gpu.md)")
+    g.add_argument("--cuda_graph", action="store_const", const=True, default=None,
+                   help="replay each training step from one CUDA graph (plumbing/graph.py; every "
+                        "batch padded to --max_seq_length): a launch-bound step on a big GPU several "
+                        "times faster. Default: on, on one CUDA GPU for the rows captured on one "
+                        "(docs/gpu.md), unless --compile or a memory flag")
+    g.add_argument("--no_cuda_graph", dest="cuda_graph", action="store_const", const=False,
+                   help="run each training step eagerly, each batch padded to its longest row")
     g.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms on CUDA (torch.use_deterministic_algorithms, "
                         "CUBLAS_WORKSPACE_CONFIG): a resumed GPU run is then bit-identical; slower")
@@ -192,39 +195,49 @@ def check_args(args) -> torch.device:
     if args.count_host_syncs and args.compile:
         raise plumbing.UsageError("--count_host_syncs counts under a TorchDispatchMode, which --compile does not "
                                   "trace: give one of them")
-    check_cuda_graph(args, device)
     check_paths(args)
     args.output_dir = str(args.output_dir or Path("runs") / args.method)
+    check_cuda_graph(args, device)
     plumbing.check_writable(args.output_dir, "--output_dir")  # permissions, a read-only file system, a full disk
     return device
 
 
-GRAPHED_METHODS = ("simcse",)  # whose step plumbing.graph.StepGraph captures; why not the others:
-NOT_GRAPHED = {"whitenedcse": "its eigh reads a convergence flag on the host, which a graph cannot capture",
-               "micse": "its momentum queue grows and is replaced each step, which a replay of fixed buffers would "
-                        "not follow",
-               "simcsepp": "its step has not been captured on a GPU yet", "sscl": "its step has not been captured "
-                                                                                  "on a GPU yet"}
+GRAPHED_METHODS = ("simcse", "simcsepp", "sscl", "whitenedcse", "micse")  # whose step StepGraph captures
+AUTO_GRAPHED = ("simcse",)  # the rows captured on a GPU so far (docs/gpu.md): --cuda_graph by default
 
 
 def check_cuda_graph(args, device: torch.device) -> None:
-    """--cuda_graph: what a CUDA graph cannot capture, refused in one line before any work; else every batch padded
-    to --max_seq_length, the one shape a graph replays."""
-    if not getattr(args, "cuda_graph", False):
+    """--cuda_graph: on where given, off with --no_cuda_graph, by default on for the AUTO_GRAPHED methods on one CUDA
+    GPU without --compile or a memory flag; a resumed run keeps what it started with (its padding too). Given, what a
+    graph cannot capture is refused in one line before any work. On: every batch padded to --max_seq_length, the one
+    shape a graph replays."""
+    if not hasattr(args, "cuda_graph"):  # the ablation scripts
         return
-    cannot = {"the method": args.method not in GRAPHED_METHODS and f"{args.method}.py: "
-                                                                    f"{NOT_GRAPHED.get(args.method, 'not captured')}",
-              "the device": device.type != "cuda" and f"a CUDA graph needs a CUDA GPU, not {device.type}",
+    started = resume.started_args(args.output_dir) if args.resume or args.auto_resume else None
+    if started is not None and "cuda_graph" in started:  # the run's own choice, and so its batches' padding
+        if args.cuda_graph is not None and args.cuda_graph != bool(started["cuda_graph"]):
+            how = "with --cuda_graph" if started["cuda_graph"] else "eagerly (without a CUDA graph)"
+            raise plumbing.UsageError(f"--{'auto_' if args.auto_resume else ''}resume: the run in {args.output_dir} "
+                                      f"started {how}; resume it as it started: leave out --cuda_graph and "
+                                      "--no_cuda_graph")
+        args.cuda_graph = bool(started["cuda_graph"])
+        args.pad_to_max_length = args.pad_to_max_length or args.cuda_graph
+        return
+    cannot = {"the device": device.type != "cuda" and f"a CUDA graph needs a CUDA GPU, not {device.type}",
               "torchrun": int(os.environ.get("WORLD_SIZE", "1")) > 1 and "DDP's all-reduce hooks are not captured: "
                                                                            "one process",
               "--compile": args.compile and "give one of them",
               "--micro_batch_size": args.micro_batch_size and "GradCache reads and sets the RNG's state on the host",
               "--gradient_checkpointing": args.gradient_checkpointing and "the recomputation reads the RNG's state "
                                                                           "on the host"}
-    for what, why in cannot.items():
-        if why:
-            raise plumbing.UsageError(f"--cuda_graph with {what}: {why}; leave --cuda_graph out to run eagerly")
-    args.pad_to_max_length = True
+    if args.cuda_graph is None:  # the default
+        args.cuda_graph = args.method in AUTO_GRAPHED and not any(cannot.values())
+    elif args.cuda_graph:
+        for what, why in cannot.items():
+            if why:
+                raise plumbing.UsageError(f"--cuda_graph with {what}: {why}; leave --cuda_graph out to run "
+                                          "eagerly")
+    args.pad_to_max_length = args.pad_to_max_length or args.cuda_graph
 
 
 def check_paths(args) -> None:

@@ -23,6 +23,7 @@ plumbing/outdir.py and plumbing/lock.py; best/ and its copy: plumbing/checkpoint
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import resource
@@ -37,8 +38,8 @@ import common
 import data
 import eval_sts
 import plumbing
-from plumbing import (backbones, checkpoint, distributed, files, lock, memory, options, outdir, progress,
-                      provenance, resume, syncs, tracking)
+from plumbing import (backbones, checkpoint, distributed, files, graph, lock, memory, options, outdir,
+                      progress, provenance, resume, syncs, tracking)
 
 
 FP16_SKIP_LIMIT = 25  # fp16: this many skipped steps in a row stop the run (the scale has fallen 2^25-fold)
@@ -122,24 +123,26 @@ class Run:
         self.encoder_notes, self.fitted = [], None  # check_encoder's (--fit_memory's record)
 
     def check_encoder(self, backbone, tokenizer, attentions: bool = False, layers: bool = False,
-                      mlm_head: bool = False) -> bool:
+                      mlm_head: bool = False) -> tuple[bool, dict]:
         """What the method needs of the loaded encoder, before any training (plumbing/backbones.py): one line where it
-        cannot work (attention weights, a layer list, an MLM head); --dropout 0.1 for a model without dropout;
-        --fit_memory's choice (a resumed run's: its start's); --gradient_checkpointing switched on. Whether a
-        training pass may give it the prebuilt 4-D mask (common.BackboneWithHeads's prebuilt_mask); the run summary
-        says."""
+        cannot work (attention weights, a layer list, an MLM head). (Whether a training pass may give it the prebuilt
+        4-D mask (common.BackboneWithHeads's prebuilt_mask), the settings it switches on), the settings for main() to
+        assign: --dropout 0.1 for a model without dropout, --fit_memory's choice (a resumed run's: its start's). The
+        backbone's layers are made to checkpoint where --gradient_checkpointing is on or switched on. The run summary
+        says what was switched on."""
+        args = copy.copy(self.args)  # the checks set their choices on a copy: main() assigns them
         prebuilt, self.encoder_notes = backbones.check(
-            backbone, tokenizer, self.args, lambda mask: common.attention_mask_4d(
+            backbone, tokenizer, args, lambda mask: common.attention_mask_4d(
                 mask, backbone.config._attn_implementation), attentions, layers, mlm_head)
-        saved = (resume.started_args(self.args.output_dir) if self.args.resume else None) or {}
-        if self.args.fit_memory or saved.get("fit_memory"):  # before the flags take effect
-            note, self.fitted = memory.fit(self.args, backbone.config, self.device, distributed.world_size(),
-                                           saved if self.args.resume else None, distributed.smallest)
+        saved = (resume.started_args(args.output_dir) if args.resume else None) or {}
+        if args.fit_memory or saved.get("fit_memory"):  # before the flags take effect
+            note, self.fitted = memory.fit(args, backbone.config, self.device, distributed.world_size(),
+                                           saved if args.resume else None, distributed.smallest)
             if note:
                 distributed.log(note)
-        if self.args.gradient_checkpointing:  # recomputed in the backward pass, dropout replayed
-            backbones.checkpoint_layers(backbone, self.args.model_name_or_path)
-        return prebuilt
+        if args.gradient_checkpointing:  # recomputed in the backward pass, dropout replayed
+            backbones.checkpoint_layers(backbone, args.model_name_or_path)
+        return prebuilt, {k: v for k, v in vars(args).items() if getattr(self.args, k) != v}
 
     def start(self, loader, total_steps: int, encode, modules, train_file, subset, **state) -> None:
         """Before the first step: SentEval's files read (process 0 first: senteval.tar), the run's summary, the
@@ -434,8 +437,9 @@ class Run:
     def _free_training_memory(self) -> None:
         """What only training needs, freed before the final evaluation loads best/ and the pretrained model beside the
         trained one (then the best model's copy goes too: on a GPU, four times the weights in all; plumbing/memory.py
-        counts the evaluation's peak so), or before best/ is written after an out-of-memory stop: the gradients and
-        AdamW's moments."""
+        counts the evaluation's peak so), or before best/ is written after an out-of-memory stop: the gradients,
+        AdamW's moments and the CUDA graph's memory pool."""
+        graph.release()
         for thing in self.state.values():
             if isinstance(thing, torch.optim.Optimizer):
                 thing.zero_grad(set_to_none=True)

@@ -82,7 +82,7 @@ def test_an_unknown_backbone_gets_the_bert_base_settings_and_says_so(configs, ca
 
 
 def test_micse_takes_the_ami_layers_from_the_depth():
-    assert micse.default_ami_layers(12) == (7, 11) and micse.default_ami_layers(24) == (19, 23)
+    assert micse.ami_layers(12) == (7, 11) and micse.ami_layers(24) == (19, 23)
 
 
 def test_whitenedcse_default_works_on_a_1024_wide_encoder(tmp_path, corpus, senteval_dir):

@@ -147,7 +147,7 @@ def test_gpu_check_fits_the_device_budget():
         return dict((line.split()[0], int(line.split()[1])) for line in out.splitlines())
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     first, second = plan(), plan("recipes_large")
-    assert list(first) == ["machine", "compare", "recipes_base", "flags", "total"]
+    assert list(first) == ["machine", "graph", "recipes_graph", "families", "gate", "total"]
     assert first["total"] == sum(v for k, v in first.items() if k != "total") <= 600 - 60
     assert 60 + first["total"] + second["total"] <= 15 * 60 - 60
     refused = subprocess.run(["bash", script, "--plan", "compare", "no_such_stage"], capture_output=True, text=True)

@@ -203,8 +203,8 @@ def test_whitenedcse_whitens_in_num_groups_and_contrasts_num_pos_views(spread_mo
 
 
 def test_micse_adds_lambda_ami_to_the_queued_info_nce(spread_model, corpus, senteval_dir, tmp_path, monkeypatch):
-    """--ami_lambda times the AMI term plus InfoNCE over the batch and --queue_size's queue at --temp; the queue is
-    empty at step 1 and holds step 1's 8 keys at step 2."""
+    """--ami_lambda times the AMI term plus InfoNCE over the batch and --queue_size's queue at --temp; the queue's 16
+    slots are empty at step 1 (all left out) and hold step 1's 8 keys at step 2."""
     import micse
     calls = Calls(monkeypatch, [(micse, "ami_loss"), (micse, "moco_info_nce")])
     ami_lambda, temp = 0.5, 0.1
@@ -214,7 +214,7 @@ def test_micse_adds_lambda_ami_to_the_queued_info_nce(spread_model, corpus, sent
         (_, _, ami), = calls.of(step, "ami_loss")
         (args, kwargs, _), = calls.of(step, "moco_info_nce")
         (z1, z2, queue), own_keys = args[:3], (args[4:] or [kwargs.get("own_keys")])[0]
-        assert len(queue) == 8 * step
+        assert len(queue) == 16 and own_keys[:, 8 * step:].all() and not own_keys[:, :8 * step].any()
         own = None if own_keys is None else own_keys.numpy()
         expected = loop_moco(z1.double().numpy(), z2.double().numpy(), queue.double().numpy(), temp, own)
         assert abs(float(ami)) > 1e-3  # the term is there to weigh

@@ -9,7 +9,6 @@ import torch
 
 import common
 import simcse
-import whitenedcse
 from conftest import cli_in_process, smoke_args
 from plumbing import graph, hub, options
 
@@ -75,21 +74,32 @@ def test_without_the_flag_the_step_is_called_as_it_is():
 
 def cuda_graph_args(**given):
     args = dict(method="simcse", compile=False, micro_batch_size=None, gradient_checkpointing=False,
-                pad_to_max_length=False, cuda_graph=True)
+                pad_to_max_length=False, cuda_graph=True, resume=False, auto_resume=False, output_dir="unused")
     return types.SimpleNamespace(**dict(args, **given))
 
 
 @pytest.mark.parametrize("given, needle", [
-    ({"method": "whitenedcse"}, "--cuda_graph with the method: whitenedcse.py: its eigh reads a convergence flag"),
-    ({"method": "micse"}, "--cuda_graph with the method: micse.py: its momentum queue grows and is replaced"),
-    ({"method": "sscl"}, "--cuda_graph with the method: sscl.py: its step has not been captured on a GPU yet"),
     ({"compile": True}, "--cuda_graph with --compile: give one of them"),
     ({"micro_batch_size": 4}, "--cuda_graph with --micro_batch_size: GradCache reads and sets the RNG's state"),
     ({"gradient_checkpointing": True}, "--cuda_graph with --gradient_checkpointing: the recomputation reads"),
 ])
-def test_what_a_graph_cannot_capture_is_refused_in_one_line(given, needle):
+def test_what_a_graph_cannot_capture_is_refused_in_one_line_and_left_eager_by_default(given, needle):
     with pytest.raises(options.plumbing.UsageError, match="^" + needle + ".*; leave --cuda_graph out to run eagerly$"):
         options.check_cuda_graph(cuda_graph_args(**given), torch.device("cuda"))
+    args = cuda_graph_args(cuda_graph=None, **given)  # the default: eager, the batches as they were
+    options.check_cuda_graph(args, torch.device("cuda"))
+    assert args.cuda_graph is False and args.pad_to_max_length is False
+
+
+def test_by_default_the_rows_captured_on_a_gpu_take_the_graph_on_cuda_alone(monkeypatch):
+    for method in options.GRAPHED_METHODS:
+        for device, want in (("cuda", method in options.AUTO_GRAPHED), ("cpu", False)):
+            args = cuda_graph_args(method=method, cuda_graph=None)
+            options.check_cuda_graph(args, torch.device(device))
+            assert args.cuda_graph is want and args.pad_to_max_length is want, (method, device)
+        args = cuda_graph_args(method=method, cuda_graph=False)  # --no_cuda_graph
+        options.check_cuda_graph(args, torch.device("cuda"))
+        assert args.cuda_graph is False and args.pad_to_max_length is False
 
 
 def test_under_torchrun_the_graph_is_refused_and_alone_it_pads_every_batch(monkeypatch):
@@ -102,25 +112,42 @@ def test_under_torchrun_the_graph_is_refused_and_alone_it_pads_every_batch(monke
     assert args.pad_to_max_length  # the one shape a graph replays
 
 
-@pytest.mark.parametrize("module, needle", [
-    (simcse, "--cuda_graph with the device: a CUDA graph needs a CUDA GPU, not cpu"),
-    (whitenedcse, "--cuda_graph with the method: whitenedcse.py: its eigh reads a convergence flag on the host"),
-])
-def test_a_user_asking_for_the_graph_where_it_cannot_run_gets_one_line(module, needle, tiny_model, corpus,
-                                                                        senteval_dir, tmp_path):
-    code, err = cli_in_process(module, *smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "run",
+def test_a_resumed_run_keeps_what_it_started_with_and_a_changed_flag_is_one_line(tmp_path):
+    """A run that started eagerly stays eager when resumed on a GPU (its batches padded as they were); one that
+    started with the graph keeps it, and its padding; naming the other is refused in one line that says how the run
+    started, not a flag the user never gave."""
+    import json
+    for started, given in ((False, True), (True, False)):
+        (tmp_path / "started.json").write_text(json.dumps({"args": {"cuda_graph": started,
+                                                                     "pad_to_max_length": started}}))
+        args = cuda_graph_args(cuda_graph=None, resume=True, output_dir=str(tmp_path))
+        options.check_cuda_graph(args, torch.device("cuda"))
+        assert args.cuda_graph is started and args.pad_to_max_length is started
+        with pytest.raises(options.plumbing.UsageError, match="^--auto_resume: the run in .* started (with --cuda_graph"
+                           "|eagerly).*; resume it as it started: leave out --cuda_graph and --no_cuda_graph$"):
+            options.check_cuda_graph(cuda_graph_args(cuda_graph=given, auto_resume=True, output_dir=str(tmp_path)),
+                                     torch.device("cuda"))
+
+
+def test_a_user_asking_for_the_graph_where_it_cannot_run_gets_one_line(tiny_model, corpus, senteval_dir, tmp_path):
+    code, err = cli_in_process(simcse, *smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "run",
                                                    "--cuda_graph"))
+    needle = "--cuda_graph with the device: a CUDA graph needs a CUDA GPU, not cpu"
     assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
     assert not (tmp_path / "run").exists()  # before any work
 
 
 class FakeCuda:
-    """torch.cuda's streams and graphs as StepGraph calls them, on CPU: a capture runs the step once (a real one
-    records it without running it), a replay is counted."""
+    """torch.cuda's streams and graphs as StepGraph calls them, on CPU, keeping their contract. A capture runs the
+    step once to record it, then puts back every tensor it changed and the RNG (a real capture runs no kernel); it
+    checks the step starts without gradients (a real graph's backward makes them in its own pool). A replay runs the
+    recorded step again on the tensors it was captured on, writing its outputs into the captured outputs' memory (as
+    a real replay, it reads the input buffers as they are now: a batch not copied into them is the old batch). The
+    streams log what waits on what."""
 
-    def __init__(self, monkeypatch, fail=None):
+    def __init__(self, monkeypatch, fail=None, tensors=()):
         import contextlib
-        self.replays, self.registered = 0, []
+        self.replays, self.registered, self.log, self.tensors = 0, [], [], list(tensors)
         fake = self
 
         class Graph:
@@ -129,22 +156,55 @@ class FakeCuda:
 
             def replay(self):
                 fake.replays += 1
+                outputs = fake.step.train_step(fake.step.static_batch, *fake.step.same)
+                for buffer, value in zip(fake.step.static_outputs, outputs):
+                    buffer.copy_(value.detach())
 
         class Stream:
+            def __init__(self, name):
+                self.name = name
+
             def wait_stream(self, other):
-                pass
+                fake.log.append(f"{self.name} waits for {other.name}")
+
+        @contextlib.contextmanager
+        def on(stream):
+            fake.log.append(f"on {stream.name}")
+            yield
+            fake.log.append("off")
 
         @contextlib.contextmanager
         def capture(graph, capture_error_mode):
             assert capture_error_mode == "thread_local" and not torch.is_autocast_cache_enabled()
+            assert all(p.grad is None for group in fake.step.optimizer.param_groups for p in group["params"])
+            saved = [t.detach().clone() for t in fake.state()]
+            rng = torch.get_rng_state(), [g.get_state() for g in fake.registered]
             yield
+            for t, before in zip(fake.state(), saved):  # a capture records; it runs nothing
+                t.detach().copy_(before)
+            torch.set_rng_state(rng[0])
+            for g, state in zip(fake.registered, rng[1]):
+                g.set_state(state)
             if fail:
                 raise fail if isinstance(fail, BaseException) else RuntimeError(fail)
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-        monkeypatch.setattr(torch.cuda, "Stream", lambda *a: Stream())
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
-        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "Stream", lambda *a: Stream("side"))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream("current"))
+        monkeypatch.setattr(torch.cuda, "stream", on)
         monkeypatch.setattr(torch.cuda, "graph", capture)
+        real_capture = graph.StepGraph._capture
+
+        def capturing(step, batch, *same):
+            fake.step = step
+            return real_capture(step, batch, *same)
+        monkeypatch.setattr(graph.StepGraph, "_capture", capturing)
+
+    def state(self):
+        """What a step changes: the parameters, the optimizer's state, and the tensors given (a queue)."""
+        optimizer = self.step.optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return params + [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)] + \
+            self.tensors
 
 
 def linear_step():
@@ -153,43 +213,70 @@ def linear_step():
     optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-2, fused=True)
     seen = []
 
-    def train_step(batch):
+    def train_step(batch, scale=1.0):
         seen.append(len(batch["x"]))
         optimizer.zero_grad(set_to_none=True)
-        loss = layer(batch["x"]).pow(2).mean()
+        loss = layer(batch["x"]).pow(2).mean() * scale
         loss.backward()
         optimizer.step()
         return loss, loss.detach() * 2
     return train_step, optimizer, seen
 
 
+def eager_losses(sizes, scale=1.0):
+    train_step, _, _ = linear_step()
+    torch.manual_seed(1)
+    return [train_step({"x": torch.randn(n, 4)}, scale)[0].detach() for n in sizes]
+
+
 def test_the_step_is_captured_on_a_full_batch_after_the_warm_up_and_short_batches_run_eagerly(monkeypatch):
-    """Expected: WARMUP eager steps (a short batch among them), the capture on the next full batch (the optimizer
-    made capturable, its lr a tensor, the MLM generator registered), a replay for it and every later full batch, an
-    epoch's short batch eagerly; what a step returns holds no autograd graph."""
+    """Expected: WARMUP eager steps (a short batch among them) each on a side stream that waits for the current one
+    and is waited for, the capture on the next full batch (the optimizer made capturable, its lr a tensor, the MLM
+    generator registered, no gradient left), a replay for it and every later full batch on the batch copied into the
+    graph's buffers, an epoch's short batch eagerly; every step's loss the eager loop's; what a step returns holds no
+    autograd graph and is a copy of the graph's outputs. Fails where the batch is not copied into the buffers (the
+    losses of a stale batch), where a stream does not wait, where gradients are left for the capture."""
     cuda = FakeCuda(monkeypatch)
     train_step, optimizer, seen = linear_step()
     generator = torch.Generator()
     step = graph.StepGraph(train_step, optimizer, enabled=True, generators=[None, generator])
     sizes = [8, 8, 3, 3, 8, 8, 3, 8]  # warm-up, warm-up, warm-up (short), short, capture, replay, short, replay
+    torch.manual_seed(1)
     outputs = [step({"x": torch.randn(n, 4)}) for n in sizes]
-    assert seen == [8, 8, 3, 3, 8, 3] and cuda.replays == 3 and cuda.registered == [generator]
+    assert [float(out[0]) for out in outputs] == [float(loss) for loss in eager_losses(sizes)]
+    assert cuda.replays == 3 and cuda.registered == [generator]
+    assert cuda.log[:5] == ["side waits for current", "on side", "off", "current waits for side",
+                            "side waits for current"] and cuda.log.count("current waits for side") == graph.WARMUP
     assert optimizer.param_groups[0]["capturable"] and torch.is_tensor(optimizer.param_groups[0]["lr"])
-    assert all(t.grad_fn is None for out in outputs[:3] + outputs[4:6] + outputs[7:] for t in out)
+    assert all(t.grad_fn is None for out in outputs for t in out)
     assert outputs[5][0] is not step.static_outputs[0]  # a replay's outputs are copies of the graph's
 
 
-def test_a_step_that_cannot_be_captured_stops_the_run_in_one_line(monkeypatch):
+def test_a_replay_reads_the_same_values_it_was_captured_with_or_runs_eagerly(monkeypatch):
+    """What a graph fixes at its capture besides the batch's shape (the global batch's row count) must be the same
+    for a replay; a batch that comes with another runs eagerly."""
+    cuda = FakeCuda(monkeypatch)
+    train_step, optimizer, _ = linear_step()
+    step = graph.StepGraph(train_step, optimizer, enabled=True)
+    torch.manual_seed(1)
+    for scale in (1.0, 1.0, 1.0, 1.0, 1.0, 2.0):
+        step({"x": torch.randn(8, 4)}, scale)
+    assert cuda.replays == 2  # the capture's and the next; the batch with 2.0 eagerly
+
+
+def test_a_step_that_cannot_be_captured_goes_on_eagerly_after_one_line(monkeypatch, capsys):
+    """An encoder whose forward reads the host (ModernBERT's unpadding): the capture fails, one line says so, and
+    the run goes on eagerly with the losses of the eager loop (the capture ran nothing)."""
     FakeCuda(monkeypatch, fail="operation not permitted when stream is capturing\nmore detail")
     train_step, optimizer, _ = linear_step()
     step = graph.StepGraph(train_step, optimizer, enabled=True)
-    for _ in range(graph.WARMUP):
-        step({"x": torch.randn(8, 4)})
-    with pytest.raises(options.plumbing.UsageError, match=r"^--cuda_graph: this step cannot be captured in a CUDA "
-                       r"graph \(operation not permitted when stream is capturing\); to run it eagerly, run the same command "
-                       r"without --cuda_graph, with --pad_to_max_length --auto_resume$"):
-        step({"x": torch.randn(8, 4)})
-    assert torch.is_autocast_cache_enabled()  # autocast's cache as it was
+    torch.manual_seed(1)
+    losses = [step({"x": torch.randn(8, 4)})[0] for _ in range(graph.WARMUP + 3)]
+    assert [float(x) for x in losses] == [float(x) for x in eager_losses([8] * (graph.WARMUP + 3))]
+    out = capsys.readouterr().out
+    assert out.count("note: --cuda_graph: this step cannot be captured in a CUDA graph (operation not permitted when "
+                     "stream is capturing); the run goes on eagerly") == 1
+    assert not step.enabled and step.graph is None and torch.is_autocast_cache_enabled()
 
 
 def test_running_out_of_memory_in_the_capture_is_the_runs_own_out_of_memory_stop(monkeypatch):
@@ -200,3 +287,67 @@ def test_running_out_of_memory_in_the_capture_is_the_runs_own_out_of_memory_stop
         step({"x": torch.randn(8, 4)})
     with pytest.raises(torch.OutOfMemoryError):  # plumbing.cli's out-of-memory line, with what the run kept
         step({"x": torch.randn(8, 4)})
+
+
+def test_release_frees_the_graphs_before_the_final_evaluation(monkeypatch):
+    FakeCuda(monkeypatch)
+    train_step, optimizer, _ = linear_step()
+    step = graph.StepGraph(train_step, optimizer, enabled=True)
+    for _ in range(graph.WARMUP + 2):
+        step({"x": torch.randn(8, 4)})
+    assert step.graph is not None
+    graph.release()
+    assert step.graph is None and step.static_batch is None and not step.enabled
+
+
+CASES = {"simcse": ("simcse", []), "simcse-sup-mlm": ("simcse", ["--supervised", "--do_mlm"]),
+         "simcsepp": ("simcsepp", ["--dcl_weight", "0.1"]), "sscl": ("sscl", ["--neg_layers", "1"]),
+         "whitenedcse": ("whitenedcse", ["--num_groups", "16"]), "micse": ("micse", ["--queue_size", "16"])}
+
+
+def tensors_of(step_function) -> list:
+    """What a method's step changes besides the optimizer: the tensors of the objects its partial holds (the
+    models' parameters and buffers, fp16's scaler, miCSE's queue)."""
+    found = []
+    for thing in step_function.args:
+        if isinstance(thing, torch.nn.Module):
+            found += list(thing.parameters()) + list(thing.buffers())
+        elif hasattr(thing, "__dict__") and not isinstance(thing, (torch.optim.Optimizer, types.SimpleNamespace)):
+            found += [v for v in vars(thing).values() if torch.is_tensor(v)]
+    return found
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_methods_step_replayed_from_the_faked_graph_trains_what_it_trains_eagerly(case, tiny_model, corpus,
+                                                                                        senteval_dir, tmp_path,
+                                                                                        monkeypatch):
+    """Every method file hands its flat step to StepGraph; with the graph faked on CPU (FakeCuda: the capture runs
+    nothing, a replay reruns the recorded step on the captured buffers), 8 steps train what the same run trains
+    eagerly, padded alike: the same losses and gradient norms bit for bit, 5 replays. A generator the step draws from
+    that StepGraph does not register (WhitenedCSE's shuffles, AMI's samples, the MLM's masks) would be advanced by
+    the capture and part the runs; so would a step whose fixed values (the global batch's rows) did not reach it."""
+    import importlib
+    import json
+    from conftest import write_nli
+    script, flags = CASES[case]
+    data = write_nli(tmp_path / "nli.csv", 64) if "--supervised" in flags else corpus
+    real_check = options.check_cuda_graph
+    monkeypatch.setattr(options, "check_cuda_graph", lambda args, device: real_check(args, torch.device("cuda")))
+    cuda = FakeCuda(monkeypatch)
+    capture = graph.StepGraph._capture
+
+    def capturing(step, batch, *same):  # the step's own objects' tensors, put back after the capture
+        cuda.tensors = tensors_of(step.train_step)
+        return capture(step, batch, *same)
+    monkeypatch.setattr(graph.StepGraph, "_capture", capturing)
+    results = {}
+    for mode in ("--no_cuda_graph", "--cuda_graph"):
+        out = tmp_path / mode
+        importlib.import_module(script).main([str(a) for a in smoke_args(
+            tiny_model, data, senteval_dir, out, "--max_steps", 8, "--eval_steps", 8, "--no_test_eval",
+            "--no_align_uniform", "--pad_to_max_length", "--max_seq_length", 16, *flags, mode)])
+        results[mode] = json.loads((out / "results.json").read_text())
+    eager, graphed = results["--no_cuda_graph"], results["--cuda_graph"]
+    assert graphed["args"]["cuda_graph"] is True and eager["args"]["cuda_graph"] is False
+    assert cuda.replays == 8 - graph.WARMUP  # steps 4 (captured, then replayed) to 8
+    assert graphed["train_loss"] == eager["train_loss"] and graphed["grad_norm"] == eager["grad_norm"]

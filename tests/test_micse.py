@@ -46,7 +46,7 @@ def reference_ami(attn1, attn2, min_layer, max_layer):
 @pytest.mark.parametrize("min_layer, max_layer", [(0, 4), (1, 3), (2, 4)])
 def test_ami_matches_reference_without_padding(min_layer, max_layer):
     attn1, attn2 = random_attention(seed=1), random_attention(seed=2)
-    got = micse.ami_loss(attn1, attn2, min_layer, max_layer, num_samples=10_000)
+    got = micse.ami_loss(attn1[:, min_layer:max_layer], attn2[:, min_layer:max_layer], num_samples=10_000)
     assert got.item() == pytest.approx(reference_ami(attn1, attn2, min_layer, max_layer), rel=1e-9)
 
 
@@ -54,12 +54,12 @@ def test_ami_uses_only_valid_entries_with_padding():
     # The same padding in every sample: each tile keeps 2 layers x 4 queries x 3 keys = 24 of its 32 entries,
     # the reference drops the zeros and scales by (24/32)^2.
     a1, a2 = random_attention(seed=5, padded_keys=[3, 3, 3]), random_attention(seed=6, padded_keys=[3, 3, 3])
-    got = micse.ami_loss(a1, a2, 0, 4, num_samples=10_000)
+    got = micse.ami_loss(a1[:, 0:4], a2[:, 0:4], num_samples=10_000)
     assert got.item() == pytest.approx(reference_ami(a1, a2, 0, 4), rel=1e-9)
     # Padding that differs per sample, with sampling: still finite.
     attn1 = random_attention(seed=3, padded_keys=[4, 2, 3])
     attn2 = random_attention(seed=4, padded_keys=[4, 2, 3])
-    loss = micse.ami_loss(attn1, attn2, 0, 4, num_samples=16, generator=torch.Generator().manual_seed(0))
+    loss = micse.ami_loss(attn1[:, 0:4], attn2[:, 0:4], num_samples=16, generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(loss)
 
 
@@ -69,7 +69,7 @@ def test_ami_drops_tiles_with_too_few_entries():
     # num_samples = 32 = a full tile: sample 1's tiles (8 valid entries) are dropped, the others are used whole,
     # and the scale is the valid share of the kept tiles (1 here), as the released models.py computes it after
     # the drop (the share of all tiles would be (2 * 32 + 8) / (3 * 32))
-    got = micse.ami_loss(attn1, attn2, 0, 4, num_samples=32)
+    got = micse.ami_loss(attn1[:, 0:4], attn2[:, 0:4], num_samples=32)
     assert got.item() == pytest.approx(reference_ami(attn1[[0, 2]], attn2[[0, 2]], 0, 4), rel=1e-9)
 
 
@@ -113,38 +113,38 @@ def test_ami_samples_and_scales_as_the_released_code(num_samples):
     attn1 = random_attention(n=4, length=6, seed=21, padded_keys=[6, 2, 5, 1])
     attn2 = random_attention(n=4, length=6, seed=22, padded_keys=[6, 2, 5, 1])
     keys = torch.rand((4 * 2 * 2, 72), generator=torch.Generator().manual_seed(3)).numpy()
-    got = micse.ami_loss(attn1, attn2, 0, 4, num_samples, torch.Generator().manual_seed(3))
+    got = micse.ami_loss(attn1[:, 0:4], attn2[:, 0:4], num_samples, torch.Generator().manual_seed(3))
     assert got.item() == pytest.approx(released_ami(attn1, attn2, 0, 4, num_samples, keys), rel=1e-9)
 
 
 def test_identical_views_give_large_finite_mi():
     attn = random_attention(seed=9)
-    loss = micse.ami_loss(attn, attn.clone(), 0, 4, num_samples=10_000)
+    loss = micse.ami_loss(attn[:, 0:4], attn.clone()[:, 0:4], num_samples=10_000)
     assert torch.isfinite(loss) and loss.item() == pytest.approx(0.5 * math.log(1e-6) * (1 + 1e-6), rel=1e-6)
 
 
 def test_independent_views_give_mi_near_zero():
     attn1 = random_attention(n=8, heads=4, length=16, seed=10)
     attn2 = random_attention(n=8, heads=4, length=16, seed=11)
-    loss = micse.ami_loss(attn1, attn2, 0, 4, num_samples=150, generator=torch.Generator().manual_seed(0))
+    loss = micse.ami_loss(attn1[:, 0:4], attn2[:, 0:4], num_samples=150, generator=torch.Generator().manual_seed(0))
     assert -0.02 < loss.item() <= 0.0
 
 
 def test_same_generator_seed_same_value():
     attn1, attn2 = random_attention(length=16, seed=12), random_attention(length=16, seed=13)
-    values = [micse.ami_loss(attn1, attn2, 0, 4, 50, torch.Generator().manual_seed(s)).item() for s in (1, 1, 2)]
+    values = [micse.ami_loss(attn1[:, 0:4], attn2[:, 0:4], 50, torch.Generator().manual_seed(s)).item() for s in (1, 1, 2)]
     assert values[0] == values[1] and values[0] != values[2]
 
 
 def test_ami_gradient_reaches_attention():
     attn1 = random_attention(seed=14).requires_grad_(True)
-    micse.ami_loss(attn1, random_attention(seed=15), 0, 4, 10_000).backward()
+    micse.ami_loss(attn1[:, 0:4], random_attention(seed=15)[:, 0:4], 10_000).backward()
     assert attn1.grad is not None and attn1.grad.abs().sum() > 0
 
 
 def test_odd_layer_range_is_an_error():
     with pytest.raises(ValueError, match="even"):
-        micse.ami_loss(random_attention(), random_attention(), 0, 3)
+        micse.ami_loss(random_attention()[:, 0:3], random_attention()[:, 0:3])
 
 
 def loop_moco(z1, z2, queue, temp, own=None):
@@ -173,7 +173,8 @@ def test_moco_info_nce_matches_loop_and_empty_queue_is_info_nce():
 
 def test_the_queue_never_gives_an_anchor_its_own_sentence(tiny_model, senteval_dir, tmp_path, monkeypatch):
     """24 sentences, batch 8, a queue of 16: from the second epoch on, anchors meet their own earlier keys. The
-    mask the loop passes is what the batches' rows say (an independent record: the collated rows)."""
+    mask the loop passes is what the batches' rows say (an independent record: the collated rows, placed in the
+    ring's slots in turn): a slot left out where it holds the anchor's own sentence or no key yet."""
     import data
     corpus = tmp_path / "small.txt"
     corpus.write_text("\n".join(f"sentence number {i} of the park" for i in range(24)) + "\n")
@@ -184,22 +185,68 @@ def test_the_queue_never_gives_an_anchor_its_own_sentence(tiny_model, senteval_d
     monkeypatch.setattr(micse, "moco_info_nce", lambda *a: calls.append(a[4].clone()) or loss(*a))
     micse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "o", "--max_steps", 6,
                                            "--eval_steps", 6, "--queue_size", 16, "--no_test_eval")])
-    seen = []
-    for rows, own in zip(batches, calls):
-        queued = seen[-16:]
-        assert own.tolist() == [[row == q for q in queued] for row in rows]
-        seen += rows
-    assert sum(own.sum().item() for own in calls) > 0  # the case happened
+    slots = [None] * 16  # the sentence each slot holds
+    for step, (rows, left_out) in enumerate(zip(batches, calls)):
+        assert left_out.tolist() == [[q is None or row == q for q in slots] for row in rows]
+        for i, row in enumerate(rows):
+            slots[(8 * step + i) % 16] = row
+    assert sum(m[:, :8].sum().item() for m in calls[2:]) > 0  # an own key met
 
 
-def test_queue_is_fifo_and_bounded():
-    queue = micse.EmbeddingQueue(size=5, dim=2)
-    for start in (0, 3, 6):
-        queue.push(torch.arange(start, start + 3, dtype=torch.float).repeat(2, 1).T, torch.arange(start, start + 3))
-    assert queue.tensor[:, 0].tolist() == [4.0, 5.0, 6.0, 7.0, 8.0] and queue.ids.tolist() == [4, 5, 6, 7, 8]
+class GrowingQueue:
+    """The queue as it was before the ring buffer (and as Eq. 2 reads): the newest `size` keys, the oldest first."""
+
+    def __init__(self, size, dim):
+        self.size, self.tensor, self.ids = size, torch.empty(0, dim), torch.empty(0, dtype=torch.long)
+
+    def push(self, keys, ids):
+        self.tensor, self.ids = torch.cat([self.tensor, keys])[-self.size:], torch.cat([self.ids, ids])[-self.size:]
+
+
+def test_the_ring_buffer_trains_what_the_growing_queue_trains_through_the_fill_and_the_wrap_around():
+    """Ten pushes of 8 keys into 20 slots (filling, full, wrapping around at an offset, and a push of more keys than
+    slots), sentence ids that repeat: at every step the queue holds the growing queue's keys (the oldest at
+    `position`), and InfoNCE over it, with the own keys and the empty slots left out, equals the growing queue's loss
+    and gradients. The same logits in another order: the log-sum-exp's sum of N + Q terms rounds differently, 2 (N +
+    Q) u of the loss at most (u = 6e-8), and so do the gradients, which are its softmax's weights."""
+    g = torch.Generator().manual_seed(0)
+    ring, growing = micse.EmbeddingQueue(20, 6), GrowingQueue(20, 6)
+    for step, n in enumerate([8] * 9 + [25]):
+        z1, z2 = (torch.randn(8, 6, generator=g, requires_grad=True) for _ in range(2))
+        ids = torch.randint(0, 30, (8,), generator=g)
+        losses, grads = [], []
+        for queue, left_out in ((ring, (ring.ids == ids[:, None]) | ~ring.filled),
+                                (growing, growing.ids == ids[:, None])):
+            loss = micse.moco_info_nce(z1, z2, queue.tensor, 0.05, left_out)
+            losses.append(loss)
+            grads.append(torch.autograd.grad(loss, [z1, z2]))
+        bound = 2 * (8 + 20) * 2.0 ** -24
+        assert abs(losses[0] - losses[1]) <= bound * abs(losses[1]), step
+        for a, b in zip(*grads):
+            assert torch.allclose(a, b, rtol=0, atol=bound * b.abs().max()), step
+        keys, key_ids = torch.randn(n, 6, generator=g), torch.randint(0, 30, (n,), generator=g)
+        storage = ring.tensor.data_ptr()
+        ring.push(keys, key_ids)
+        growing.push(keys, key_ids)
+        assert ring.tensor.data_ptr() == storage  # written in place: a CUDA graph's replay writes the same storage
+        order = (torch.arange(20) + int(ring.position)) % 20 if ring.filled.all() else torch.arange(int(ring.filled.sum()))
+        assert torch.equal(ring.tensor[order], growing.tensor) and torch.equal(ring.ids[order], growing.ids), step
+    assert ring.filled.all() and int(ring.position) == (8 * 9 + 20) % 20
+
+
+def test_queue_size_zero_is_no_queue_and_a_growing_queues_state_loads():
+    """--queue_size 0 (the released variant): no slot, InfoNCE over the batch alone. A last/ of the growing queue
+    (its keys, the oldest first) loads into the ring in age order."""
     disabled = micse.EmbeddingQueue(size=0, dim=2)
     disabled.push(torch.ones(3, 2), torch.arange(3))
-    assert disabled.tensor.shape == (0, 2)
+    assert disabled.tensor.shape == (0, 2) and disabled.filled.shape == (0,)
+    ring = micse.EmbeddingQueue(size=5, dim=2)
+    ring.load_state_dict({"tensor": torch.arange(8.0).view(4, 2), "ids": torch.tensor([7, 8, 9, 10])})
+    assert ring.filled.tolist() == [True] * 4 + [False] and int(ring.position) == 4
+    assert ring.ids[:4].tolist() == [7, 8, 9, 10] and torch.equal(ring.tensor[:4], torch.arange(8.0).view(4, 2))
+    again = micse.EmbeddingQueue(size=5, dim=2)
+    again.load_state_dict(ring.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ring.state_dict().values()))
 
 
 def test_ema_update_arithmetic():
@@ -228,14 +275,15 @@ def test_few_shot_settings_and_overrides(capsys):
         micse.parse_args(["--fraction", "1.5"])
 
 
-def test_ami_on_the_kept_layers_alone_equals_ami_on_all_layers():
-    """The loop stacks only AMI's layers (min_layer:max_layer) and passes them as layers 0:K; the tiles by layer
-    parity, the samples and the value are the same."""
+def test_ami_scores_the_layers_it_is_given():
+    """ami_loss takes the stack of the layers it scores (the loop stacks layers min:max), with no layer indices whose
+    defaults would assume all 12: a stack of other layers is another value, a copy of the same layers the same."""
     g = torch.Generator().manual_seed(0)
     attn1, attn2 = (torch.softmax(torch.randn(3, 12, 4, 9, 9, generator=g), -1) for _ in range(2))
-    full = micse.ami_loss(attn1, attn2, 7, 11, 20, torch.Generator().manual_seed(1))
-    kept = micse.ami_loss(attn1[:, 7:11], attn2[:, 7:11], 0, 4, 20, torch.Generator().manual_seed(1))
-    assert torch.equal(full, kept) and full != micse.ami_loss(attn1, attn2, 6, 10, 20, torch.Generator().manual_seed(1))
+    kept = micse.ami_loss(attn1[:, 7:11], attn2[:, 7:11], 20, torch.Generator().manual_seed(1))
+    copied = micse.ami_loss(attn1[:, 7:11].clone(), attn2[:, 7:11].clone(), 20, torch.Generator().manual_seed(1))
+    assert torch.equal(kept, copied) and kept != micse.ami_loss(attn1[:, 6:10], attn2[:, 6:10], 20,
+                                                                torch.Generator().manual_seed(1))
 
 
 def test_momentum_encoder_copy_runs_sdpa_and_the_online_encoder_keeps_its_attentions(tiny_model):
@@ -252,9 +300,12 @@ def test_momentum_encoder_copy_runs_sdpa_and_the_online_encoder_keeps_its_attent
 
 
 def test_default_ami_layers():
-    assert micse.default_ami_layers(12) == (7, 11)
-    assert micse.default_ami_layers(6) == (1, 5)
-    assert micse.default_ami_layers(2) == (0, 2)
+    assert micse.ami_layers(12) == (7, 11) and micse.ami_layers(12, 0, 4) == (0, 4)
+    assert micse.ami_layers(6) == (1, 5)
+    assert micse.ami_layers(2) == (0, 2) and micse.ami_layers(3) == (0, 2)
+    for first, end in ((1, 4), (4, 2), (10, 14)):
+        with pytest.raises(plumbing.UsageError, match="--ami_min_layer/--ami_max_layer"):
+            micse.ami_layers(12, first, end)
 
 
 def test_eager_attention_returns_weights_and_sdpa_does_not(tiny_model):

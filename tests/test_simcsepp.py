@@ -134,7 +134,9 @@ def test_first_last_average_is_the_released_codes_and_travels_with_best(tiny_mod
     model = ["--model_name_or_path", str(tiny_model)]
     assert simcsepp.parse_args(model + ["--dcl_only"]).pooler == "avg_embeddings_last"
     assert simcsepp.parse_args(model + ["--pooler", "avg_first_last"]).pooler == "avg_embeddings_last"
-    assert micse.parse_args(model + ["--pooler", "avg_first_last"]).pooler == "avg_embeddings_last"
+    micse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "micse", "--pooler",
+                                           "avg_first_last", "--max_steps", 1, "--no_test_eval", "--no_align_uniform")])
+    assert json.loads((tmp_path / "micse" / "results.json").read_text())["args"]["pooler"] == "avg_embeddings_last"
     out = tmp_path / "run"
     simcsepp.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--dcl_only", "--max_steps", 2)])
     results = json.loads((out / "results.json").read_text())

@@ -1,9 +1,10 @@
 """No host-device sync inside a training step, counted on CPU (plumbing/syncs.py): the counter itself, the prebuilt 4-D
 attention mask that spares transformers' check of the 2-D one, and every script and flag (--count_host_syncs).
 
-The allowance: WhitenedCSE's whitening calls torch.linalg.eigh once a whitened view (m = --num_pos a step), and
-eigh reads cuSOLVER's convergence flag on the host (PyTorch's _linalg_check_errors inside the kernel); the full
-PCA/ZCA whitening of WhitenedCSE Table 3 likewise. Everything else makes none.
+The allowance: WhitenedCSE's whitening of groups wider than 2 channels calls torch.linalg.eigh once a whitened view
+(m = --num_pos a step), and eigh reads cuSOLVER's convergence flag on the host (PyTorch's _linalg_check_errors inside
+the kernel); the full PCA/ZCA whitening of WhitenedCSE Table 3 likewise. Groups of 2 (the recipes') are whitened in
+closed form: none. Everything else makes none.
 """
 import importlib
 import json
@@ -22,16 +23,17 @@ RUNS = {
     "simcse": ([], 0), "simcse_sup": (["--supervised"], 0), "simcse_mlm": (["--do_mlm"], 0),
     "simcse_sup_mlm": (["--supervised", "--do_mlm"], 0), "simcsepp": ([], 0),
     "sscl": (["--neg_layers", "1"], 0), "sscl_projection": (["--neg_layers", "1", "--output_dim", "8"], 0),
-    "whitenedcse": (["--num_groups", "16"], 3), "whitenedcse_no_whitening": (["--no_whitening"], 0),
+    "whitenedcse": (["--num_groups", "16"], 0), "whitenedcse_no_whitening": (["--no_whitening"], 0),
+    "whitenedcse_wide": (["--num_groups", "8"], 3),  # groups of 4 channels: eigh
     "micse": (["--queue_size", "16"], 0), "micse_no_queue": (["--queue_size", "0"], 0),
     # GradCache and recomputed layers (#53): still none (WhitenedCSE's eigh once a view, as before)
     "simcse_sup_mlm_micro": (["--supervised", "--do_mlm", "--micro_batch_size", "3", "--gradient_checkpointing"], 0),
     "micse_micro": (["--queue_size", "16", "--micro_batch_size", "3", "--gradient_checkpointing"], 0),
-    "whitenedcse_micro": (["--num_groups", "16", "--micro_batch_size", "3"], 3),
+    "whitenedcse_micro": (["--num_groups", "16", "--micro_batch_size", "3"], 0),
     "augmentations": (["--positive", "word_deletion", "--rate", "0.2", "--two_encoders"], 0),
     "noise": (["--positive_noise", "add", "--negative_noise", "reduce", "--mean_passes", "2"], 0),
     "barlow": (["--barlow", "--barlow_padding", "10"], 0),
-    "whitening": (["--whitening", "zca"], 3), "whitening_group": (["--whitening", "shuffled_group"], 3),
+    "whitening": (["--whitening", "zca"], 3), "whitening_group": (["--whitening", "shuffled_group"], 0),
 }
 
 

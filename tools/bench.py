@@ -445,45 +445,75 @@ def bare_eager(args, model: str, batches: list, device, precision: str) -> float
 
 
 def bare_graph(args, model: str, batches: list, device, precision: str) -> float | str:
-    """The bare step captured once in a torch.cuda.CUDAGraph and replayed: forward, backward, clipping and AdamW
-    (fused, capturable, the learning rate a device tensor that the host sets before each replay: the linear
-    schedule without a sync); each batch copied into the graph's input buffers; dropout from the CUDA generator,
-    which the capture registers. PyTorch's whole-network recipe: a few steps on a side stream first, the gradients
-    set to None before the capture, so that the graph's backward makes them in its own memory pool."""
+    """The bare step replayed from one CUDA graph by plumbing/graph.py's StepGraph, as --cuda_graph replays the
+    suite's: its warm-up on a side stream, the capture (AdamW fused and capturable, the learning rate a device tensor
+    the schedule writes between replays, autocast's cache off), each batch copied into the graph's buffers. fp16's
+    GradScaler decides on the device too (fused AdamW skips the step where its found_inf says so)."""
+    import transformers
+    from plumbing import graph
     if device.type != "cuda":
         return "needs CUDA (a torch.cuda.CUDAGraph)"
-    if precision == "fp16":
-        return "not with fp16: the GradScaler decides on the host whether to step (use --precision bf16)"
     backbone, head, params = bare_model(model, device, args.seed)
-    lr = torch.tensor(LR, device=device)
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True, capturable=True)
-    static = {k: v.clone() for k, v in batches[0].items()}  # the graph reads its batch here
+    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True)
+    schedule = transformers.get_linear_schedule_with_warmup(optimizer, 0, args.warmup + args.steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
-    def body():
-        loss = bare_loss(backbone, head, static, precision, cache=False)
-        loss.backward()
+    def train_step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss = bare_loss(backbone, head, batch, precision, cache=False)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
+        scaler.step(optimizer)
+        scaler.update()
         return loss
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            optimizer.zero_grad(set_to_none=True)
-            body()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    optimizer.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        body()
-    total = args.warmup + args.steps
+    replayed = graph.StepGraph(train_step, optimizer, enabled=True)
 
     def step(i):
-        for k, v in static.items():
-            v.copy_(batches[i % len(batches)][k])
-        lr.fill_(LR * (1 - i / total))
-        graph.replay()
+        replayed(batches[i % len(batches)])
+        schedule.step()
     return timed(step, args, device)
+
+
+def gate_floor(args) -> dict:
+    """--gate_floor: the STS-B dev gate as a run runs it (plumbing/run.dev_measures: eval mode, fp32, the sentences
+    tokenised once, l_align / l_uniform on the device, one host copy, the Spearman) against its floor, a bare fp32
+    forward of the same tokenised sentences in the same batches through the same model (its prebuilt mask). Each
+    timed --steps times after one untimed; the medians and their ratio (the target: 1.3)."""
+    import statistics
+    import common
+    from plumbing import options, run
+    device = plumbing.resolve_device(args.device)
+    with tempfile.TemporaryDirectory() as workdir:
+        model = encoder_folder(args, workdir)
+        tokenizer, backbone = hub.load_pretrained(model)
+        backbone.to(device).eval()
+        encoder = common.Encoder(common.BackboneWithHeads(backbone), None, tokenizer, "cls_before_pooler", device)
+        gate = eval_sts.DevGate(eval_sts.resolve_senteval_dir(args.senteval_dir), encoder)
+
+        @torch.no_grad()
+        def floor():
+            for batch in gate.sentences.tokens:
+                encoder.backbone(**batch)
+        times = {}
+        for name, measure in (("gate", lambda: run.dev_measures([backbone], encoder, gate)), ("floor", floor)):
+            seconds = []
+            for i in range(args.steps + 1):
+                _sync(device)
+                start = time.perf_counter()
+                with contextlib.redirect_stderr(io.StringIO()):  # the gate's progress bar
+                    measure()
+                _sync(device)
+                seconds.append(time.perf_counter() - start)
+            times[name] = statistics.median(seconds[1:])
+        precision = options.resolve_precision("fp32", device)
+        print(f"the STS-B dev gate, {describe_setting(args, model, device, precision)}: "
+              f"{len(gate.sentences.index)} sentences in {len(gate.sentences.tokens)} batches; the median of "
+              f"{args.steps} after one")
+        print(f"\n| what | seconds |\n|---|---|\n| the dev gate (dev_measures) | {times['gate']:.3f} |\n"
+              f"| its floor: the bare fp32 forward of the same batches | {times['floor']:.3f} |\n"
+              f"| gate / floor | {times['gate'] / times['floor']:.2f} |")
+    return times
 
 
 def sentence_transformers_trainer(args, model: str, device, precision: str, workdir) -> float | str:
@@ -735,6 +765,8 @@ def main(argv=None):
     parser.add_argument("--compare_steps", action="store_true",
                         help="time the same SimCSE step each way of --rows instead: simcse.py eager and --compile, "
                              "a bare eager step, the bare step in a CUDA graph, sentence-transformers' trainer")
+    parser.add_argument("--gate_floor", action="store_true",
+                        help="time the STS-B dev gate against a bare fp32 forward of the same batches")
     parser.add_argument("--recipe_minutes", action="store_true",
                         help="give each of --recipes in minutes on this device instead, from --recipe_steps steps "
                              "with a dev gate every --gate_every and the whole final evaluation")
@@ -776,6 +808,11 @@ def main(argv=None):
     if args.save_cost:
         bench_saves(plumbing.resolve_device(args.device))
         return
+    if args.gate_floor:
+        if not ((args.model_name_or_path or args.size) and args.senteval_dir):
+            parser.error("--gate_floor: give --model_name_or_path (or --size) and --senteval_dir")
+        plumbing.check_range(args, "steps", lambda v: v >= 1, "a positive integer")
+        return gate_floor(args)
     if not ((args.model_name_or_path or args.size) and args.train_file):
         parser.error("--model_name_or_path (or --size) and --train_file are required (but with --save_cost)")
     if args.compare_steps or args.recipe_minutes:

@@ -7,32 +7,37 @@
 #
 # The budget (docs/gpu.md): 15 minutes of device time a session, the machine's start (about a minute) included, and
 # one call at most 10 minutes. Each stage has its own time limit in seconds (LIMIT below; an environment variable,
-# e.g. COMPARE_S=200, changes it) and writes its file under OUT as it goes, so a stage cut short keeps what it had.
-# With no STAGE the default stages run: one call of 430 s of limits. Then, on the same warm machine, the second
-# call `tools/gpu_check.sh OUT recipes_large` (300 s): 730 s in all, about 13.5 minutes with the start. The other
-# stages were measured once (docs/gpu.md) and run by name where a change needs them again, e.g. test_cuda.
+# e.g. GRAPH_S=200, changes it) and writes its file under OUT as it goes, so a stage cut short keeps what it had.
+# With no STAGE the default stages run: one call of 535 s of limits, the CUDA graph of every method. Then, on the
+# same warm machine, the second call `tools/gpu_check.sh OUT recipes_large` (300 s) if the session has the time.
+# The other stages were measured once (docs/gpu.md) and run by name where a change needs them again.
 #
 #   machine        the GPU, driver, torch and transformers                                     gpu.txt
+#   graph          the CUDA graph's tests in tests/test_cuda.py: every method's replayed step against its eager
+#                  step (a spread model, fp32), fresh randomness at each replay, the capturable optimizer, a
+#                  graph run resumed                                                            graph_tests.txt
+#   recipes_graph  the six rows' recipes in minutes at BERT-base size, 60 steps with a dev gate every 20 and the
+#                  whole final evaluation each, with --cuda_graph and with --no_cuda_graph    recipes_*graph.txt
+#   families       each encoder family of docs/backbones.md (tiny, random) trained 8 steps by simcse.py on the
+#                  GPU with the graph: captured and replayed, or eager after its one line        families.txt
+#   gate           the STS-B dev gate against a bare fp32 forward of its batches (bench.py --gate_floor)  gate.txt
 #   compare        the same SimCSE step six ways, BERT-base-sized (random weights, bert-base-uncased's shape and
 #                  WordPiece), batch 64 x 32, --precision auto: simcse.py eager, --compile and --cuda_graph,
 #                  a bare eager step, the bare step in a CUDA graph, sentence-transformers'
 #                  trainer; 100 steps timed after 10 (tools/bench.py --compare_steps)           compare_steps.txt
-#   recipes_base   the six rows' recipes in minutes at BERT-base size: 80 steps with a dev gate every 20 and the
-#                  whole final evaluation each (tools/bench.py --recipe_minutes)              recipes_bert_base.txt
+#   recipes_base   the six rows' recipes eagerly: 80 steps with a dev gate every 20          recipes_bert_base.txt
 #   flags          the memory flags on supervised SimCSE's batch of 512, bf16, against the estimate      flags.txt
-#   recipes_large  the same at BERT-large size: 40 steps, a gate every 10                    recipes_bert_large.txt
+#   recipes_large  the six rows at BERT-large size, 40 steps, a gate every 10, with and without the graph
+#                                                                                       recipes_bert_large_*.txt
 #   test_cuda      tests/test_cuda.py                                                                test_cuda.txt
 #   bench          each method as a user runs it, BERT-base-sized, batch 64 x 32 (tools/bench.py)      bench.txt
 #   saves          what writing best/ and last/ costs (tools/bench.py --save_cost)                     saves.txt
-#   graph          --cuda_graph's tests in tests/test_cuda.py, then simcse.py eager and --cuda_graph beside the
-#                  bare eager and graph steps (compare's setting)                  graph_tests.txt, graph_compare.txt
-#   recipes_graph  SimCSE's two recipes with --cuda_graph (recipes_base's setting)                  recipes_graph.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
-declare -A LIMIT=([machine]=15 [compare]=170 [recipes_base]=200 [flags]=45 [recipes_large]=300 [test_cuda]=240
-                  [bench]=170 [saves]=60 [graph]=200 [recipes_graph]=120)
-DEFAULT="machine compare recipes_base flags"
-ORDER="machine compare recipes_base flags recipes_large test_cuda bench saves graph recipes_graph"
+declare -A LIMIT=([machine]=15 [compare]=170 [recipes_base]=200 [flags]=45 [recipes_large]=240 [test_cuda]=240
+                  [bench]=170 [saves]=60 [graph]=180 [recipes_graph]=240 [families]=60 [gate]=40)
+DEFAULT="machine graph recipes_graph families gate"
+ORDER="machine graph recipes_graph families gate compare recipes_base flags recipes_large test_cuda bench saves"
 for stage in $ORDER; do  # COMPARE_S=200 and the like
     override="${stage^^}_S"
     LIMIT[$stage]=${!override:-${LIMIT[$stage]}}
@@ -119,13 +124,22 @@ stage_compare() {
     echo "exit $?" >> "$OUT/compare_steps.txt"
 }
 
-recipes() {  # SIZE STEPS GATE_EVERY FILE
-    limit "$5" python3 tools/bench.py --recipe_minutes --size "$1" --model_name_or_path $DATA/tokenizer $RUNS \
-        --supervised_file $DATA/nli_snli_devtest.csv --recipe_steps "$2" --gate_every "$3" > "$OUT/$4" 2>&1
-    echo "exit $?" >> "$OUT/$4"
+recipes() {  # SIZE STEPS GATE_EVERY FILE STAGE [BENCH FLAGS...]
+    local size=$1 steps=$2 every=$3 file=$4 stage=$5
+    shift 5
+    limit "$stage" python3 tools/bench.py --recipe_minutes --size "$size" --model_name_or_path $DATA/tokenizer \
+        $RUNS --supervised_file $DATA/nli_snli_devtest.csv --recipe_steps "$steps" --gate_every "$every" "$@" \
+        > "$OUT/$file" 2>&1
+    echo "exit $?" >> "$OUT/$file"
 }
 stage_recipes_base() { recipes bert-base 80 20 recipes_bert_base.txt recipes_base; }
-stage_recipes_large() { recipes bert-large 40 10 recipes_bert_large.txt recipes_large; }
+stage_recipes_large() {  # both ways, each within half the stage's limit
+    for mode in cuda_graph no_cuda_graph; do
+        LIMIT[half]=$((LIMIT[recipes_large] / 2))
+        recipes bert-large 40 10 "recipes_bert_large_$mode.txt" half \
+            --method_args simcse:--$mode simcsepp:--$mode sscl:--$mode whitenedcse:--$mode micse:--$mode
+    done
+}
 
 stage_flags() {
     limit flags python3 - <<'EOF' > "$OUT/flags.txt" 2>&1
@@ -179,20 +193,54 @@ EOF
 }
 
 stage_graph() {
-    limit graph python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -k "cuda_graph or capturable" \
+    limit graph python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -k "graph or capturable" \
         > "$OUT/graph_tests.txt" 2>&1
     echo "exit $?" >> "$OUT/graph_tests.txt"
-    limit graph python3 tools/bench.py --compare_steps --size bert-base --model_name_or_path $DATA/tokenizer $RUNS \
-        --batch_size 64 --max_seq_length 32 --steps 100 --warmup 10 --rows suite suite-graph bare bare-graph \
-        > "$OUT/graph_compare.txt" 2>&1
-    echo "exit $?" >> "$OUT/graph_compare.txt"
 }
 
-stage_recipes_graph() {
-    limit recipes_graph python3 tools/bench.py --recipe_minutes --size bert-base --model_name_or_path $DATA/tokenizer \
-        $RUNS --supervised_file $DATA/nli_snli_devtest.csv --recipe_steps 80 --gate_every 20 \
-        --recipes simcse simcse-sup --method_args simcse:--cuda_graph > "$OUT/recipes_graph.txt" 2>&1
-    echo "exit $?" >> "$OUT/recipes_graph.txt"
+stage_recipes_graph() {  # the six rows with the graph, then eagerly, each within half the stage's limit
+    for mode in cuda_graph no_cuda_graph; do
+        LIMIT[half]=$((LIMIT[recipes_graph] / 2))
+        recipes bert-base 60 20 "recipes_$mode.txt" half \
+            --method_args simcse:--$mode simcsepp:--$mode sscl:--$mode whitenedcse:--$mode micse:--$mode
+    done
+}
+
+stage_families() {
+    limit families python3 - <<'EOF' > "$OUT/families.txt" 2>&1
+import contextlib, io, json, sys, tempfile
+from pathlib import Path
+sys.path[:0] = [".", "tests"]
+import torch
+import families, simcse
+replays = []
+replay = torch.cuda.CUDAGraph.replay
+torch.cuda.CUDAGraph.replay = lambda self: replays.append(1) or replay(self)
+print("| family | replays of 8 steps | the run's note |\n|---|---|---|", flush=True)
+for family in families.FAMILIES:
+    replays.clear()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = families.write_model(Path(tmp) / "model", family)
+        out, printed = Path(tmp) / "run", io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                simcse.main(["--model_name_or_path", str(model), "--train_file", ".gpu_data/wiki1m_head.txt",
+                             "--senteval_dir", ".gpu_data/senteval", "--device", "cuda", "--max_steps", "8",
+                             "--eval_steps", "8", "--batch_size", "16", "--no_test_eval", "--no_align_uniform",
+                             "--output_dir", str(out)])
+            graph = json.loads((out / "results.json").read_text())["args"]["cuda_graph"]
+            note = next((line for line in printed.getvalue().splitlines() if "cuda_graph" in line), "")
+            print(f"| {family} | {len(replays)} (graph {graph}) | {note[:160]} |", flush=True)
+        except BaseException as error:
+            print(f"| {family} | failed | {type(error).__name__}: {str(error)[:160]} |", flush=True)
+EOF
+    echo "exit $?" >> "$OUT/families.txt"
+}
+
+stage_gate() {
+    limit gate python3 tools/bench.py --gate_floor --size bert-base --model_name_or_path $DATA/tokenizer \
+        --senteval_dir $DATA/senteval --device cuda --steps 5 > "$OUT/gate.txt" 2>&1
+    echo "exit $?" >> "$OUT/gate.txt"
 }
 
 stage_saves() {

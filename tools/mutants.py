@@ -51,13 +51,12 @@ MUTANTS = {
     "avg-pooler-counts-padding": ("common.py", "mask = attention_mask.unsqueeze(-1).float()",
                                   "mask = torch.ones_like(attention_mask).unsqueeze(-1).float()",
                                   ["tests/test_common.py"]),
-    "queue-keeps-oldest": ("micse.py", "self.tensor = torch.cat([self.tensor, embeddings.detach().float()])"
-                           "[-self.size:]", "self.tensor = torch.cat([self.tensor, embeddings.detach().float()])"
-                           "[:self.size]", ["tests/test_micse.py"]),
+    "queue-position-frozen": ("micse.py", "self.position.copy_((self.position + len(ids)) % self.size)",
+                              "self.position.copy_(self.position)", ["tests/test_micse.py"]),
     "ema-wrong-weight": ("micse.py", "list(source.parameters()), 1.0 - momentum)",
                          "list(source.parameters()), momentum)", ["tests/test_micse.py"]),
-    "micse-ami-lambda": ("micse.py", "return loss + args.ami_lambda * ami_loss(",
-                         "return loss + 2.5e-3 * ami_loss(", [FLAGS]),
+    "micse-ami-lambda": ("micse.py", "queue.tensor, args.temp, args.ami_lambda,", "queue.tensor, args.temp, 2.5e-3,",
+                         [FLAGS]),
     "gather-local-rows": ("plumbing/distributed.py", "return torch.cat([part[:n] for part, n in zip(parts, counts)])",
                           "return t",
                           ["tests/test_distributed.py::test_two_processes_train_like_one[simcse]"]),
@@ -69,6 +68,14 @@ MUTANTS = {
                             ["tests/test_eval_sts.py"]),
     "resume-skips-rng": ("plumbing/resume.py", "torch.set_rng_state(", "(lambda state: None)(",
                          ["tests/test_resume.py"]),
+    # the CUDA graph's plumbing, on CPU (tests/test_graph.py's faked capture and replay)
+    "graph-batch-not-copied": ("plumbing/graph.py", "            buffer.copy_(batch[k], non_blocking=True)",
+                               "            pass", ["tests/test_graph.py"]),
+    "graph-no-wait-stream": ("plumbing/graph.py", "        side.wait_stream(torch.cuda.current_stream())\n",
+                             "", ["tests/test_graph.py"]),
+    "graph-grads-left-for-capture": ("plumbing/graph.py", "        self.optimizer.zero_grad(set_to_none=True)  # the "
+                                     "graph's backward", "        pass  # the graph's backward",
+                                     ["tests/test_graph.py"]),
     "dev-gate-in-train-mode": ("plumbing/run.py", "            m.eval()\n        measures = dev_set(encode)",
                                "            m.train()\n        measures = dev_set(encode)",
                                ["tests/test_eval_sts.py", "tests/test_simcse.py"]),

@@ -516,7 +516,7 @@ def given_samples(attn1, attn2, layers: int, num_samples: int, generator: torch.
     with `generator` (micse.ami_sample, from a copy of it: uniform without replacement, as multinomial over the 0/1
     mask): one draw for both sides. Both codes form the tiles alike (the released einops pattern "(h i) (j m) k t z ->
     (h k m) i (j t z)" is micse.attention_tiles)."""
-    tiles1, tiles2 = (micse.attention_tiles(a, 0, layers) for a in (attn1, attn2))
+    tiles1, tiles2 = (micse.attention_tiles(a[:, :layers]) for a in (attn1, attn2))
     sample = micse.ami_sample(tiles1, tiles2, num_samples, copy.deepcopy(generator))
     real = torch.multinomial
 
@@ -563,7 +563,7 @@ def micse_rows(clone: Path) -> list[dict]:
             z1, z2 = common.embed(out.hidden_states, views["attention_mask"], "cls", head).chunk(2)
             a1, a2 = torch.stack(out.attentions, 1).float().chunk(2)
             loss = micse.moco_info_nce(z1, z2, torch.empty(0, z1.shape[1]), 0.05)
-            return loss + ami_lambda * micse.ami_loss(a1, a2, 0, 4, 150, generator)
+            return loss + ami_lambda * micse.ami_loss(a1, a2, 150, generator)
         loss_s = suite_step(backbone, [view_major(N, 2)], step)
         rows.append(row(f"micse {kind}: step, InfoNCE + AMI (layers 0:4, no queue)", loss_r, loss_s,
                         grads_r, suite_gradients(kind, backbone, **{"mlp.dense": head[0]})))
@@ -588,7 +588,7 @@ def micse_rows(clone: Path) -> list[dict]:
         grads_r = dict(zip(("z", "attentions"), torch.autograd.grad(loss_r, [z, maps], allow_unused=True)))
         pairs = z[:, 0].view(N, 2, 16)
         loss_s = micse.moco_info_nce(pairs[:, 0], pairs[:, 1], torch.empty(0, 16), 0.05) + \
-            ami_lambda * micse.ami_loss(a1, a2, 0, 4, 150, generator)
+            ami_lambda * micse.ami_loss(a1, a2, 150, generator)
         grads_s = dict(zip(("z", "attentions"), torch.autograd.grad(loss_s, [z, maps], allow_unused=True)))
         rows.append(row(f"micse bert: {label}", loss_r, loss_s, grads_r, grads_s))
     return rows
