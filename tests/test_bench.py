@@ -182,3 +182,21 @@ def test_a_row_that_fails_or_exits_is_its_one_line_and_a_signal_still_ends_the_t
     assert bench.one_row(lambda: 1 / 0).startswith("failed: ZeroDivisionError: division by zero")
     with pytest.raises(SystemExit):
         bench.one_row(stopped)
+
+
+def test_the_gate_is_timed_against_a_bare_forward_of_its_batches(tiny_model, senteval_dir, capsys):
+    """--gate_floor: the dev gate as a run runs it and its floor, the same model's forward over the same tokenised
+    batches, in eval mode as the gate encodes (the gate leaves the model in training mode: a floor with dropout on
+    would be slower than the gate it bounds)."""
+    import transformers
+    modes = []
+    forward = transformers.BertModel.forward
+    transformers.BertModel.forward = lambda self, *a, **k: modes.append(self.training) or forward(self, *a, **k)
+    try:
+        times = bench.main(["--gate_floor", "--model_name_or_path", str(tiny_model), "--senteval_dir",
+                            str(senteval_dir), "--device", "cpu", "--steps", "1"])
+    finally:
+        transformers.BertModel.forward = forward
+    assert set(times) == {"gate", "floor"} and all(t > 0 for t in times.values())
+    assert "| gate / floor |" in capsys.readouterr().out
+    assert modes and not any(modes)  # every forward, the gate's and the floor's, in eval mode

@@ -493,6 +493,7 @@ def gate_floor(args) -> dict:
 
         @torch.no_grad()
         def floor():
+            backbone.eval()  # as the gate encodes (dev_measures leaves the model in training mode after it)
             for batch in gate.sentences.tokens:
                 encoder.backbone(**batch)
         times = {}
