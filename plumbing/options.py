@@ -48,6 +48,11 @@ def add_run_flags(parser) -> None:
                    help="trackers of the loss, lr, gradient norm, STS-B dev, l_align / l_uniform and the test "
                         "scores: tensorboard (<output_dir>/tb), wandb, mlflow, or several; each an optional "
                         "install (plumbing/tracking.py)")
+    g.add_argument("--run_name", default=None, help="the tracked run's name (default: the method and the "
+                                                    "output folder's name; $WANDB_NAME wins for W&B)")
+    g.add_argument("--run_tags", nargs="+", default=None, help="the tracked run's tags (W&B, MLflow)")
+    g.add_argument("--run_group", default=None, help="the tracked run's group (W&B; an MLflow tag), e.g. a "
+                                                     "protocol's name")
     g.add_argument("--no_test_eval", action="store_true", help="skip the final STS test evaluation")
     g.add_argument("--no_align_uniform", action="store_true",
                    help="skip the final l_align / l_uniform of the pretrained model and of best/ (two "

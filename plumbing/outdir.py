@@ -29,7 +29,7 @@ from plumbing import progress, resume
 RESULTS = "results.json"
 RUN_FILES = (RESULTS, "best", "tb", "last", "last.old", resume.STARTED)  # a folder holding one of them holds a run
 CLEARED = RUN_FILES + ("best.tmp", "best.old", "last.tmp", RESULTS + ".tmp", resume.STARTED + ".tmp",
-                       "wandb")  # --report_to wandb's local files
+                       "wandb", "mteb")  # --report_to wandb's local files, tools/mteb_eval.py's results
 SELF_STOPS = ("divergence", "fp16 overflow")  # a resume would meet them again
 
 
@@ -61,6 +61,14 @@ def state(out) -> tuple[str, str]:
             return "evaluating", "its training ended; its final evaluation did not"
         if stop.get("by") in SELF_STOPS:
             return "stopped", stop.get("reason") or stop["by"]
+        saves = (results.get("checkpoint_time_s") or {}).get("last_writes", 0)
+        if resume.folder(out) is None and stop.get("by") == "out of memory" and saves:  # the record and the folder
+            # disagree (it saved last/, which is gone): nothing is guessed, nothing overwritten
+            return "damaged", f"{out / RESULTS} records {saves} save(s) of last/ and a stop at step " \
+                              f"{stop.get('step', results.get('steps'))}, but there is no last/"
+        if finished_card(out):
+            return "damaged", f"{out / 'best' / 'README.md'} holds a finished run's test scores, but {out / RESULTS} " \
+                              "a run that did not finish"
         if resume.folder(out) is None and stop.get("by") == "out of memory":  # before its first save: it starts
             return "started", "stopped by running out of memory before its first save of last/"  # again, as killed
         if resume.folder(out) is None:
@@ -73,14 +81,38 @@ def state(out) -> tuple[str, str]:
     return "empty", ""
 
 
+def finished_card(out: Path) -> bool:
+    """Whether best/'s model card holds STS test scores: the outcome of a finished run."""
+    card = out / "best" / "README.md"
+    return card.is_file() and "STS test, Spearman" in card.read_text(errors="replace")
+
+
+def escaping(out: Path) -> tuple[Path, Path] | None:
+    """(a run file or folder of `out`, or a file in best/ or last/, that is a symbolic link leading out of the
+    folder; where it leads), or None. --output_dir itself may be a link (to a scratch disk, say)."""
+    home = out.resolve()
+    names = [*CLEARED, ".lock"]
+    for path in [out / name for name in names] + [p for d in ("best", "last") if (out / d).is_dir() and
+                                                  not (out / d).is_symlink() for p in (out / d).iterdir()]:
+        if path.is_symlink() and not path.resolve().is_relative_to(home):
+            return path, path.resolve()
+    return None
+
+
 def check(args) -> str:
     """What --output_dir holds against what the command asks (a new run, --resume, --auto_resume,
     --overwrite_output_dir), before any work: one line where they disagree, naming the safe next step first.
     --auto_resume sets args.resume; on a completed run of this command it says so and exits 0 (a requeued job that
-    had finished). The folder's state."""
+    had finished). A run writes and deletes only inside the folder: a link that leads out of it is one line. The
+    folder's state."""
     out = Path(args.output_dir)
     if out.exists() and not out.is_dir():
         raise plumbing.UsageError(f"--output_dir {out} is a file; give a folder")
+    link = escaping(out) if out.is_dir() else None
+    if link:
+        raise plumbing.UsageError(f"--output_dir {out}: {link[0].relative_to(out)} is a symbolic link to {link[1]}, "
+                                  "outside the run's folder, where a run writes nothing; put the folder's own copy "
+                                  "in its place, then run the command again")
     if (args.resume or args.auto_resume) and args.overwrite_output_dir:
         raise plumbing.UsageError("--resume continues the run in --output_dir and --overwrite_output_dir replaces "
                                   "it: give one of them")

@@ -64,6 +64,13 @@ class History:
         self.trajectory, self.resumptions = list(saved["trajectory"]), list(saved["resumptions"])
         self.skipped = list(saved.get("skipped", []))  # fp16: steps whose update the GradScaler skipped
         self.pending, self.trackers, self.fp16 = [], trackers, fp16
+        rows = {}  # a resumed run: its record so far, logged where a tracker lacks it (a kill can lose what W&B had
+        for step, pair in enumerate(zip(self.losses, self.grad_norms), start=1):  # not yet written: every 15 s)
+            rows.setdefault(step, {}).update({"train/loss": pair[0], "train/grad_norm": pair[1]})
+        for point in self.trajectory:
+            rows.setdefault(point["step"], {}).update(point_scalars(point))
+        for step in sorted(rows):  # each tracker skips what it holds (tracking.Trackers.held)
+            self.scalars(step, rows[step])
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.pending.append(torch.stack([loss.detach().float(), grad_norm.float()]))
@@ -96,8 +103,7 @@ class History:
         """A trajectory row: {"step", "train_time_s", "lr"} and, where STS-B dev was encoded, {"stsb_dev", "align",
         "uniform", "gate"}."""
         self.trajectory.append(point)
-        self.scalars(point["step"], {f"{'train' if k == 'lr' else 'dev'}/{k}": v for k, v in point.items()
-                                     if k in ("lr", "stsb_dev", "align", "uniform")})
+        self.scalars(point["step"], point_scalars(point))
 
     def scalars(self, step: int, values: dict) -> None:
         if self.trackers is not None:
@@ -558,6 +564,12 @@ class Run:
                 else:
                     results.pop(key, None)
         return results
+
+
+def point_scalars(point: dict) -> dict:
+    """A trajectory row's scalars for the trackers: train/lr, dev/stsb_dev, dev/align, dev/uniform."""
+    return {f"{'train' if k == 'lr' else 'dev'}/{k}": v for k, v in point.items()
+            if k in ("lr", "stsb_dev", "align", "uniform")}
 
 
 def peak_memory(device) -> dict:

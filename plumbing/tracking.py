@@ -5,15 +5,20 @@ and --align_uniform_steps, the final test scores once at the end; the run's argu
 config (W&B) and params (MLflow). Only process 0 tracks. A resumed run continues the same tracked run: W&B's and
 MLflow's run ids are kept in last/ and results.json (`ids`).
 
+Each step once in every tracker, across any stop (a signal, kill -9, a lost node): a resumed run recomputes the
+steps after its last save bit for bit, and logs a metric at a step only where its tracked run does not hold it yet
+(`held`: what the tracker's own record says it holds, read when the run resumes).
+
 - tensorboard: event files under <output_dir>/tb; a resumed run drops the events written after its last save.
 - wandb: project $WANDB_PROJECT (default "sentence-embeddings"), files under <output_dir>/wandb; WANDB_MODE=offline
-  keeps them there for `wandb sync`. W&B keeps a run's steps increasing: a resumed run's steps that were logged
-  before the stop (after the last save) are not logged again.
+  keeps them there, a part for each start of the run, which one `wandb sync PART ...` uploads in order (the run's
+  last line prints it). $WANDB_NAME, $WANDB_TAGS and $WANDB_RUN_GROUP win over --run_name, --run_tags, --run_group.
 - mlflow: the tracking server or store of $MLFLOW_TRACKING_URI (MLflow's default otherwise), experiment
-  $MLFLOW_EXPERIMENT_NAME (default "sentence-embeddings"); a resumed run logs its steps again after the last save.
+  $MLFLOW_EXPERIMENT_NAME (default "sentence-embeddings"); --run_tags and --run_group as its run's tags.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -56,6 +61,8 @@ class Trackers:
         self.names = chosen(args.report_to) if enabled else []
         self.ids, self.tensorboard, self.wandb, self.mlflow = dict(ids or {}), None, None, None
         out, config, new = Path(args.output_dir), flat(config or {}), resume_at is None
+        self.out, self.held = out, {}  # held: {tracker: {metric: the last step its tracked run holds}}
+        name, tags, group = run_names(args)
         if "tensorboard" in self.names:
             from torch.utils.tensorboard import SummaryWriter
             folder = out / "tb"
@@ -63,30 +70,39 @@ class Trackers:
                 files.write(f"removing the previous run's TensorBoard events in {folder}")
                 shutil.rmtree(folder)
             self.tensorboard = SummaryWriter(str(folder), flush_secs=10, purge_step=resume_at)
+            if not new:  # its events before the resumed step stay, the later ones are purged
+                self.held["tensorboard"] = collections.defaultdict(lambda: resume_at - 1)
         if "wandb" in self.names:
             import wandb
             (out / "wandb").mkdir(parents=True, exist_ok=True)
+            if not new and self.ids.get("wandb"):  # what the run's earlier offline parts hold
+                self.held["wandb"] = wandb_held(out, self.ids["wandb"])
             with refused("wandb", "check wandb login and the network, or WANDB_MODE=offline to sync later"):
                 self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), dir=str(out),
-                                        name=f"{args.method} {out.name}", id=self.ids.get("wandb"), resume="allow",
-                                        config=config if new else None, reinit="create_new")
+                                        name=os.environ.get("WANDB_NAME", name), id=self.ids.get("wandb"),
+                                        resume="allow", config=config if new else None, reinit="create_new",
+                                        tags=None if "WANDB_TAGS" in os.environ else tags or None,
+                                        group=os.environ.get("WANDB_RUN_GROUP", group))
             self.ids["wandb"] = self.wandb.id
         if "mlflow" in self.names:
             with refused("mlflow", "check MLFLOW_TRACKING_URI (docs/using.md)"):
-                self._start_mlflow(args, out, config, new)
+                self._start_mlflow(config, new, name, tags, group)
 
-    def _start_mlflow(self, args, out: Path, config: dict, new: bool) -> None:
-        """MLflow's run: created in the experiment (its params the config), or the resumed run's, running again."""
+    def _start_mlflow(self, config: dict, new: bool, name: str, tags: list, group: str | None) -> None:
+        """MLflow's run: created in the experiment (its params the config, its tags --run_tags and the group), or the
+        resumed run's, running again, with the metrics' steps it holds."""
         import mlflow
         from mlflow.entities import Param
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
         self.mlflow = mlflow.MlflowClient()
         if self.ids.get("mlflow"):
             run = self.mlflow.get_run(self.ids["mlflow"])
+            self.held["mlflow"] = {key: max(m.step for m in self.mlflow.get_metric_history(run.info.run_id, key))
+                                   for key in run.data.metrics}
         else:
             mlflow.set_experiment(experiment)
-            run = self.mlflow.create_run(mlflow.get_experiment_by_name(experiment).experiment_id,
-                                         run_name=f"{args.method} {out.name}")
+            run = self.mlflow.create_run(mlflow.get_experiment_by_name(experiment).experiment_id, run_name=name,
+                                         tags={**{tag: "" for tag in tags}, **({"group": group} if group else {})})
         self.ids["mlflow"] = run.info.run_id
         if new:  # a resumed run's params are its run's already (MLflow keeps a param's first value)
             self.mlflow.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in config.items()])
@@ -96,17 +112,20 @@ class Trackers:
     def scalars(self, step: int, values: dict) -> None:
         """The scalars at `step` ("train/loss", "dev/stsb_dev", ...); undefined values (None, NaN, inf) left out."""
         values = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
-        if not values:
-            return
+
+        def new(tracker):  # what the tracked run does not hold yet (a resumed run's steps since its last save)
+            held = self.held.get(tracker, {})
+            return {k: v for k, v in values.items() if step > held.get(k, -1)}
         if self.tensorboard is not None:
-            for tag, value in values.items():
+            for tag, value in new("tensorboard").items():
                 self.tensorboard.add_scalar(tag, value, step)
-        if self.wandb is not None:
-            self.wandb.log(values, step=step)
-        if self.mlflow is not None:
+        if self.wandb is not None and new("wandb"):
+            self.wandb.log(new("wandb"), step=step)
+        if self.mlflow is not None and new("mlflow"):
             from mlflow.entities import Metric
             now = int(time.time() * 1000)
-            self.mlflow.log_batch(self.ids["mlflow"], metrics=[Metric(k, v, now, step) for k, v in values.items()])
+            metrics = [Metric(k, v, now, step) for k, v in new("mlflow").items()]
+            self.mlflow.log_batch(self.ids["mlflow"], metrics=metrics)
 
     def finish(self, results: dict | None = None) -> None:
         """The end of the run: the final test scores (and transfer tasks) at the last step, the trackers closed; a
@@ -121,7 +140,12 @@ class Trackers:
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:
+            offline = self.wandb.settings.mode in ("offline", "dryrun")
             self.wandb.finish(exit_code=0 if ended else 1)
+            parts = sorted(self.out.glob(f"wandb/offline-run-*-{self.ids['wandb']}"), key=lambda p: p.name)
+            if offline and parts:  # the parts in the order they were written (their names begin with the time)
+                files.write(f"W&B, offline: `wandb sync {' '.join(map(str, parts))}` uploads this run, all its "
+                            f"{len(parts)} part(s) in order")
         if self.mlflow is not None:
             self.mlflow.set_terminated(self.ids["mlflow"], "FINISHED" if ended else "KILLED")
         self.tensorboard = self.wandb = self.mlflow = None
@@ -137,6 +161,49 @@ def refused(tracker: str, advice: str):
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]  # whole: it may hold the fix
         raise plumbing.UsageError(f"--report_to {tracker}: it could not start ({reason}); {advice}, or leave "
                                   f"{tracker} out of --report_to") from None
+
+
+def run_names(args) -> tuple[str, list, str | None]:
+    """(name, tags, group) of the tracked runs: --run_name (default the method and the output folder's name),
+    --run_tags, --run_group."""
+    name = getattr(args, "run_name", None) or f"{args.method} {Path(args.output_dir).name}"
+    return name, list(getattr(args, "run_tags", None) or []), getattr(args, "run_group", None)
+
+
+def wandb_held(out: Path, run_id: str) -> dict:
+    """{metric: the last step} of the history that this run's offline parts in <out>/wandb hold (a record cut short
+    by a kill ends the reading)."""
+    held = {}
+    for part in sorted(out.glob(f"wandb/offline-run-*-{run_id}")):
+        for record in wandb_records(part / f"run-{run_id}.wandb"):
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
+                step = int(json.loads(items.get("_step", "-1")))
+                held.update({key: max(step, held.get(key, -1)) for key in items if not key.startswith("_")})
+    return held
+
+
+def wandb_records(path: Path):
+    """The records of an offline W&B run file (run-<id>.wandb): a 7-byte header, then a log of 32 KiB blocks, each
+    record a 7-byte header (checksum, length, type: 1 whole, 2 first, 3 middle, 4 last part) and a protobuf Record
+    (wandb's own reader of these files is in its Go core). It stops at a record cut short."""
+    from wandb.proto import wandb_internal_pb2
+    data = path.read_bytes() if path.is_file() else b""
+    pos, block, pending = 7, 32768, b""
+    while data[:4] == b":W&B" and pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header: zeros
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        if pos + 7 + length > len(data):
+            return
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
 
 
 def flat(config: dict, prefix: str = "") -> dict:

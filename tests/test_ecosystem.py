@@ -3,6 +3,9 @@ Hub-ready model card read back by huggingface_hub's own parsers, --fit_memory's 
 in sentence-transformers and transformers."""
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -10,7 +13,7 @@ import pytest
 import torch
 
 import simcse
-from conftest import SHARED, needs_shared, smoke_args
+from conftest import ROOT, SHARED, needs_shared, smoke_args
 from plumbing import provenance
 
 
@@ -108,26 +111,7 @@ def test_fit_memory_switches_on_the_first_exact_setting_that_fits_and_a_resume_k
     assert "--micro_batch_size 32 (GradCache" in json.dumps(results["summary"])  # the run's summary says it
 
 
-def wandb_records(path):
-    """The records of an offline W&B run file (run-<id>.wandb): its 7-byte header, then a log of 32 KiB blocks, each
-    record a 7-byte header (checksum, length, type: 1 whole, 2 first, 3 middle, 4 last part) and a protobuf Record
-    (wandb's own reader of these files is in its Go core now)."""
-    from wandb.proto import wandb_internal_pb2
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    pos, block, pending = 7, 32768, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header: zeros
-            pos += block - pos % block
-            continue
-        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
+from plumbing.tracking import wandb_records  # noqa: E402  (the reader of W&B's offline run files)
 
 
 @pytest.mark.skipif(not (importlib.util.find_spec("wandb") and importlib.util.find_spec("mlflow")),
@@ -182,6 +166,77 @@ def test_wandb_and_mlflow_track_the_run_and_a_resume_continues_the_same_tracked_
     assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "dev/stsb_dev")} == \
         pytest.approx(gates)
     assert {k: v for k, v in run.data.metrics.items() if k.startswith("test/")} == pytest.approx(test)
+
+
+KILL_DRIVER = '''
+import itertools, os, signal, sys
+sys.path[:0] = [{root!r}]
+import importlib, plumbing
+from plumbing import distributed
+kill_at, argv = int(sys.argv[1]), sys.argv[2:]
+real, calls = distributed.StopSignal.requested, itertools.count()
+def requested(self, *args, **kwargs):
+    if next(calls) == kill_at:  # after that step trained, before its log: no handler, no save
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, *args, **kwargs)
+distributed.StopSignal.requested = requested
+plumbing.cli(lambda: importlib.import_module("simcse").main(argv))
+'''
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("wandb") and importlib.util.find_spec("mlflow")),
+                    reason="wandb and mlflow-skinny are test requirements (requirements-test.txt); not installed here")
+def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpus, senteval_dir, tmp_path,
+                                                               monkeypatch, capsys):
+    """kill -9 at a step drawn between two saves (last/ every 3 steps, a log every step: the steps after the save,
+    logged already, are trained again by the resumed run), then --resume: W&B's offline parts together and MLflow's
+    store hold the loss and gradient norm at each of the 8 steps once, each the value results.json has (the resumed
+    run's numbers are the straight run's bit for bit), and the run's last lines print the sync command for both
+    parts, which the installed wandb's CLI takes. A resumed run that logged its replayed steps again would give
+    MLflow two values at a step and W&B a second part that starts at an old step."""
+    import random
+    import mlflow
+    import test_resume
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),
+           "MLFLOW_ALLOW_FILE_STORE": "true"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "run"
+    argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--max_steps", 8, "--eval_steps", 4,
+                                       "--logging_steps", 1, "--save_steps", 3, "--no_test_eval", "--no_align_uniform",
+                                       "--report_to", "wandb", "mlflow")]
+    kill_at = random.Random(20261128).choice([4, 5])  # after the save at 3, before the one at 6
+    driver = tmp_path / "driver.py"
+    driver.write_text(KILL_DRIVER.format(root=str(ROOT)))
+    own = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_SERVICE", "_WANDB"))}  # its own service
+    killed = subprocess.run([sys.executable, str(driver), str(kill_at), *argv], capture_output=True, text=True,
+                            cwd=ROOT, env=dict(own, HF_HUB_OFFLINE="1"), timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    test_resume.run("simcse", argv + ["--resume"], monkeypatch)
+    results = json.loads((out / "results.json").read_text())
+    assert results["resumptions"] == [3] and results["steps"] == 8
+    parts = sorted(out.glob(f"wandb/offline-run-*-{results['tracking']['wandb']}"))
+    assert len(parts) == 2
+    seen = {}
+    for part in parts:
+        for record in wandb_records(part / f"run-{results['tracking']['wandb']}.wandb"):
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                for key in ("train/loss", "train/grad_norm"):
+                    if key in items:
+                        seen.setdefault(key, []).append((items["_step"], items[key]))
+    client = mlflow.MlflowClient()
+    for key, want in (("train/loss", results["train_loss"]), ("train/grad_norm", results["grad_norm"])):
+        steps = list(range(1, 9))
+        assert sorted(step for step, _ in seen[key]) == steps, (key, seen[key])  # W&B: each step once
+        assert dict(seen[key]) == pytest.approx(dict(zip(steps, want))), key
+        history = client.get_metric_history(results["tracking"]["mlflow"], key)
+        assert sorted(m.step for m in history) == steps, key  # MLflow: each step once
+        assert {m.step: m.value for m in history} == pytest.approx(dict(zip(steps, want))), key
+    assert f"`wandb sync {' '.join(map(str, parts))}` uploads this run, all its 2 part(s)" in capsys.readouterr().out
+    dry = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", *map(str, parts)],  # the CLI's own
+                         capture_output=True, text=True, env=dict(os.environ, **env), timeout=120)
+    assert dry.returncode == 0 and all(part.name in dry.stdout + dry.stderr for part in parts), dry
 
 
 @pytest.mark.parametrize("tracker, package", [("wandb", "wandb"), ("mlflow", "mlflow")])

@@ -579,3 +579,59 @@ def test_sigkills_at_random_moments_then_auto_resume_end_as_the_straight_run(str
         kills.append(kill_at)
     assert proc.returncode == 0 and len(kills) >= 2, (kills, proc.stderr[-2000:])
     assert_like_straight(out, straight)
+
+
+def test_a_run_writes_nothing_outside_its_folder(tiny_model, corpus, senteval_dir, tmp_path):
+    """A best/ that is a symbolic link to another folder (a user's published model, say) is refused in one line
+    before any work, for a new run, --overwrite_output_dir and --auto_resume alike: the other folder and its README.md
+    stay as they were (the run's card would have been written through the link). A link inside best/ too. The
+    output folder itself may be a link, to a scratch disk."""
+    elsewhere = tmp_path / "published"
+    elsewhere.mkdir()
+    (elsewhere / "README.md").write_text("my model")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "best").symlink_to(elsewhere)
+    argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval")]
+    for extra in ([], ["--overwrite_output_dir"], ["--auto_resume"]):
+        code, err = cli_in_process(simcse, *argv, *extra)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"best is a symbolic link to {elsewhere}, outside the run's folder" in err, err
+    assert (elsewhere / "README.md").read_text() == "my model" and sorted(p.name for p in elsewhere.iterdir()) == \
+        ["README.md"]
+    (out / "best").unlink()
+    (out / "best").mkdir()
+    (out / "best" / "README.md").symlink_to(elsewhere / "README.md")
+    code, err = cli_in_process(simcse, *argv, "--overwrite_output_dir")
+    assert code == 2 and "best/README.md is a symbolic link" in err.replace("best" + "/", "best/"), err
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    (tmp_path / "linked").symlink_to(scratch)
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "linked", "--no_test_eval",
+                                            "--no_align_uniform")])
+    assert (scratch / "results.json").is_file()
+
+
+def test_overwrite_clears_mteb_and_a_record_that_contradicts_the_folder_is_one_line(tiny_model, corpus, senteval_dir,
+                                                                                    tmp_path):
+    """--overwrite_output_dir removes tools/mteb_eval.py's mteb/ with the rest of the old run. A results.json that
+    says the run ran out of memory before its first save, beside a best/ whose card holds a finished run's test
+    scores, or after saves of last/ that are gone, is one line naming the file: --auto_resume starts nothing over
+    and best/ stays."""
+    out = tmp_path / "run"
+    argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_align_uniform")]
+    simcse.main(argv)
+    (out / "mteb").mkdir()
+    (out / "mteb" / "STSBenchmark.json").write_text("{}")
+    card = (out / "best" / "README.md").read_text()
+    results = json.loads((out / "results.json").read_text())
+    results.update(interrupted=True, interrupted_during="training", stop={"by": "out of memory", "step": 3})
+    for saves in (0, 2):
+        results["checkpoint_time_s"]["last_writes"] = saves
+        (out / "results.json").write_text(json.dumps(results))
+        code, err = cli_in_process(simcse, *argv, "--auto_resume")
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert ("holds a finished run's test scores" if saves == 0 else "records 2 save(s) of last/") in err, err
+        assert "results.json" in err and (out / "best" / "README.md").read_text() == card
+    simcse.main(argv + ["--overwrite_output_dir"])
+    assert not (out / "mteb").exists()
