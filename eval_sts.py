@@ -32,7 +32,7 @@ from scipy.stats import spearmanr
 
 import common
 import plumbing
-from plumbing import backbones, files, hub, progress
+from plumbing import backbones, files, hub, progress, provenance
 
 STS_SUBSETS = {
     "STS12": ["MSRpar", "MSRvid", "SMTeuroparl", "surprise.OnWN", "surprise.SMTnews"],
@@ -280,9 +280,13 @@ def main(argv=None) -> None:
     parser.add_argument("--batch_size", type=int, default=128, help="sentences per encoding batch")
     parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
     parser.add_argument("--json", default=None, help="write the scores to this JSON file")
+    parser.add_argument("--into_run", action="store_true",
+                        help="a run's best/ (one trained with --no_test_eval, say): write the 7 STS test scores "
+                             "into its results.json and its model card")
     args = parser.parse_args(argv)
     plumbing.check_range(args, "batch_size", lambda v: v >= 1, "a positive integer")
     plumbing.check_json_path(args.json)
+    run_dir = provenance.run_of(args.model_name_or_path, args.into_run, args.mode == "test" and not args.tasks)
     device = plumbing.resolve_device(args.device)
 
     senteval_dir = resolve_senteval_dir(args.senteval_dir)
@@ -298,6 +302,9 @@ def main(argv=None) -> None:
     print(f"evaluation wall time {time.perf_counter() - start:.1f}s")
     if args.json:
         files.write_json(Path(args.json), scores)
+    if run_dir is not None:
+        provenance.record_test(run_dir, {k: v for k, v in scores.items() if k not in ("align", "uniform")})
+        print(f"wrote the test scores into {run_dir / 'results.json'} and {run_dir / 'best' / 'README.md'}")
 
 
 if __name__ == "__main__":

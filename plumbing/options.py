@@ -48,6 +48,11 @@ def add_run_flags(parser) -> None:
                    help="trackers of the loss, lr, gradient norm, STS-B dev, l_align / l_uniform and the test "
                         "scores: tensorboard (<output_dir>/tb), wandb, mlflow, or several; each an optional "
                         "install (plumbing/tracking.py)")
+    g.add_argument("--hub_model_id", default=None, help="the Hub id the model will have (user/name): the card's "
+                                                        "usage and the upload command name it")
+    g.add_argument("--base_model", default=None, help="the Hub id of a local --model_name_or_path, for the card")
+    g.add_argument("--license", default=None, help="the model's license for the card (default: the base model's "
+                                                   "where the suite knows it)")
     g.add_argument("--run_name", default=None, help="the tracked run's name (default: the method and the "
                                                     "output folder's name; $WANDB_NAME wins for W&B)")
     g.add_argument("--run_tags", nargs="+", default=None, help="the tracked run's tags (W&B, MLflow)")

@@ -16,6 +16,7 @@ import platform
 import subprocess
 from pathlib import Path
 
+import plumbing
 from plumbing import distributed
 
 ROOT = Path(__file__).resolve().parents[1]  # the suite
@@ -160,15 +161,23 @@ def commit_text(provenance: dict) -> str:
     return part_commit(provenance.get("git"))
 
 
-def base_model(name_or_path: str) -> str:
-    """The base model as the card names it: a local folder as given and where it resolved to (a relative path says
-    nothing once the card is elsewhere), else the Hub id."""
-    path = Path(name_or_path).expanduser()
-    if not path.exists():
-        return f"`{name_or_path}` (Hugging Face Hub)"
-    resolved = str(path.resolve())
-    return f"`{name_or_path}`" + (f" (the local folder `{resolved}`)" if resolved != name_or_path else
-                                  " (a local folder)")
+def base_model(args) -> str:
+    """The base model as the card names it: --base_model (a Hub id for a local folder), else the Hub id, else a local
+    folder's name (its path says nothing once the card is elsewhere, and is nobody else's business)."""
+    name = args.model_name_or_path
+    given = getattr(args, "base_model", None)
+    if given:
+        return f"`{given}` (Hugging Face Hub)" + (f", trained from a local copy, `{Path(name).name}`"
+                                                   if Path(name).expanduser().exists() else "")
+    if not Path(name).expanduser().exists():
+        return f"`{name}` (Hugging Face Hub)"
+    return f"a local folder, `{Path(name).name}` (--base_model names its Hub id)"
+
+
+def without_local_paths(command: str) -> str:
+    """The command with each absolute path shortened to its last part: the card leaves the user's disk out."""
+    return " ".join(f".../{Path(word).name}" if word.startswith(("/", "~")) and len(Path(word).parts) > 1 else word
+                    for word in command.split())
 
 
 LICENSES = {"bert-base-uncased": "apache-2.0", "bert-large-uncased": "apache-2.0", "bert-base-cased": "apache-2.0",
@@ -177,6 +186,9 @@ LICENSES = {"bert-base-uncased": "apache-2.0", "bert-large-uncased": "apache-2.0
             "google-bert/bert-large-uncased": "apache-2.0"}  # the papers' backbones' licenses (their Hub cards)
 # SentEval's STS tasks by the Hub's names of the same data: MTEB's for STS12-16 and STS-B; SICK-R's test split (4,927
 # pairs) is not MTEB's sickr-sts (the whole corpus), so the SICK dataset's own name
+PROTOCOL = {**{task: "SentEval 'all': the subsets' pairs pooled" for task in ("STS12", "STS13", "STS14", "STS15",
+                                                                                 "STS16")},
+            "STSBenchmark": "the test split's pairs", "SICKRelatedness": "the test split's pairs"}
 STS_DATASETS = {"STS12": "mteb/sts12-sts", "STS13": "mteb/sts13-sts", "STS14": "mteb/sts14-sts",
                 "STS15": "mteb/sts15-sts", "STS16": "mteb/sts16-sts", "STSBenchmark": "mteb/stsbenchmark-sts",
                 "SICKRelatedness": "sick"}
@@ -188,20 +200,21 @@ def hub_metadata(args, paper: str, title: str, best: dict, sentence_transformers
     pipeline tag, tags, the base model's license where known, and a model-index with each STS test task's Spearman
     x 100 (SimCSE's protocol) once the run has them."""
     from huggingface_hub import EvalResult, ModelCardData
-    base = args.model_name_or_path
-    on_hub = not Path(base).expanduser().exists()
+    on_hub = not Path(args.model_name_or_path).expanduser().exists()
+    base = getattr(args, "base_model", None) or (args.model_name_or_path if on_hub else None)
     corpus = None if args.train_file else "sap-ai-research/datasets-for-micse" if args.method == "micse" and \
         args.fraction < 1 else "princeton-nlp/datasets-for-simcse"
     results = [EvalResult(task_type="sentence-similarity", dataset_type=STS_DATASETS[task], dataset_name=task,
                           dataset_split="test", metric_type="spearman", metric_value=score,
-                          metric_name=f"Spearman x 100 ({title.split(':')[0]}'s STS protocol, SentEval 'all')")
+                          metric_name=f"Spearman x 100 ({title.split(':')[0]}'s STS protocol, {PROTOCOL[task]})")
                for task, score in (best.get("test") or {}).items() if task in STS_DATASETS]
+    results += [EvalResult(**result) for result in best.get("mteb") or []]  # tools/mteb_eval.py's, MTEB's names
     data = ModelCardData(library_name="sentence-transformers" if sentence_transformers else "transformers",
-                         base_model=base if on_hub else None, datasets=[corpus] if corpus else None,
-                         pipeline_tag="sentence-similarity", license=LICENSES.get(base) if on_hub else None,
+                         base_model=base, datasets=[corpus] if corpus else None, pipeline_tag="sentence-similarity",
+                         license=getattr(args, "license", None) or LICENSES.get(base),
                          tags=["sentence-embeddings", "contrastive-learning", paper,
                                *(["sentence-transformers"] if sentence_transformers else [])],
-                         model_name=f"{args.method} {Path(base).name}" if results else None,
+                         model_name=f"{args.method} {Path(base or args.model_name_or_path).name}" if results else None,
                          eval_results=results or None)
     return data.to_yaml()
 
@@ -212,33 +225,72 @@ def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_tr
     `untested`: why a run that ended has no STS test scores (without it, they come when the run ends)."""
     paper = PAPER_OF.get(args.method, args.method)
     title, bibtex = PAPERS.get(paper, (args.method, ""))
-    base = args.model_name_or_path
-    data = args.train_file or "the Hugging Face Hub's default corpus of the method (princeton-nlp/datasets-for-simcse)"
+    base = getattr(args, "base_model", None) or args.model_name_or_path
+    here = getattr(args, "hub_model_id", None) or "PATH_TO_THIS_FOLDER"  # where a user loads it from
+    data = Path(args.train_file).name if args.train_file else \
+        "the Hugging Face Hub's default corpus of the method (princeton-nlp/datasets-for-simcse)"
+    command = without_local_paths(args.command) if getattr(args, "command", None) else f"python {args.method}.py"
     lines = ["---", hub_metadata(args, paper, title, best, sentence_transformers).strip(), "---", "",
              f"# {args.method}: {Path(base).name} trained with {title.split(':')[0]}", "",
               f"Trained by `{args.method}.py` of the contrastive sentence-embedding reference suite, which reproduces "
-              f"{title}.", "", "## Training", "",
-              "```bash", args.command if getattr(args, "command", None) else f"python {args.method}.py", "```", "",
-              f"- base model: {base_model(base)}",
+              f"{title}.", "", "## Training", "", "```bash", command, "```", "",
+              f"- base model: {base_model(args)}",
               f"- data: `{data}`" + (f", fraction {args.fraction:g} (seed {args.seed})" if args.fraction < 1 else ""),
               f"- precision {provenance['precision']}, {provenance['processes']} process(es) on "
               f"{provenance['device_name']}", f"- the suite's commit: {commit_text(provenance)}",
               f"- best STS-B dev Spearman {best['stsb_dev']:.2f} at step {best['step']}", "",
               "## Use", "", f"The pooler to evaluate with: **`{eval_pooler}`**, recorded in `eval_pooler.json`:", "",
-              "```bash", "python eval_sts.py --model_name_or_path PATH_TO_THIS_FOLDER   # the recorded pooler", "```"]
+              "```bash", f"python eval_sts.py --model_name_or_path {here}   # the recorded pooler", "```"]
     if sentence_transformers:
         lines += ["", "```python", "from sentence_transformers import SentenceTransformer",
-                  "embeddings = SentenceTransformer(\"PATH_TO_THIS_FOLDER\").encode([\"A sentence.\"])", "```"]
+                  f"embeddings = SentenceTransformer(\"{here}\").encode([\"A sentence.\"])", "```"]
     lines += ["", "## Scores", ""]
     if best.get("test"):
         tasks = list(best["test"])
-        lines += ["STS test, Spearman × 100 (SimCSE's protocol, `eval_sts.py`):", "",
+        lines += ["STS test, Spearman × 100 (SimCSE's protocol, `eval_sts.py`: STS12-16 each subset's pairs pooled, "
+                  "SentEval's 'all'; STS-B and SICK-R their test split's pairs):", "",
                   "| " + " | ".join(tasks) + " |", "|" + "---|" * len(tasks),
                   "| " + " | ".join(f"{best['test'][t]:.2f}" for t in tasks) + " |"]
     elif untested:
         lines += [f"Not evaluated on the STS test tasks: {untested}; `python eval_sts.py --model_name_or_path "
-                  "PATH_TO_THIS_FOLDER` evaluates it."]
+                  f"{here} --into_run` evaluates it and writes the scores here and into the run's results.json."]
     else:
         lines += ["Not evaluated on the STS test tasks yet (the run writes them here when it ends)."]
     lines += ["", "## Citation", "", "```bibtex", bibtex, "", SUITE_CITATION, "```", ""]
     return "\n".join(lines)
+
+
+def run_of(model: str, into_run: bool, all_test_tasks: bool) -> Path | None:
+    """eval_sts.py's model: a run's folder given for its best/ is one line naming best/; with --into_run, best/'s run
+    folder (results.json beside it, no run holding it), else one line. None without --into_run."""
+    from plumbing import lock, outdir
+    path = Path(model)
+    if (path / "best").is_dir() and (path / outdir.RESULTS).is_file() and not (path / "config.json").is_file():
+        raise plumbing.UsageError(f"--model_name_or_path {model} is a training run's folder; its model is "
+                                  f"--model_name_or_path {path / 'best'}")
+    if not into_run:
+        return None
+    if path.name != "best" or not (path.parent / outdir.RESULTS).is_file():
+        raise plumbing.UsageError(f"--into_run: {model} is not a run's best/ (no {outdir.RESULTS} beside it)")
+    if not all_test_tasks:
+        raise plumbing.UsageError("--into_run writes the 7 STS test tasks' scores: leave out --mode dev and --tasks")
+    lock.check_free(path.parent)
+    outdir.read_results(path.parent)  # readable, else one line
+    return path.parent
+
+
+def record_test(run_dir: Path, scores: dict) -> None:
+    """The STS test scores of a run's best/ written after the fact into its results.json ("test", with where they
+    came from) and its model card."""
+    import types
+    from plumbing import files, outdir
+    results = outdir.read_results(run_dir)
+    results["test"], results["test_by"] = scores, "eval_sts.py --into_run"
+    files.write_json(run_dir / outdir.RESULTS, results)
+    args = types.SimpleNamespace(method=results["method"], **results["args"])
+    best = {"step": results["best_step"], "stsb_dev": results["best_dev_stsb"], "test": scores,
+            "mteb": results.get("mteb")}
+    plain = files.pooling_mode(results["eval_pooler"]) is not None and \
+        not (run_dir / "best" / files.PROJECTION_FILE).is_file()
+    files.write_text(run_dir / "best" / "README.md", model_card(args, results["eval_pooler"], results["provenance"],
+                                                                best, plain))

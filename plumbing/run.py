@@ -521,6 +521,8 @@ class Run:
             self.history.trackers.finish(results)  # the test scores, the tracked runs closed
             distributed.log(in_context(results))
             distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
+            if getattr(self.args, "hub_model_id", None) and not results["interrupted"]:
+                distributed.log(f"to share it: hf upload {self.args.hub_model_id} {out / 'best'} .")
             if results["interrupted"] and self.resumable:  # a signal stopped it: how it goes on, last
                 evaluation = results.get("interrupted_during") == "final evaluation"
                 where = "during the final evaluation" if evaluation else \
@@ -658,7 +660,9 @@ def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device, 
                                                   "--pad_to_max_length)",
               "schedule": f"{total_steps:,} steps ({steps_per_epoch:,} an epoch), batch {args.batch_size}, lr "
                           f"{args.lr:g}, STS-B dev every {args.eval_steps} steps; the ETA comes with the first log "
-                          "line",
+                          "line" + (f"; note: --warmup_steps {args.warmup_steps} is not below the run's "
+                                    f"{total_steps:,} steps: its lr never leaves the warm-up (give --warmup_steps)"
+                                    if args.warmup_steps >= total_steps else ""),
               "output": args.output_dir}
     distributed.log("\n".join([args.method] + [f"  {key:<9} {value}" for key, value in result.items()]))
     return result

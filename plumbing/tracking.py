@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -94,6 +95,9 @@ class Trackers:
         import mlflow
         from mlflow.entities import Param
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
+        if "MLFLOW_TRACKING_URI" not in os.environ and importlib.util.find_spec("sqlalchemy") is None:
+            raise RuntimeError("no MLFLOW_TRACKING_URI, and MLflow's default store, SQLite, needs the full mlflow "
+                               "package: set MLFLOW_TRACKING_URI to your server (or pip install mlflow)")
         self.mlflow = mlflow.MlflowClient()
         if self.ids.get("mlflow"):
             run = self.mlflow.get_run(self.ids["mlflow"])

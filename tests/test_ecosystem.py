@@ -386,3 +386,25 @@ def test_mteb_refuses_scores_that_do_not_vary_and_an_unknown_task_in_one_line(fi
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "NoSuchTask" in lines[0] and "mteb.get_tasks(task_types=['STS'])" in \
         lines[0], err
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("mlflow"), reason="mlflow-skinny is a test requirement")
+def test_the_second_hours_frictions_are_each_one_line(tiny_model, corpus, senteval_dir, tmp_path, monkeypatch,
+                                                      capsys):
+    """mlflow-skinny without MLFLOW_TRACKING_URI: one line that names the variable, before any work (not MLflow's
+    message about SQLite and its model registry). A warm-up at least as long as the run: the summary says so (miCSE's
+    preset of 250 warm-up steps on a 20-step run)."""
+    import importlib.util as util
+    from conftest import cli_in_process
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    real = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    code, err = cli_in_process(simcse, *smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "m", "--report_to",
+                                                   "mlflow"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "set MLFLOW_TRACKING_URI" in err, err
+    assert not (tmp_path / "m" / "started.json").exists()
+    capsys.readouterr()
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "w", "--warmup_steps", 10,
+                                            "--no_test_eval", "--no_align_uniform")])
+    assert "note: --warmup_steps 10 is not below the run's 4 steps: its lr never leaves the warm-up" in \
+        capsys.readouterr().out

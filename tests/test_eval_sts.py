@@ -12,7 +12,7 @@ from scipy.stats import spearmanr
 
 import common
 import eval_sts
-from conftest import ROOT, SHARED, STS_SUBSETS, cli_in_process, needs_shared, run_script
+from conftest import ROOT, SHARED, STS_SUBSETS, cli_in_process, in_process_scores, needs_shared, run_script, smoke_args
 
 
 def hashed_encode(sentences):
@@ -279,3 +279,29 @@ def test_the_dev_gate_tokenises_once_a_run_keeps_the_embeddings_on_the_device_an
     with syncs.HostSyncCounter("cpu") as counter:  # transformers' own 2-D mask: a sync a batch
         gate(common.Encoder(backbone, None, tokenizer, "avg", torch.device("cpu")))
     assert sum(counter.ops.values()) >= len(gate.sentences.batches)
+
+
+def test_a_runs_test_scores_after_the_fact_and_its_folder_named_for_best(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                        capsys):
+    """A run trained with --no_test_eval: `eval_sts.py --model_name_or_path RUN/best --into_run` writes the 7 STS
+    test scores into its results.json and its card (the Hub's model-index), the scores a run's own final evaluation
+    gives; the run's folder given for its model is one line naming RUN/best."""
+    import simcse
+    from huggingface_hub import ModelCard
+    from conftest import cli_in_process
+    out = tmp_path / "run"
+    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval",
+                                            "--no_align_uniform")])
+    assert "test" not in json.loads((out / "results.json").read_text())
+    code, err = cli_in_process(eval_sts, "--model_name_or_path", out, "--senteval_dir", senteval_dir)
+    assert code == 2 and f"its model is --model_name_or_path {out / 'best'}" in err, err
+    scores = in_process_scores(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
+                               "--into_run")
+    results = json.loads((out / "results.json").read_text())
+    assert results["test"] == scores and results["test_by"] == "eval_sts.py --into_run"
+    card = ModelCard((out / "best" / "README.md").read_text())
+    assert {r.dataset_name: r.metric_value for r in card.data.eval_results} == \
+        {task: score for task, score in scores.items() if task != "avg"}
+    code, err = cli_in_process(eval_sts, "--model_name_or_path", tiny_model, "--senteval_dir", senteval_dir,
+                               "--into_run")
+    assert code == 2 and "is not a run's best/" in err

@@ -517,11 +517,30 @@ def test_paths_compare_as_paths(tiny_model):
     assert not resume.same_value("lr", 1e-3, 2e-3) and resume.same_value("lr", 1e-3, 1e-3)
 
 
-def test_the_model_card_names_a_relative_base_model_as_given_and_resolved(tiny_model, monkeypatch):
+def test_the_model_card_is_ready_to_upload_as_it_is(tiny_model, corpus, senteval_dir, tmp_path, capsys):
+    """A run from a local backbone given by its absolute path: the card names no local path (the command's paths
+    shortened to their names, the base model by its folder's name), --hub_model_id is in its usage snippets,
+    --base_model and --license fill the Hub's metadata a local folder does not have, and huggingface_hub parses
+    it; each STS task is labelled with its own protocol."""
+    from huggingface_hub import ModelCard
     from plumbing import provenance
-    monkeypatch.chdir(tiny_model.parent)
-    assert provenance.base_model(tiny_model.name) == f"`{tiny_model.name}` (the local folder `{tiny_model}`)"
-    assert provenance.base_model("bert-base-uncased") == "`bert-base-uncased` (Hugging Face Hub)"
+    import types
+    args = types.SimpleNamespace(model_name_or_path="bert-base-uncased", base_model=None)
+    assert provenance.base_model(args) == "`bert-base-uncased` (Hugging Face Hub)"
+    out = tmp_path / "run"
+    simcse.main([str(a) for a in smoke_args(tiny_model.resolve(), corpus.resolve(), senteval_dir.resolve(), out,
+                                            "--max_steps", 2, "--no_align_uniform", "--hub_model_id", "me/simcse-tiny",
+                                            "--base_model", "google-bert/bert-base-uncased", "--license",
+                                            "apache-2.0")])
+    assert f"to share it: hf upload me/simcse-tiny {out / 'best'} ." in capsys.readouterr().out
+    card = (out / "best" / "README.md").read_text()
+    for local in (str(tiny_model.resolve().parent), str(corpus.resolve().parent), str(tmp_path)):
+        assert local not in card, local
+    assert 'SentenceTransformer("me/simcse-tiny")' in card and "--model_name_or_path me/simcse-tiny" in card
+    data = ModelCard(card).data
+    assert data.base_model == "google-bert/bert-base-uncased" and data.license == "apache-2.0"
+    names = {r.dataset_name: r.metric_name for r in data.eval_results}
+    assert "SentEval 'all'" in names["STS12"] and "the test split's pairs" in names["STSBenchmark"]
 
 
 def test_provenance_of_parts_that_ran_under_other_commits():

@@ -154,8 +154,9 @@ def evaluate(model: str, pooler: str | None, tasks: list[str], sts_file: str | N
         found = mteb.evaluate(encoder, chosen, cache=mteb.ResultCache(str(out)), show_progress_bar=False,
                               encode_kwargs={"batch_size": batch_size}, overwrite_strategy="always")
     except (OSError, ConnectionError) as err:  # an MTEB task's data not in the Hub cache, offline
+        other = "leave out --tasks: --sts_file alone scores your pairs offline" if sts_file else "give --sts_file"
         raise plumbing.UsageError(f"an MTEB task's data could not be loaded ({str(err).splitlines()[0][:160]}): run "
-                                  "once with internet (the Hub's cache keeps it), or give --sts_file") from None
+                                  f"once with internet (the Hub's cache keeps it), or {other}") from None
     scores = {result.task_name: round(100 * main_score(result), 2) for result in found.task_results}
     table = "\n".join([f"MTEB on {model} (pooler {pooler}); main score x 100 (STS: Spearman of the cosine "
                        "similarities)", "", "| task | score |", "|---|---|",
