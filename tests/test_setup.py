@@ -39,7 +39,7 @@ def test_the_top_level_shows_the_papers():
         METHOD_FILES + ["common.py", "data.py", "eval_sts.py", "eval_transfer.py"])
     assert {p.name for p in (ROOT / "tools").glob("*.py")} == {"report.py", "protocols.py", "analyze.py", "bench.py",
                                                                     "parity.py", "tables.py", "memory.py",
-                                                                    "mteb_eval.py", "mutants.py"}
+                                                                    "mteb_eval.py", "mutants.py", "cluster.py"}
     assert "what a first reading skips" in (ROOT / "plumbing" / "__init__.py").read_text().lower()
 
 

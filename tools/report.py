@@ -23,12 +23,10 @@ with `eval_transfer.py --mode fasttest` on each best checkpoint (TRANSFER_MODE).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import math
 import os
 import platform
-import queue
 import resource
 import shlex
 import subprocess
@@ -41,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modu
 
 import plumbing  # noqa: E402
 from plumbing import files, progress  # noqa: E402
+import cluster  # noqa: E402
 import protocols  # noqa: E402
 import tables  # noqa: E402
 
@@ -600,41 +599,47 @@ def plot_align_uniform(runs, results_dir, main_names, few_names):
     files.save_figure(fig, results_dir / "align_uniform.png")
 
 
-def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None) -> None:
-    """Every run of `protocol` not finished yet (a stopped one resumes from its last/), one at a time or one per
-    GPU of --gpus at once; each run's results.json, with its wall and CPU time, goes to results/<name>/."""
+def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs: dict | None = None) -> None:
+    """Every run of `protocol` not finished yet (a stopped one resumes from its last/): one at a time here, or as
+    submitit's jobs (`jobs`: --executor, --gpus and the job flags; tools/cluster.py), which this command waits for
+    with --wait; each run's results.json, with its wall and CPU time here, goes to results/<name>/."""
     every = protocols.runs(protocol, extra)
     done = protocols.collect(protocol, RESULTS)
     todo = [run for run in every if run["seed"] not in done.get(run["row"], {})]
-    print(f"protocol {protocol['name']}: {len(every)} runs, {len(every) - len(todo)} done, {len(todo)} to make "
-          f"({'one per GPU on ' + str(len(gpus)) + ' GPUs' if gpus else 'one at a time'}); wall time: "
+    if jobs:
+        folder = RESULTS / protocol["name"] / "jobs"
+        todo = [cluster.attach(run, RESULTS / protocol["name"], folder) for run in todo]
+        waiting = [run for run in todo if cluster.queued(run)]  # a second `run` resubmits none of them
+        todo = [run for run in todo if run not in waiting]
+    print(f"protocol {protocol['name']}: {len(every)} runs, {len(every) - len(todo)} done{' or queued' if jobs else ''}"
+          f", {len(todo)} to make ({jobs['executor'] + ' jobs' if jobs else 'one at a time'}); wall time: "
           f"{protocols.estimate(todo, RESULTS)}", flush=True)
-    free = queue.Queue()
-    for gpu in gpus or [None]:
-        free.put(gpu)
-
-    def make(run):
-        gpu = free.get()
-        try:
-            env = dict(os.environ, **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}))
-            cost = timed([sys.executable, *run["argv"]], env)  # --auto_resume: starts, resumes or finishes it
-            results = json.loads((ROOT / run["out"] / "results.json").read_text())
-            folder = RESULTS / protocol["name"]
-            folder.mkdir(parents=True, exist_ok=True)
-            files.write_json(folder / protocols.kept_name(run), {**results, "report": cost})
-        finally:
-            free.put(gpu)
-    if gpus:
-        with concurrent.futures.ThreadPoolExecutor(len(gpus)) as pool:
-            errors = list(pool.map(failed_run(make), todo))
+    if jobs:
+        options = {k: v for k, v in jobs.items() if k not in ("executor", "runs_per_gpu", "wait")}
+        submitted = cluster.submit(todo, folder, jobs["executor"], gpus, jobs["runs_per_gpu"], **options) \
+            if todo else []
+        print(f"submitted {len(submitted)} job(s); their runs' states: python tools/report.py status --protocol "
+              f"{protocol['name']}; logs under {folder}", flush=True)
+        if not jobs["wait"]:
+            return
+        failed = [(job, error) for job, error in ((job, cluster.failed(job)) for job in submitted) if error]
+        cluster.wait(waiting)
     else:
-        errors = [failed_run(make)(run) for run in todo]
-    failed = [(run, err) for run, err in zip(todo, errors) if err]
-    for run, err in failed:
-        print(f"== failed: {protocols.command_line(run)} ({err})", flush=True)
+        failed = [(run, err) for run, err in ((run, failed_run(make_here)(run)) for run in todo) if err]
+    for what, err in failed:
+        print(f"== failed: {protocols.command_line(what) if isinstance(what, dict) else what} ({err})", flush=True)
     protocols.write_page(protocol, RESULTS)
     if failed:
         raise SystemExit(1)
+
+
+def make_here(run: dict) -> None:
+    """One run in a subprocess here (--auto_resume: it starts, resumes or finishes), its results.json kept."""
+    cost = timed([sys.executable, *run["argv"]])
+    results = json.loads((ROOT / run["out"] / "results.json").read_text())
+    folder = RESULTS / run["out"].parent.name
+    folder.mkdir(parents=True, exist_ok=True)
+    files.write_json(folder / protocols.kept_name(run), {**results, "report": cost})
 
 
 def failed_run(make):
@@ -665,14 +670,15 @@ def check_gpus(text: str | None) -> list[int] | None:
 
 def main(argv=None):
     parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["run", "write", "commands"])
+    parser.add_argument("action", choices=["run", "write", "commands", "status"])
     parser.add_argument("--protocol", default="smoke",
                         help="smoke (RESULTS.md), paper, fewshot, sweep, or a protocol JSON file (protocols.py)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help="seeds of every run (default: the protocol's; smoke: 42 43 44)")
     parser.add_argument("--only", nargs="+", help="these rows only")
     parser.add_argument("--no_transfer", action="store_true", help="skip the transfer evaluations")
-    parser.add_argument("--gpus", default=None, help="run concurrently, one run per GPU: 0,1,2,3")
+    parser.add_argument("--gpus", default=None, help="run concurrently as local jobs, one per GPU: 0,1,2,3")
+    cluster.add_arguments(parser)
     parser.add_argument("--args", default="", help="flags added to every run, e.g. \"--model_name_or_path DIR "
                                                    "--train_file FILE --senteval_dir DIR\" on a machine offline")
     g = parser.add_argument_group("--protocol sweep")
@@ -704,13 +710,16 @@ def main(argv=None):
         protocol = protocols_for(args)
         gpus = check_gpus(args.gpus)
         extra = split_flags(args.args, "--args")
-        if args.action == "commands":
+        jobs = cluster.options(args, gpus)
+        if args.action == "status":
+            print("\n".join(cluster.status_lines(protocol, RESULTS / protocol["name"])))
+        elif args.action == "commands":
             for line in protocols.precision_lines(protocol):
                 print(f"# {line}")
             for run in protocols.runs(protocol, extra):
                 print(protocols.command_line(run))
         elif args.action == "run":
-            run_protocol(protocol, extra, gpus)
+            run_protocol(protocol, extra, gpus, jobs)
         else:
             protocols.write_page(protocol, RESULTS)
     except plumbing.UsageError as err:

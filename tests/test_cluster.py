@@ -1,0 +1,179 @@
+"""A protocol's runs as submitit jobs (tools/cluster.py, `report.py run --executor`): on submitit's local executor for
+real, a two-row x two-seed protocol on the tiny model, one job pre-empted as Slurm would (submitit's SIGUSR2 to the
+job), requeued and finished to an uninterrupted run's results; one run across two tasks (gloo) as one process
+trains; the sbatch script submitit writes for the Slurm flags (no Slurm here); bad input in one line."""
+import importlib.util
+import json
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import smoke_args, write_tiny_model
+
+pytestmark = pytest.mark.skipif(not importlib.util.find_spec("submitit"), reason="submitit is a test requirement")
+
+
+@pytest.fixture
+def protocol_files(tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    import protocols
+    import report
+    monkeypatch.setattr(protocols, "RUNS_DIR", tmp_path / "runs")
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
+    shared = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, "x")[:-4]] + ["--device", "cpu",
+                                                                                        "--no_align_uniform"]
+    protocol = {"name": "tiny", "description": "two rows", "args": shared + ["--max_steps", "12", "--eval_steps",
+                                                                              "6", "--save_steps", "3"],
+                "seeds": [1, 2], "transfer": None,
+                "rows": [{"name": "simcse", "script": "simcse.py", "flags": [], "paper": "simcse"},
+                         {"name": "sscl", "script": "sscl.py", "flags": ["--neg_layers", "1"], "paper": None}]}
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(protocol))
+    return path
+
+
+def status_files(results: Path) -> dict:
+    return {p.name: json.loads(p.read_text()) for p in (results / "tiny" / "jobs").glob("*.seed*.json")}
+
+
+def test_a_protocol_runs_as_local_jobs_and_a_preempted_job_is_requeued_to_the_same_results(
+        protocol_files, tmp_path, capsys):
+    """`report.py run --executor local --wait`: the four runs in one local job, one after another. While the second
+    run trains, the job gets SIGUSR2, what submitit handles as Slurm's pre-emption: the run gets SIGTERM and saves
+    last/, submitit requeues the job (its local executor restarts it), the requeued job resumes the run with
+    --auto_resume. `status` shows the requeue; every run's scores and best/ weights are those of the same command run
+    straight; a second `run` submits nothing."""
+    import importlib
+    import protocols
+    import report
+    from safetensors.torch import load_file
+    report.main(["run", "--protocol", str(protocol_files), "--executor", "local", "--timeout_min", "10"])
+    out = capsys.readouterr().out
+    assert "4 to make (local jobs)" in out and "submitted 1 job(s)" in out, out
+    results = tmp_path / "results"
+    deadline = time.time() + 240
+    while time.time() < deadline:  # the second run's last/ (a save every 3 steps): it is training
+        notes = status_files(results)
+        running = [n for n in notes.values() if n.get("state") == "running"]
+        last = list((tmp_path / "runs" / "tiny").glob("*/last"))
+        if len([n for n in notes.values() if n.get("state") == "done"]) == 1 and running and last:
+            os.kill(running[0]["pid"], signal.SIGUSR2)
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"no second run training in time: {status_files(results)}")
+    report.main(["run", "--protocol", str(protocol_files), "--executor", "local", "--wait"])  # waits, queues none
+    out = capsys.readouterr().out
+    assert "4 done or queued, 0 to make" in out, out
+    report.main(["status", "--protocol", str(protocol_files)])
+    status = capsys.readouterr().out.splitlines()
+    assert sum("done" in line for line in status) == 4 and sum("requeued 1 time(s)" in line for line in status) == 1
+    for run in protocols.runs(json.loads(protocol_files.read_text())):
+        straight = tmp_path / "straight" / run["out"].name
+        argv = [*run["argv"][1:-3], "--output_dir", str(straight)]  # the same command, not --auto_resume
+        importlib.import_module(run["argv"][0][:-3]).main(argv)
+        kept = json.loads((results / "tiny" / protocols.kept_name(run)).read_text())
+        want = json.loads((straight / "results.json").read_text())
+        assert kept["train_loss"] == want["train_loss"] and kept["test"] == want["test"], run["row"]
+        got, ref = (load_file(p / "best" / "model.safetensors") for p in (run["out"], straight))
+        assert all(torch.equal(got[k], ref[k]) for k in ref), run["row"]
+    report.main(["run", "--protocol", str(protocol_files), "--executor", "local"])
+    assert "4 done or queued, 0 to make" in capsys.readouterr().out
+
+
+def test_one_run_across_two_tasks_trains_as_one_process(tmp_path, corpus, senteval_dir, capsys, monkeypatch):
+    """--gpus_per_job 2 on the local executor: one run as two tasks, torch.distributed's environment from submitit's
+    (TorchDistributedEnvironment), gloo on CPU: its losses are the one-process run's within test_distributed.py's
+    tolerance (dropout off: the same function), its world size 2."""
+    import importlib
+    import protocols
+    import report
+    model = write_tiny_model(tmp_path / "model", dropout=0.0)
+    monkeypatch.setattr(protocols, "RUNS_DIR", tmp_path / "runs")
+    monkeypatch.setattr(report, "RESULTS", tmp_path / "results")
+    args = [str(a) for a in smoke_args(model, corpus, senteval_dir, "x")[:-4]] + [
+        "--device", "cpu", "--dropout", "0", "--max_steps", "4", "--no_test_eval", "--no_align_uniform"]
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps({"name": "tiny", "description": "one run", "args": args, "seeds": [1],
+                                "transfer": None, "rows": [{"name": "simcse", "script": "simcse.py", "flags": [],
+                                                            "paper": None}]}))
+    report.main(["run", "--protocol", str(path), "--executor", "local", "--gpus_per_job", "2", "--wait",
+                 "--timeout_min", "10"])
+    two = json.loads((tmp_path / "results" / "tiny" / "simcse.seed1.json").read_text())
+    importlib.import_module("simcse").main([*args, "--seed", "1", "--output_dir", str(tmp_path / "one")])
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    assert two["world_size"] == 2 and one["world_size"] == 1
+    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5, abs=1e-6)
+
+
+def fake_slurm(tmp_path, monkeypatch) -> None:
+    """An `srun` (and `sbatch`) on PATH that do nothing: submitit's Slurm executor is then built, its script
+    written; nothing is submitted."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("srun", "sbatch"):
+        (bin_dir / name).write_text("#!/bin/sh\nexit 1\n")
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_the_sbatch_script_submitit_writes_for_the_flags(tmp_path, monkeypatch):
+    """--executor slurm --partition gpu --account lab --gpus_per_job 4 --nodes 2 --timeout_min 240 --signal_delay_s
+    120 --slurm qos=high: the script asks Slurm for them, its signal (USR2) 120 s before the time limit, and runs
+    submitit's job (which requeues itself on the signal: `scontrol requeue`)."""
+    import cluster
+    fake_slurm(tmp_path, monkeypatch)
+    made = cluster.make_executor(tmp_path / "jobs", "slurm", gpus_per_job=4, nodes=2, timeout_min=240,
+                                 partition="gpu", account="lab", signal_delay_s=120, extra={"slurm_qos": "high"})
+    script = made._executor._make_submission_file_text("python -u -m submitit.core._submit FOLDER", "uid")
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --account=lab", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --time=240", "#SBATCH --qos=high",
+                 "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append"):
+        assert line in script, (line, script)
+    assert "submitit.core._submit" in script
+
+
+def test_bad_input_is_one_line_before_anything_is_submitted(protocol_files, tmp_path, monkeypatch, capsys):
+    """No submitit, --executor slurm without srun, a Slurm parameter submitit does not know, a protocol folder whose
+    jobs another user submitted: one line each, exit 2, nothing submitted."""
+    import sys
+    import report
+    jobs = tmp_path / "results" / "tiny" / "jobs"
+
+    def refused(argv, needle):
+        with pytest.raises(SystemExit) as stop:
+            report.main(["run", "--protocol", str(protocol_files), *argv])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+        assert not list(jobs.glob("*.seed*.json"))
+    monkeypatch.setitem(sys.modules, "submitit", None)
+    refused(["--executor", "local"], "needs the submitit package: pip install submitit")
+    monkeypatch.delitem(sys.modules, "submitit")
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    refused(["--executor", "slurm"], "--executor slurm: this machine has no srun")
+    fake_slurm(tmp_path, monkeypatch)
+    refused(["--executor", "slurm", "--slurm", "not_a_parameter=1"], "submitit refuses a parameter")
+    jobs.mkdir(parents=True)
+    (jobs / "owner.json").write_text(json.dumps({"user": "someone-else"}))
+    refused(["--executor", "local"], "holds the jobs of user someone-else")
+
+
+def test_a_run_that_fails_fails_its_job_once_and_status_says_why(protocol_files, tmp_path, capsys):
+    """A run that exits with an error (here a flag it refuses) is not requeued: its job fails, `run --wait` names
+    it, and `status` gives the reason and its log's last lines (the run's one line among them)."""
+    import report
+    protocol = json.loads(protocol_files.read_text())
+    protocol["rows"], protocol["seeds"] = protocol["rows"][:1], [1]
+    protocol["args"] += ["--lr", "-1"]
+    protocol_files.write_text(json.dumps(protocol))
+    with pytest.raises(SystemExit) as stop:
+        report.main(["run", "--protocol", str(protocol_files), "--executor", "local", "--wait"])
+    assert stop.value.code == 1 and "== failed: LocalJob" in capsys.readouterr().out
+    report.main(["status", "--protocol", str(protocol_files)])
+    line, = capsys.readouterr().out.splitlines()
+    assert line.startswith("simcse seed 1: failed (the run exited with status 2)") and "--lr" in line, line
+    assert "requeued" not in line

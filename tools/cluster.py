@@ -1,0 +1,294 @@
+"""A protocol's runs as jobs, through submitit: on Slurm (`--executor slurm`, a job array, where `srun` exists) or as
+local processes (`--executor local`, one job per GPU of --gpus, times --runs_per_gpu), on one engine.
+
+    python tools/report.py run --protocol paper --executor slurm --partition gpu --gpus_per_job 1 --timeout_min 240
+    python tools/report.py run --protocol paper --executor local --gpus 0,1,2,3 --runs_per_gpu 2 --wait
+    python tools/report.py status --protocol paper
+
+Each job runs its runs one after another, each as its command line (`python <method>.py ... --auto_resume`), and
+keeps each finished run's results.json in results/<protocol>/. When Slurm signals the job (a pre-emption, or its time
+limit near: submitit's SIGUSR2, `--signal_delay_s` before it), the job passes the signal on to its run as SIGTERM,
+which saves last/ at the end of its step; the job waits for it, then submitit requeues the job, and the requeued job
+resumes the run where it stopped (--auto_resume), to the weights an uninterrupted run ends with. A run that fails for
+another reason fails its job, which is not requeued: `status` shows the reason and its log's last lines. The run
+scripts know nothing of the cluster.
+
+`--nodes N --gpus_per_job G`: each run across N x G processes, one task each, torch.distributed's environment from
+submitit's (TorchDistributedEnvironment), as torchrun would set it. What each job is and did lives in
+results/<protocol>/jobs/: submitit's folders and logs, and <row>.seed<S>.json with the job's id, state and requeues.
+"""
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import plumbing  # noqa: E402
+from plumbing import files  # noqa: E402
+import protocols  # noqa: E402
+
+
+class Job:
+    """What one job runs: `runs` ({"row", "seed", "out", "argv", "kept", "status"} each) one after another, those
+    kept already skipped (a requeued job continues where it stopped). submitit pickles it; `checkpoint` is its
+    requeue."""
+
+    def __init__(self, runs: list[dict]):
+        self.runs, self.child, self.terminated = runs, None, False
+
+    def __call__(self) -> list[str]:
+        import submitit
+        if submitit.JobEnvironment().num_tasks > 1:  # --nodes, --gpus_per_job: what torchrun would set
+            submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        env, first = dict(os.environ), os.environ.get("RANK", "0") == "0"
+        # Slurm's pre-emption sends SIGTERM to every process of the job, the run's too: noted, so that the run is not
+        # sent a second one (which stops it at once, without its save); submitit's SIGUSR2 is the job's alone
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "terminated", True))
+        for run in self.runs:
+            if Path(run["kept"]).is_file():
+                continue
+            self._note(run, first, state="running", pid=os.getpid(),
+                       job=os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"))
+            self.child = subprocess.Popen([sys.executable, *run["argv"]], cwd=ROOT, env=env,
+                                          preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN))
+            code = self.child.wait()
+            self.child = None
+            if code != 0:
+                self._note(run, first, state="failed", reason=f"the run exited with status {code}")
+                raise RuntimeError(f"{protocols.command_line(run)} exited with status {code}")
+            if first:
+                results = json.loads((ROOT / run["out"] / "results.json").read_text())
+                files.write_json(Path(run["kept"]), results)
+                self._note(run, first, state="done")
+        return [run["kept"] for run in self.runs]
+
+    def checkpoint(self, *args, **kwargs):
+        """Slurm's signal (or the local executor's at its time limit): the run gets SIGTERM, saves last/ at the end
+        of its step and exits; then the job comes back as it is, to resume it."""
+        import submitit
+        if self.child is not None:  # (a signal handler: not Popen.wait, whose lock __call__'s wait holds)
+            if not self.terminated:  # the time limit's warning: the job's alone
+                self.child.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ChildProcessError):  # reaped already
+                os.waitpid(self.child.pid, 0)
+        for run in self.runs:
+            if not Path(run["kept"]).is_file():
+                note = status_of(run)
+                self._note(run, True, state="requeued", requeued=note.get("requeued", 0) + 1)
+                break
+        return submitit.helpers.DelayedSubmission(Job(self.runs))
+
+    @staticmethod
+    def _note(run: dict, first: bool, **what) -> None:
+        """The run's job status file (the first task's alone)."""
+        if first:
+            files.write_json(Path(run["status"]), {**status_of(run), **what, "time": time.time()})
+
+
+def status_of(run: dict) -> dict:
+    try:
+        return json.loads(Path(run["status"]).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def check_submitit():
+    """submitit, else one line naming the install."""
+    plumbing.check_installed(True, "submitit", "report.py run --executor")
+    import submitit
+    return submitit
+
+
+def make_executor(folder: Path, executor: str, gpus_per_job: int, nodes: int, timeout_min: int,
+                  partition: str | None, account: str | None, signal_delay_s: int, extra: dict):
+    """submitit's executor for the jobs; what it refuses (an unknown Slurm parameter) is one line."""
+    submitit = check_submitit()
+    if executor == "slurm" and shutil.which("srun") is None:
+        raise plumbing.UsageError("--executor slurm: this machine has no srun (Slurm's commands); submit from a "
+                                  "login node of the cluster, or use --executor local")
+    if executor == "local" and nodes > 1:
+        raise plumbing.UsageError(f"--nodes {nodes}: the local executor runs on this machine alone; use "
+                                  "--executor slurm")
+    made = submitit.AutoExecutor(folder=str(folder / "%j"), cluster=executor)
+    slurm = {f"slurm_{k}": v for k, v in {"partition": partition, "account": account}.items() if v}
+    try:
+        made.update_parameters(timeout_min=timeout_min, nodes=nodes, tasks_per_node=gpus_per_job or 1,
+                               gpus_per_node=gpus_per_job, **slurm, **extra)
+        if executor == "slurm":
+            made.update_parameters(slurm_signal_delay_s=signal_delay_s)
+    except (ValueError, TypeError, NameError) as err:  # NameError: an unknown parameter, with the known ones
+        raise plumbing.UsageError(f"submitit refuses a parameter: {str(err).splitlines()[0][:300]}") from None
+    return made
+
+
+def submit(todo: list[dict], folder: Path, executor: str, gpus: list[int] | None, runs_per_gpu: int,
+           **options) -> list:
+    """The runs of `todo` (attach's) submitted: one job per run on Slurm (a job array); locally one job per GPU of
+    `gpus` times `runs_per_gpu` (else one), each with its share of the runs. The submitit jobs."""
+    check_owner(folder)
+    made = make_executor(folder, executor, **options)
+    # the job's process unpickles Job from this module: the suite and its tools on its path (Slurm and the local
+    # executor pass the environment on)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tools"),
+                                                             os.environ.get("PYTHONPATH")]))
+    if executor == "slurm":
+        groups = [[run] for run in todo]
+        with made.batch():
+            jobs = [made.submit(Job(group)) for group in groups]
+    else:
+        slots = [(gpu, k) for gpu in (gpus or [None]) for k in range(runs_per_gpu if gpus else 1)]
+        groups = [todo[i::len(slots)] for i in range(len(slots))]
+        jobs = []
+        for (gpu, _), group in zip(slots, groups):
+            if group:
+                if gpu is not None:
+                    made.update_parameters(visible_gpus=[gpu], gpus_per_node=1)
+                jobs.append(made.submit(Job(group)))
+    for job, group in zip(jobs, groups):
+        for run in group:
+            Job._note(run, True, state="pending", job=str(job.job_id), executor=executor, user=getpass.getuser(),
+                      log=str(Path(job.paths.stdout)), errors=str(Path(job.paths.stderr)))
+    files.write_json(folder / "owner.json", {"user": getpass.getuser()})
+    return jobs
+
+
+def attach(run: dict, results: Path, folder: Path) -> dict:
+    """The run with where its results.json is kept (`results`, the protocol's) and its job status file (`folder`)."""
+    return {**run, "kept": str(results / protocols.kept_name(run)), "status": str(folder / protocols.kept_name(run))}
+
+
+def check_owner(folder: Path) -> None:
+    """A protocol folder whose jobs another user submitted is theirs: one line, nothing submitted."""
+    owner = status_json(folder / "owner.json").get("user")
+    if owner and owner != getpass.getuser():
+        raise plumbing.UsageError(f"{folder} holds the jobs of user {owner}; give this protocol another name (a "
+                                  "protocol JSON file), or ask them")
+
+
+def status_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def queued(run: dict) -> bool:
+    """Whether the run's job is still pending or running (its job status file, and the job: submitit's view)."""
+    note = status_of(run)
+    if note.get("state") not in ("pending", "running", "requeued"):
+        return False
+    if note.get("executor") == "slurm":
+        import submitit
+        state = submitit.SlurmJob(Path(run["status"]).parent / "%j", note["job"]).state
+        return state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "UNKNOWN")
+    folder = Path(run["status"]).parent / str(note.get("job"))
+    if list(folder.glob("*_result.pkl")):  # submitit's outcome of a local job: it has ended
+        return False
+    try:  # a local job: its controller process alive (not a zombie its submitting process has not reaped)
+        stat = Path(f"/proc/{int(note['job'])}/stat")
+        if stat.exists():
+            return stat.read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        os.kill(int(note["job"]), 0)
+        return True
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def wait(runs: list[dict]) -> None:
+    """Until none of these runs' jobs is pending or running (a second `run --wait` waits for the first's)."""
+    while any(queued(run) for run in runs):
+        time.sleep(2)
+
+
+def status_lines(protocol: dict, results: Path) -> list[str]:
+    """Each run's state: done, failed (the reason and its log's last lines), running (its step and ETA, from its
+    log's last progress line), pending, requeued N times, or not submitted."""
+    lines = []
+    for run in protocols.runs(protocol):
+        run = attach(run, results, results / "jobs")
+        note = status_of(run)
+        name = f"{run['row']} seed {run['seed']}"
+        requeued = f", requeued {note['requeued']} time(s)" if note.get("requeued") else ""
+        if Path(run["kept"]).is_file():
+            lines.append(f"{name}: done{requeued}")
+        elif not note:
+            lines.append(f"{name}: not submitted")
+        elif note["state"] == "failed" or not queued(run):
+            reason = note.get("reason") or "its job ended without the run's results"
+            errors = last_lines(note.get("errors"), 400)
+            own = errors[:next((i for i, line in enumerate(errors) if line.startswith("submitit ERROR")),
+                               len(errors))]  # the run's own, before submitit's traceback of the job
+            said = [line for line in own if line.startswith("error:") or ": error:" in line][-2:] or own[-2:]
+            tail = " | ".join(said or last_lines(note.get("log"), 3))
+            lines.append(f"{name}: failed ({reason}){requeued}; its log: {tail} ({note.get('errors')})")
+        elif note["state"] == "pending":
+            lines.append(f"{name}: pending (job {note['job']})")
+        else:
+            progress = next((line for line in reversed(last_lines(note.get("log"), 200)) if line.startswith("step ")),
+                            "started")
+            lines.append(f"{name}: {note['state']} (job {note['job']}{requeued}): {progress}")
+    return lines
+
+
+def last_lines(log: str | None, n: int) -> list[str]:
+    try:
+        return [line.strip() for line in Path(log).read_text(errors="replace").splitlines() if line.strip()][-n:]
+    except (OSError, TypeError):
+        return []
+
+
+def add_arguments(parser) -> None:
+    """report.py run's flags for jobs."""
+    g = parser.add_argument_group("jobs (submitit: tools/cluster.py)")
+    g.add_argument("--executor", choices=["local", "slurm"], default=None,
+                   help="submit the runs as jobs: slurm (a job array) or local processes")
+    g.add_argument("--wait", action="store_true", help="wait for the jobs, then write the page")
+    g.add_argument("--gpus_per_job", type=int, default=0, help="GPUs of each job (with --nodes: a node's)")
+    g.add_argument("--nodes", type=int, default=1, help="each run across this many nodes (torch.distributed)")
+    g.add_argument("--runs_per_gpu", type=int, default=1, help="local: runs at once on each GPU of --gpus")
+    g.add_argument("--timeout_min", type=int, default=None, help="a job's time limit (Slurm: 240; local: none)")
+    g.add_argument("--partition", default=None, help="Slurm's partition")
+    g.add_argument("--account", default=None, help="Slurm's account")
+    g.add_argument("--signal_delay_s", type=int, default=120,
+                   help="Slurm: the signal this long before the time limit (a run saves last/ at its step's end)")
+    g.add_argument("--slurm", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="more of submitit's Slurm parameters, e.g. qos=high constraint=a100 (slurm_ prefixed)")
+
+
+def options(args, gpus) -> dict | None:
+    """--executor's (and --gpus's, the local executor's) options, or None: one run at a time here."""
+    if not (args.executor or gpus):
+        return None
+    extra = {}
+    for item in args.slurm:
+        key, _, value = item.partition("=")
+        if not value:
+            raise plumbing.UsageError(f"--slurm {item}: give KEY=VALUE, e.g. qos=high")
+        extra[f"slurm_{key}"] = int(value) if value.isdigit() else value
+    executor = args.executor or "local"
+    if extra and executor != "slurm":
+        raise plumbing.UsageError("--slurm's parameters go with --executor slurm")
+    timeout = args.timeout_min or (240 if executor == "slurm" else 7 * 24 * 60)
+    return {"executor": executor, "wait": args.wait, "runs_per_gpu": args.runs_per_gpu,
+            "gpus_per_job": args.gpus_per_job or (1 if gpus else 0), "nodes": args.nodes, "timeout_min": timeout,
+            "partition": args.partition, "account": args.account, "signal_delay_s": args.signal_delay_s,
+            "extra": extra}
+
+
+def failed(job) -> str | None:
+    """A submitit job's outcome: None when it ended well, else why (its exception's last line)."""
+    try:
+        job.results()  # every task's (--gpus_per_job, --nodes: several)
+    except Exception as err:  # submitit's UncompletedJobError or FailedJobError
+        return f"job {job.job_id}: {(str(err).strip().splitlines() or [type(err).__name__])[-1][:200]}"
+    return None
