@@ -133,13 +133,14 @@ recipes() {  # SIZE STEPS GATE_EVERY FILE STAGE [BENCH FLAGS...]
     echo "exit $?" >> "$OUT/$file"
 }
 stage_recipes_base() { recipes bert-base 80 20 recipes_bert_base.txt recipes_base; }
-stage_recipes_large() {  # both ways, each within half the stage's limit
+both_ways() {  # STAGE SIZE STEPS GATE_EVERY PREFIX: the six rows with the graph, then eagerly, each in half
     for mode in cuda_graph no_cuda_graph; do
-        LIMIT[half]=$((LIMIT[recipes_large] / 2))
-        recipes bert-large 40 10 "recipes_bert_large_$mode.txt" half \
+        LIMIT[half]=$((LIMIT[$1] / 2))
+        recipes "$2" "$3" "$4" "$5$mode.txt" half \
             --method_args simcse:--$mode simcsepp:--$mode sscl:--$mode whitenedcse:--$mode micse:--$mode
     done
 }
+stage_recipes_large() { both_ways recipes_large bert-large 40 10 recipes_bert_large_; }
 
 stage_flags() {
     limit flags python3 - <<'EOF' > "$OUT/flags.txt" 2>&1
@@ -198,13 +199,7 @@ stage_graph() {
     echo "exit $?" >> "$OUT/graph_tests.txt"
 }
 
-stage_recipes_graph() {  # the six rows with the graph, then eagerly, each within half the stage's limit
-    for mode in cuda_graph no_cuda_graph; do
-        LIMIT[half]=$((LIMIT[recipes_graph] / 2))
-        recipes bert-base 60 20 "recipes_$mode.txt" half \
-            --method_args simcse:--$mode simcsepp:--$mode sscl:--$mode whitenedcse:--$mode micse:--$mode
-    done
-}
+stage_recipes_graph() { both_ways recipes_graph bert-base 60 20 recipes_; }
 
 stage_families() {
     limit families python3 - <<'EOF' > "$OUT/families.txt" 2>&1
