@@ -177,3 +177,21 @@ def test_a_run_that_fails_fails_its_job_once_and_status_says_why(protocol_files,
     line, = capsys.readouterr().out.splitlines()
     assert line.startswith("simcse seed 1: failed (the run exited with status 2)") and "--lr" in line, line
     assert "requeued" not in line
+
+
+def test_runs_per_gpu_is_capped_by_what_the_memory_estimate_fits(protocol_files, monkeypatch, capsys):
+    """--runs_per_gpu K: the memory estimate of the protocol's runs (plumbing/memory.py) and the GPU's free memory
+    decide the largest K that fits, a CUDA context each: here a GPU with room for 2.5 of them takes 2 (K 4 asked),
+    one line says so; a GPU with room for 5 takes the 4 asked."""
+    import importlib
+    import cluster
+    import protocols
+    from plumbing import hub, memory
+    todo = protocols.runs(json.loads(protocol_files.read_text()))
+    parsed = [importlib.import_module(Path(run["argv"][0]).stem).parse_args(run["argv"][1:]) for run in todo]
+    largest = max(memory.peak(memory.estimate(args, hub.local_config(args.model_name_or_path))) for args in parsed)
+    per_run = (largest + memory.CONTEXT) / (1 - memory.FRAGMENTATION)
+    for room, want in ((2.5, 2), (5.2, 4)):
+        monkeypatch.setattr(memory, "device_free", lambda device: int(room * per_run))
+        assert cluster.runs_that_fit(todo, [0], 4) == want
+    assert "--runs_per_gpu 4:" in capsys.readouterr().out

@@ -146,6 +146,8 @@ def submit(todo: list[dict], folder: Path, executor: str, gpus: list[int] | None
         with made.batch():
             jobs = [made.submit(Job(group)) for group in groups]
     else:
+        if gpus and runs_per_gpu > 1:
+            runs_per_gpu = runs_that_fit(todo, gpus, runs_per_gpu)
         slots = [(gpu, k) for gpu in (gpus or [None]) for k in range(runs_per_gpu if gpus else 1)]
         groups = [todo[i::len(slots)] for i in range(len(slots))]
         jobs = []
@@ -160,6 +162,30 @@ def submit(todo: list[dict], folder: Path, executor: str, gpus: list[int] | None
                       log=str(Path(job.paths.stdout)), errors=str(Path(job.paths.stderr)))
     files.write_json(folder / "owner.json", {"user": getpass.getuser()})
     return jobs
+
+
+def runs_that_fit(todo: list[dict], gpus: list[int], wanted: int) -> int:
+    """How many of these runs each GPU takes at once, at most `wanted`: the least free memory of `gpus` over the
+    largest peak that plumbing/memory.py estimates for their commands, a CUDA context each, the allocator's 10% kept;
+    one line where it is fewer, or where a model's config is not here to estimate (then `wanted`)."""
+    import importlib
+    import torch
+    from plumbing import hub, memory
+    peaks = []
+    for run in todo:
+        args = importlib.import_module(Path(run["argv"][0]).stem).parse_args(run["argv"][1:])
+        config = hub.local_config(args.model_name_or_path)
+        if config is None:
+            print(f"note: --runs_per_gpu {wanted}: no local config of {args.model_name_or_path} to estimate its "
+                  "memory; taken as given", flush=True)
+            return wanted
+        peaks.append(memory.peak(memory.estimate(args, config)))
+    free = min(memory.device_free(torch.device("cuda", gpu)) for gpu in gpus)
+    fits = max(1, min(wanted, int(free * (1 - memory.FRAGMENTATION) // (max(peaks) + memory.CONTEXT))))
+    if fits < wanted:
+        print(f"note: --runs_per_gpu {wanted}: {memory.gib(free)} free holds {fits} of these runs at once (up to "
+              f"{memory.gib(max(peaks))} each, the memory estimate's, and a CUDA context): {fits} a GPU", flush=True)
+    return fits
 
 
 def attach(run: dict, results: Path, folder: Path) -> dict:
