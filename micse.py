@@ -321,7 +321,7 @@ def main(argv=None):
                                     global_rows)
             scheduler.step()  # outside the step (and its graph): the next step's lr
             run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
-        if step % args.eval_steps == 0 or step == total_steps:  # the STS-B dev gate
+        if step % args.eval_steps == 0 or step == total_steps:  # STS-B dev (eval mode, then back)
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 
