@@ -662,7 +662,7 @@ def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device, 
                           f"{args.lr:g}, STS-B dev every {args.eval_steps} steps; the ETA comes with the first log "
                           "line" + (f"; note: --warmup_steps {args.warmup_steps} is not below the run's "
                                     f"{total_steps:,} steps: its lr never leaves the warm-up (give --warmup_steps)"
-                                    if args.warmup_steps >= total_steps else ""),
+                                    if getattr(args, "warmup_steps", 0) >= total_steps else ""),
               "output": args.output_dir}
     distributed.log("\n".join([args.method] + [f"  {key:<9} {value}" for key, value in result.items()]))
     return result

@@ -47,7 +47,10 @@ def test_unsupervised_smoke_run_writes_loadable_checkpoint(tiny_model, corpus, s
     command = results["args"]["command"]
     assert command.startswith("python simcse.py --model_name_or_path ") and command.endswith("--device cpu")
     card = (out / "best" / "README.md").read_text()
-    for needed in ("SimCSE: Simple Contrastive Learning of Sentence Embeddings", command, "**`cls_before_pooler`**",
+    from plumbing import provenance
+    shown = provenance.without_local_paths(command)  # the card names no path of this disk
+    assert shown != command and str(tmp_path) not in card and "--model_name_or_path .../tiny_bert" in shown
+    for needed in ("SimCSE: Simple Contrastive Learning of Sentence Embeddings", shown, "**`cls_before_pooler`**",
                    "@inproceedings{gao2021simcse", f"| {results['test']['avg']:.2f} |", "library_name: "
                    "sentence-transformers", f"best STS-B dev Spearman {results['best_dev_stsb']:.2f}"):
         assert needed in card, needed
