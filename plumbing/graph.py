@@ -18,9 +18,9 @@ values that stay the same for a shape, such as the global batch's row count):
 What cannot be captured is refused before any work where --cuda_graph is given, and left eager by default
 (options.check_cuda_graph): another device, torchrun's processes (DDP's all-reduce hooks), --micro_batch_size and
 --gradient_checkpointing (they read and set the RNG's state on the host), --compile. A step that turns out not to be
-capturable (an encoder whose forward reads a value on the host, as ModernBERT's unpadding does; WhitenedCSE's eigh for
-groups wider than 2) goes on eagerly after one line. `release()` frees the graphs' memory (before the final
-evaluation)."""
+capturable (an encoder whose forward copies a value from the host, as DeBERTa-v2's relative positions do;
+WhitenedCSE's eigh for groups wider than 2) goes on eagerly after one line. `release()` frees the graphs' memory
+(before the final evaluation)."""
 from __future__ import annotations
 
 import weakref
@@ -86,7 +86,7 @@ class StepGraph:
                 self.static_outputs = detached(self.train_step(self.static_batch, *same))
         except torch.OutOfMemoryError:
             raise  # the run's own out-of-memory stop (plumbing.cli)
-        except RuntimeError as error:  # e.g. an encoder whose forward reads a value on the host (unpadding)
+        except RuntimeError as error:  # e.g. an encoder whose forward reads or copies a host value
             reason = (str(error).splitlines() or [type(error).__name__])[0][:200]
             distributed.log(f"note: --cuda_graph: this step cannot be captured in a CUDA graph ({reason}); the run "
                             "goes on eagerly (its batches still padded to --max_seq_length)")

@@ -213,7 +213,7 @@ def check_args(args) -> torch.device:
 
 
 GRAPHED_METHODS = ("simcse", "simcsepp", "sscl", "whitenedcse", "micse")  # whose step StepGraph captures
-AUTO_GRAPHED = ("simcse",)  # the rows captured on a GPU so far (docs/gpu.md): --cuda_graph by default
+AUTO_GRAPHED = GRAPHED_METHODS  # each captured and replayed on a GPU (docs/gpu.md): --cuda_graph by default
 
 
 def check_cuda_graph(args, device: torch.device) -> None:

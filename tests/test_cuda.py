@@ -73,6 +73,8 @@ def test_no_host_sync_inside_a_training_step_on_cuda(run, tiny_model, corpus, se
     set to "warn" and warns once per eigh."""
     flags, allowed = RUNS[run]
     monkeypatch.setattr(syncs, "CUDA_DEBUG", "warn" if allowed else "error")
+    if allowed and run.startswith("whitenedcse"):  # eigh's sync cannot be captured: the attempt would count too
+        flags = [*flags, "--no_cuda_graph"]
     results = run_on_cuda(run, tiny_model, corpus, senteval_dir, tmp_path / "run", "--max_steps", 5,
                           "--eval_steps", 5, "--count_host_syncs", 3, "--precision", "bf16"
                           if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16", flags=flags)

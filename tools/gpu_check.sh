@@ -224,7 +224,8 @@ for family in families.FAMILIES:
                              "--eval_steps", "8", "--batch_size", "16", "--no_test_eval", "--no_align_uniform",
                              "--output_dir", str(out)])
             graph = json.loads((out / "results.json").read_text())["args"]["cuda_graph"]
-            note = next((line for line in printed.getvalue().splitlines() if "cuda_graph" in line), "")
+            lines = [line for line in printed.getvalue().splitlines() if "cuda_graph" in line]
+            note = next((line for line in lines if line.startswith("note:")), lines[0] if lines else "")  # a fallback's
             print(f"| {family} | {len(replays)} (graph {graph}) | {note[:160]} |", flush=True)
         except BaseException as error:
             print(f"| {family} | failed | {type(error).__name__}: {str(error)[:160]} |", flush=True)
