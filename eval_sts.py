@@ -303,7 +303,8 @@ def main(argv=None) -> None:
     if args.json:
         files.write_json(Path(args.json), scores)
     if run_dir is not None:
-        provenance.record_test(run_dir, {k: v for k, v in scores.items() if k not in ("align", "uniform")})
+        provenance.record_scores(run_dir, test={k: v for k, v in scores.items() if k not in ("align", "uniform")},
+                                  test_by="eval_sts.py --into_run")
         print(f"wrote the test scores into {run_dir / 'results.json'} and {run_dir / 'best' / 'README.md'}")
 
 

@@ -279,18 +279,19 @@ def run_of(model: str, into_run: bool, all_test_tasks: bool) -> Path | None:
     return path.parent
 
 
-def record_test(run_dir: Path, scores: dict) -> None:
-    """The STS test scores of a run's best/ written after the fact into its results.json ("test", with where they
-    came from) and its model card."""
+def record_scores(run_dir: Path, **scores) -> None:
+    """Scores of a run's best/ written after the fact into its results.json and its model card: eval_sts.py
+    --into_run's "test" (with "test_by"), tools/mteb_eval.py's "mteb" (the card's model-index entries)."""
     import types
     from plumbing import files, outdir
     results = outdir.read_results(run_dir)
-    results["test"], results["test_by"] = scores, "eval_sts.py --into_run"
+    results.update(scores)
     files.write_json(run_dir / outdir.RESULTS, results)
     args = types.SimpleNamespace(method=results["method"], **results["args"])
-    best = {"step": results["best_step"], "stsb_dev": results["best_dev_stsb"], "test": scores,
+    best = {"step": results["best_step"], "stsb_dev": results["best_dev_stsb"], "test": results.get("test"),
             "mteb": results.get("mteb")}
     plain = files.pooling_mode(results["eval_pooler"]) is not None and \
         not (run_dir / "best" / files.PROJECTION_FILE).is_file()
+    untested = None if results.get("test") else "the run was given --no_test_eval"
     files.write_text(run_dir / "best" / "README.md", model_card(args, results["eval_pooler"], results["provenance"],
-                                                                best, plain))
+                                                                best, plain, untested))

@@ -285,6 +285,65 @@ def test_mteb_on_a_checkpoint_scores_a_local_sts_task_as_the_suite_does(tmp_path
     assert "| local-stsb |" in (out / "scores.md").read_text()
 
 
+@pytest.mark.skipif(not importlib.util.find_spec("mteb"), reason="mteb is a test requirement; not here")
+def test_mteb_on_a_runs_best_writes_its_hub_tasks_into_the_card_once(finished_run, tmp_path, monkeypatch):
+    """tools/mteb_eval.py on a run's best/: a task with a dataset on the Hub (here STS-B's metadata over 20 local
+    pairs: no internet) goes into results.json's "mteb" and the card's model-index with MTEB's names, split and
+    revision, beside the suite's own STS entries; run again, it replaces its entry (no duplicate); --hub_model_id
+    names the model in MTEB's files; a run holding the folder leaves the card alone, with a note. A local
+    --sts_file task is never carded (its path is local)."""
+    import shutil
+    from pathlib import Path
+    import eval_sts
+    import mteb
+    import mteb_eval
+    from huggingface_hub import ModelCard
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    sts_file = tmp_path / "pairs.csv"
+    pairs = eval_sts.load_pairs(Path(json.loads((run / "results.json").read_text())["args"]["senteval_dir"]),
+                                "STSBenchmark")[:20]
+    sts_file.write_text("sentence1,sentence2,score\n" + "".join(f'"{a}","{b}",{s}\n' for a, b, s in pairs))
+    local_task = mteb_eval.local_sts_task
+
+    def as_if_on_the_hub(mteb_module, path):
+        task = local_task(mteb_module, path)
+        task.metadata = task.metadata.model_copy(update={"name": "STSBenchmark",
+                                                         "dataset": mteb.get_task("STSBenchmark").metadata.dataset})
+        return task
+    argv = ["--model_name_or_path", str(run / "best"), "--sts_file", str(sts_file), "--device", "cpu",
+            "--hub_model_id", "me/tiny-simcse"]
+    assert list(mteb_eval.main(argv)) == ["local-pairs"]
+    assert "mteb" not in json.loads((run / "results.json").read_text())  # a local task: not carded
+    monkeypatch.setattr(mteb_eval, "local_sts_task", as_if_on_the_hub)
+    for _ in range(2):
+        scores = mteb_eval.main(argv)
+    results = json.loads((run / "results.json").read_text())
+    hub = mteb.get_task("STSBenchmark").metadata.dataset
+    assert results["mteb"] == [{"task_type": "STS", "dataset_type": hub["path"], "dataset_name": "MTEB STSBenchmark",
+                                "dataset_config": "default", "dataset_split": "test",
+                                "dataset_revision": hub["revision"], "metric_type": "cosine_spearman",
+                                "metric_value": scores["STSBenchmark"],
+                                "metric_name": "cosine_spearman x 100 (MTEB)"}]
+    card = ModelCard.load(run / "best" / "README.md")
+    found = {r.dataset_name: (r.dataset_type, r.dataset_split, r.metric_value) for r in card.data.eval_results}
+    assert found["MTEB STSBenchmark"] == (hub["path"], "test", scores["STSBenchmark"])
+    assert {"STS12", "STSBenchmark", "SICKRelatedness"} <= set(found)  # the suite's own entries stay
+    assert list((run / "mteb" / "results").glob("me__tiny-simcse/*/STSBenchmark.json"))
+    before = (run / "best" / "README.md").read_text()
+    (run / "results.json").write_text(json.dumps({**results, "mteb": []}))
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(run / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        mteb_eval.main(argv)
+    finally:
+        holder.kill()
+    assert json.loads((run / "results.json").read_text())["mteb"] == []
+    assert (run / "best" / "README.md").read_text() == before
+
+
 def test_mteb_without_the_package_or_with_a_bad_file_is_one_line(finished_run, tmp_path, monkeypatch):
     import sys
     import mteb_eval

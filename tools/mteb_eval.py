@@ -11,7 +11,9 @@ name would shadow the package it imports (run as a script, its folder comes firs
 MTEB's own result files go under --output_dir (default: a run's folder/mteb for its best/, <model>/mteb for another
 local model, runs/mteb/<name> for a Hub id), in its ResultCache layout (results/<model>/<revision>/<task>.json),
 with a table printed and written beside them (scores.md, scores.json): each task's main score (for STS: Spearman of
-the cosine similarities) x 100.
+the cosine similarities) x 100. On a run's best/, the scores of MTEB's Hub tasks also go into the run's
+results.json ("mteb") and its model card's model-index (MTEB's task names, datasets, revisions and splits), and the
+model is named by the run's --hub_model_id (or this one's) in MTEB's metadata.
 
 MTEB downloads each task's data from the Hub on first use (its cache keeps it); offline, give --sts_file, a CSV or
 TSV of sentence1, sentence2, score: a local STS task scored as MTEB scores STS (on STS-B's test pairs, the Spearman
@@ -118,6 +120,36 @@ def main_score(result) -> float:
     return float(np.mean([subset["main_score"] for subset in result.scores[split]]))
 
 
+def card_entries(metadata: dict, task_results) -> list[dict]:
+    """The model-index entries (huggingface_hub.EvalResult's fields) of the tasks with a dataset on the Hub: one a
+    split and subset, MTEB's main score x 100 (a local --sts_file task has none). `metadata`: {name: the task's
+    metadata}, as the tasks had it before the evaluation."""
+    return [{"task_type": meta.type, "dataset_type": meta.dataset["path"], "dataset_name": f"MTEB {result.task_name}",
+             "dataset_config": subset["hf_subset"], "dataset_split": split,
+             "dataset_revision": meta.dataset["revision"], "metric_type": meta.main_score,
+             "metric_value": round(100 * subset["main_score"], 2), "metric_name": f"{meta.main_score} x 100 (MTEB)"}
+            for result in task_results if (meta := metadata[result.task_name]).dataset["revision"] != "local"
+            for split, subsets in result.scores.items() for subset in subsets]
+
+
+def into_run(model: str, entries: list[dict]) -> str | None:
+    """A run's best/: MTEB's entries added to its results.json and card (replacing a task's earlier ones); what was
+    written, or why not."""
+    from plumbing import lock, outdir, provenance
+    run_dir = Path(model).expanduser().parent
+    if Path(model).name != "best" or not (run_dir / outdir.RESULTS).is_file() or not entries:
+        return None
+    try:
+        lock.check_free(run_dir)
+    except plumbing.UsageError:
+        return f"note: not written into {run_dir}'s card: a run is using the folder (run this again once it ends)"
+    new = {(e["dataset_name"], e["dataset_config"], e["dataset_split"]) for e in entries}
+    kept = [e for e in outdir.read_results(run_dir).get("mteb") or []
+            if (e["dataset_name"], e["dataset_config"], e["dataset_split"]) not in new]
+    provenance.record_scores(run_dir, mteb=kept + entries)
+    return f"wrote MTEB's scores into {run_dir / outdir.RESULTS} and {run_dir / 'best' / 'README.md'}"
+
+
 def output_folder(model: str, given: str | None) -> Path:
     if given:
         return Path(given)
@@ -128,7 +160,7 @@ def output_folder(model: str, given: str | None) -> Path:
 
 
 def evaluate(model: str, pooler: str | None, tasks: list[str], sts_file: str | None, output_dir: str | None,
-             device, batch_size: int = 128) -> dict:
+             device, batch_size: int = 128, hub_model_id: str | None = None) -> dict:
     """{task: main score x 100} of `model` on MTEB's `tasks` (and the --sts_file task), MTEB's result files and the
     table under the output folder."""
     mteb = load_mteb()
@@ -147,9 +179,10 @@ def evaluate(model: str, pooler: str | None, tasks: list[str], sts_file: str | N
     encode = eval_sts.load_encode(model, pooler, device)
     local = Path(model).expanduser().resolve()
     # a run's best/ by its run's folder (runs would collide in a shared cache as "best")
-    name = f"suite/{(local.parent.name + '-best') if local.name == 'best' else local.name}" if local.is_dir() \
-        else f"suite/{model.replace('/', '__')}"
+    own = (local.parent.name + "-best") if local.name == "best" else local.name
+    name = hub_model_id or recorded_hub_id(local) or (f"suite/{own}" if local.is_dir() else model)
     encoder = SuiteEncoder(encode, name, mteb)
+    metadata = {task.metadata.name: task.metadata for task in chosen}
     try:
         found = mteb.evaluate(encoder, chosen, cache=mteb.ResultCache(str(out)), show_progress_bar=False,
                               encode_kwargs={"batch_size": batch_size}, overwrite_strategy="always")
@@ -165,7 +198,18 @@ def evaluate(model: str, pooler: str | None, tasks: list[str], sts_file: str | N
     (out / "scores.json").write_text(json.dumps({"model": model, "pooler": pooler, "scores": scores}, indent=2))
     print(table)
     print(f"\nwrote {out / 'scores.md'} and MTEB's result files under {out / 'results'}")
+    written = into_run(model, card_entries(metadata, found.task_results))
+    if written:
+        print(written)
     return scores
+
+
+def recorded_hub_id(local: Path) -> str | None:
+    """The --hub_model_id a run recorded, for its best/."""
+    from plumbing import outdir
+    if local.name != "best" or not (local.parent / outdir.RESULTS).is_file():
+        return None
+    return outdir.read_results(local.parent)["args"].get("hub_model_id")
 
 
 def main(argv=None) -> dict:
@@ -178,6 +222,8 @@ def main(argv=None) -> dict:
                         help="MTEB task names (default: the papers' 7 STS tasks, unless --sts_file is given)")
     parser.add_argument("--sts_file", default=None, help="a local STS task: CSV/TSV of sentence1, sentence2, score")
     parser.add_argument("--output_dir", default=None, help="MTEB's result files and the table")
+    parser.add_argument("--hub_model_id", default=None,
+                        help="the model's name in MTEB's metadata (default: the run's --hub_model_id, for its best/)")
     parser.add_argument("--batch_size", type=int, default=128)
     parser.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if available)")
     args = parser.parse_args(argv)
@@ -188,7 +234,7 @@ def main(argv=None) -> dict:
     if args.sts_file:
         plumbing.check_file(args.sts_file, "--sts_file")
     return evaluate(args.model_name_or_path, args.pooler, tasks, args.sts_file, args.output_dir,
-                    plumbing.resolve_device(args.device), args.batch_size)
+                    plumbing.resolve_device(args.device), args.batch_size, args.hub_model_id)
 
 
 if __name__ == "__main__":
