@@ -95,8 +95,7 @@ class BatchSampler:
     """Global batches of a seeded shuffle, a new order each epoch, the last short batch kept (as the
     Trainer's) unless it has fewer than `min_rows`. Process `rank` of `world_size` takes its
     contiguous slice of each global batch: the slices make the batch one process would draw."""
-    def __init__(self, num_examples: int, batch_size: int, seed: int, min_rows: int = 2, rank=0,
-                 world_size=1):
+    def __init__(self, num_examples, batch_size, seed, min_rows=2, rank=0, world_size=1):
         self.n, self.batch_size, self.seed = num_examples, batch_size, seed
         self.rank, self.world = rank, world_size
         self.min_rows, self.epoch, last = max(min_rows, world_size), 0, num_examples % batch_size
@@ -135,8 +134,7 @@ class TokenizedCorpus:
             return {f"{c}_ids": tokenizer(batch[c], truncation=True, max_length=max_length)[
                 "input_ids"] for c in columns}
         if len(examples) > 100_000:
-            distributed.log(f"tokenising {len(examples):,} examples (cached: the next run is "
-                            "faster)")
+            distributed.log(f"tokenising {len(examples):,} examples (cached for the next run)")
         ids = examples.map(tokenize, batched=True, remove_columns=columns).with_format("arrow")
         flat, offsets = [], [np.zeros(1, dtype=np.int64)]
         for c in columns:
@@ -172,8 +170,7 @@ class TokenizedCorpus:
         return batch
 
 
-def make_loader(corpus: TokenizedCorpus, args, device,
-                min_rows: int = 2) -> torch.utils.data.DataLoader:
+def make_loader(corpus: TokenizedCorpus, args, device, min_rows: int = 2):
     world = distributed.world_size()
     if args.batch_size > len(corpus):
         raise plumbing.UsageError(f"--batch_size {args.batch_size} is larger than the "

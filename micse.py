@@ -63,10 +63,8 @@ def parse_args(argv=None):
     g.add_argument("--momentum_dropout", type=float, default=0.3, help="its dropout rate")
     known, _ = parser.parse_known_args(argv)
     plumbing.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
-    nearest = options.nearest(PRESETS, known.fraction)
-    note = "" if nearest == known.fraction else \
-        f", the nearest to --fraction {known.fraction:g} in PRESETS"
-    args = options.parse(parser, argv, PRESETS, lambda known, backbone: [nearest], note)
+    args = options.parse(parser, argv, PRESETS, lambda known, backbone: [
+        options.nearest(PRESETS, known.fraction)])  # the nearest row (the summary says so)
     for name, accepted in (("ami_lambda", ">= 0"), ("queue_size", ">= 0 (0 disables the queue)")):
         plumbing.check_range(args, name, lambda v: v >= 0, accepted)
     plumbing.check_range(args, "ami_samples", lambda v: v >= 2, "at least 2 entries per tile")
@@ -152,13 +150,17 @@ def moco_info_nce(z1, z2, queue, temp: float = 0.05, own_keys=None) -> torch.Ten
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
 
 
-def micse_loss(z1, z2, attn1, attn2, queue, temp: float = 0.05, ami_lambda: float = 2.5e-3,
-               ami_samples: int = 150, own_keys=None, generator=None, positives_only=False):
+def micse_loss(z1, z2, attn1, attn2, queue, temp=0.05, ami_lambda=2.5e-3, ami_samples=150,
+               own_keys=None, generator=None, positives_only=False, terms=None) -> torch.Tensor:
     """miCSE's objective: InfoNCE over the batch and `queue`'s negatives (Eq. 2) + ami_lambda x AMI
-    (Eq. 4); `positives_only`: Table 4's positive pairs alone, with AMI. Every input fp32."""
+    (Eq. 4); `positives_only`: Table 4's positive pairs alone, with AMI; a dict given as `terms`
+    gets the two terms ("info_nce", "ami") for the log. Every input fp32."""
     contrastive = common.positive_only_loss(z1, z2, temp) if positives_only else \
         moco_info_nce(z1, z2, queue, temp, own_keys)
-    return contrastive + ami_lambda * ami_loss(attn1, attn2, ami_samples, generator)
+    ami = ami_lambda * ami_loss(attn1, attn2, ami_samples, generator)
+    if terms is not None:
+        terms.update(info_nce=contrastive.detach(), ami=ami.detach())
+    return contrastive + ami
 
 
 @torch.no_grad()
@@ -218,15 +220,15 @@ def embeddings(batch, ddp_model, head, args, part=None) -> tuple:
     return (*z.chunk(2), *attentions.chunk(2))
 
 
-def micse_objective(z1, z2, attn1, attn2, *, queue, sentence_ids, generator, global_rows, args):
+def micse_objective(z1, z2, attn1, attn2, *, queue, sentence_ids, generator, global_rows, args,
+                    terms=None):
     """micse_loss over the global batch (`global_rows` rows gathered; AMI per process's rows)."""
     z1, z2 = distributed.gather(z1, global_rows), distributed.gather(z2, global_rows)
     # This suite's choice (the paper is silent; the released code has no queue): an anchor's own
-    # sentence, queued at an earlier step, is no negative of itself (a small subset repeats); a
-    # slot that holds no key yet is left out too
+    # sentence queued earlier is no negative of itself (small subsets repeat), nor an empty slot
     left_out = (queue.ids == sentence_ids[:, None]) | ~queue.filled
     return micse_loss(z1, z2, attn1, attn2, queue.tensor, args.temp, args.ami_lambda,
-                      args.ami_samples, left_out, generator, args.no_negatives)
+                      args.ami_samples, left_out, generator, args.no_negatives, terms)
 
 
 def train_step(ddp_model, backbone, head, momentum_model, queue, generator, params, optimizer,
@@ -235,8 +237,9 @@ def train_step(ddp_model, backbone, head, momentum_model, queue, generator, para
     backward, unscale and clip, the optimizer step; the momentum encoder's EMA, the keys queued."""
     inputs = {k: v for k, v in batch.items() if k != "example_ids"}
     sentence_ids = distributed.gather(batch["example_ids"], global_rows)  # the queue's ids
-    loss_of = functools.partial(micse_objective, queue=queue, sentence_ids=sentence_ids,
-                                generator=generator, global_rows=global_rows, args=args)
+    terms = {}  # the loss's two terms, logged beside it
+    loss_of = functools.partial(micse_objective, queue=queue, sentence_ids=sentence_ids, args=args,
+                                generator=generator, global_rows=global_rows, terms=terms)
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
         loss = common.grad_cache(functools.partial(embeddings, inputs, ddp_model, head, args),
@@ -259,7 +262,7 @@ def train_step(ddp_model, backbone, head, momentum_model, queue, generator, para
             keys = common.embed(outputs_momentum.hidden_states, inputs["attention_mask"],
                                 args.pooler, head)
         queue.push(distributed.gather(keys, global_rows), sentence_ids)  # alike on every process
-    return loss, grad_norm
+    return loss, grad_norm, terms
 
 
 def main(argv=None):
@@ -317,10 +320,10 @@ def main(argv=None):
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
             global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
-            loss, grad_norm = train({k: v.to(device, non_blocking=True) for k, v in batch.items()},
-                                    global_rows)
+            loss, grad_norm, terms = train({k: v.to(device, non_blocking=True)
+                                            for k, v in batch.items()}, global_rows)
             scheduler.step()  # outside the step (and its graph): the next step's lr
-            run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
+            run.record(loss, grad_norm, terms)  # kept on the device until a log: no host sync
         if step % args.eval_steps == 0 or step == total_steps:  # STS-B dev (eval mode, then back)
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score

@@ -195,15 +195,20 @@ def contrastive_loss(z1, z2, *hard, global_rows: int, args) -> torch.Tensor:
     return common.info_nce(z1, z2, args.temp, hard, args.hard_negative_weight)
 
 
-def mlm_loss(masked: dict, ddp_model, lm_head, blocks: int, args, part=None) -> torch.Tensor:
+def mlm_loss(masked: dict, ddp_model, lm_head, blocks: int, args, part=None,
+             terms=None) -> torch.Tensor:
     """lambda x the MLM loss of `part`'s rows of the masked views (in `blocks` blocks; the mean
-    over the whole batch's masked tokens), the head under autocast, as the released fp16 runs."""
+    over the whole batch's masked tokens), the head under autocast, as the released fp16 runs.
+    A dict given as `terms` gets it added to its "mlm" (the parts' sum: the term), for the log."""
     rows = data.part_of(masked, part, blocks)
     inputs = {k: v for k, v in rows.items() if k != "labels"}
     with common.autocast(inputs["input_ids"].device, args.precision):
         prediction_scores = lm_head(ddp_model(**inputs).last_hidden_state)
     num_masked = (masked["labels"] != -100).sum()
-    return args.mlm_weight * masked_lm_loss(prediction_scores, rows["labels"], num_masked)
+    term = args.mlm_weight * masked_lm_loss(prediction_scores, rows["labels"], num_masked)
+    if terms is not None:
+        terms["mlm"] = terms.get("mlm", 0) + term.detach()
+    return term
 
 
 def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, mlm, batch: dict,
@@ -220,24 +225,26 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
         masked = dict(views, input_ids=input_ids, labels=labels)
         blocks = len(input_ids) // len(batch["input_ids"]) * columns  # NLI's columns, or the views
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+    terms = {}  # --do_mlm's term, logged beside the loss
     if args.micro_batch_size:  # GradCache: the same loss and gradients, K examples at once
         loss = common.grad_cache(
             functools.partial(embeddings, batch, ddp_model, head, columns, args),
             functools.partial(contrastive_loss, global_rows=global_rows, args=args),
             len(batch["input_ids"]) // columns, args.micro_batch_size, scaler.scale, ddp_model,
-            mlm and functools.partial(mlm_loss, masked, ddp_model, lm_head, blocks, args))
+            mlm and functools.partial(mlm_loss, masked, ddp_model, lm_head, blocks, args,
+                                      terms=terms))
     else:
         z1, z2, *hard = embeddings(batch, ddp_model, head, columns, args)
         loss = contrastive_loss(z1, z2, *hard, global_rows=global_rows, args=args)
         if mlm is not None:
-            loss = loss + mlm_loss(masked, ddp_model, lm_head, blocks, args)
+            loss = loss + mlm_loss(masked, ddp_model, lm_head, blocks, args, terms=terms)
         scaler.scale(loss).backward()
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
-    return loss, grad_norm
+    return loss, grad_norm, terms
 
 
 def main(argv=None):
@@ -294,10 +301,10 @@ def main(argv=None):
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
             global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
-            loss, grad_norm = train({k: v.to(device, non_blocking=True) for k, v in batch.items()},
-                                    global_rows)
+            loss, grad_norm, terms = train({k: v.to(device, non_blocking=True)
+                                            for k, v in batch.items()}, global_rows)
             scheduler.step()  # outside the step (and its graph): the next step's lr
-            run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
+            run.record(loss, grad_norm, terms)  # kept on the device until a log: no host sync
         if step % args.eval_steps == 0 or step == total_steps:  # STS-B dev (eval mode, then back)
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score

@@ -153,9 +153,11 @@ def embeddings(batch, ddp_model, backbone, head, args, part=None) -> tuple:
     return (*z.chunk(2), common.embed(outputs_off.hidden_states, mask, args.pooler, head))
 
 
-def simcsepp_loss(z1, z2, z_dropout_off=None, *, global_rows: int, args) -> torch.Tensor:
+def simcsepp_loss(z1, z2, z_dropout_off=None, *, global_rows: int, args,
+                  terms=None) -> torch.Tensor:
     """Off-dropout InfoNCE + dcl_weight x DCL over the global batch (`global_rows` rows gathered
-    from the processes); Table 4's DCL alone; Table 3's view negatives."""
+    from the processes); Table 4's DCL alone; Table 3's view negatives. A dict given as `terms`
+    gets the two terms ("info_nce", "dcl"), detached, for the log."""
     z1, z2 = distributed.gather(z1, global_rows), distributed.gather(z2, global_rows)
     # DCL's statistics: the global batch's (released under torchrun: C / local batch; fidelity.md)
     if args.dcl_only:  # Table 4: DCL alone
@@ -166,7 +168,10 @@ def simcsepp_loss(z1, z2, z_dropout_off=None, *, global_rows: int, args) -> torc
         loss = off_dropout_info_nce(z1, z2, distributed.gather(z_dropout_off, global_rows),
                                     args.temp, args.m)
     if args.dcl_weight > 0:
-        loss = loss + args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
+        dcl = args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
+        if terms is not None:
+            terms.update(info_nce=loss.detach(), dcl=dcl.detach())
+        loss = loss + dcl
     return loss
 
 
@@ -175,21 +180,23 @@ def train_step(ddp_model, backbone, head, params, optimizer, scaler, args, batch
     """One optimizer step on this process's rows of the global batch: the views' passes, the loss,
     backward, unscale and clip, the optimizer step; (loss, gradient norm) on the device."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
+    terms = {}  # the loss's two terms, logged beside it
     if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
         loss = common.grad_cache(
             functools.partial(embeddings, batch, ddp_model, backbone, head, args),
-            functools.partial(simcsepp_loss, global_rows=global_rows, args=args),
+            functools.partial(simcsepp_loss, global_rows=global_rows, args=args, terms=terms),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     else:
         z1, z2, *z_dropout_off = embeddings(batch, ddp_model, backbone, head, args)
-        loss = simcsepp_loss(z1, z2, *z_dropout_off, global_rows=global_rows, args=args)
+        loss = simcsepp_loss(z1, z2, *z_dropout_off, global_rows=global_rows, args=args,
+                             terms=terms)
         scaler.scale(loss).backward()  # through both views' pass and the dropout-off one
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
-    return loss, grad_norm
+    return loss, grad_norm, terms
 
 
 def main(argv=None):
@@ -231,10 +238,10 @@ def main(argv=None):
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
             global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
-            loss, grad_norm = train({k: v.to(device, non_blocking=True) for k, v in batch.items()},
-                                    global_rows)
+            loss, grad_norm, terms = train({k: v.to(device, non_blocking=True)
+                                            for k, v in batch.items()}, global_rows)
             scheduler.step()  # outside the step (and its graph): the next step's lr
-            run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
+            run.record(loss, grad_norm, terms)  # kept on the device until a log: no host sync
         if step % args.eval_steps == 0 or step == total_steps:  # STS-B dev (eval mode, then back)
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score

@@ -41,7 +41,7 @@ class StepGraph:
         self.generators, self.calls, self.largest = [g for g in generators if g is not None], 0, 0
         self.graph, self.static_batch, self.static_outputs, self.same = None, None, None, ()
 
-    def __call__(self, batch: dict, *same):
+    def __call__(self, batch: dict, *same):  # -> what train_step returns, detached
         if not self.enabled:
             return self.train_step(batch, *same)
         self.calls += 1
@@ -58,9 +58,7 @@ class StepGraph:
         for k, buffer in self.static_batch.items():
             buffer.copy_(batch[k], non_blocking=True)
         self.graph.replay()
-        if isinstance(self.static_outputs, tuple):
-            return tuple(t.clone() for t in self.static_outputs)
-        return self.static_outputs.clone()
+        return each(self.static_outputs, torch.Tensor.clone)
 
     def _on_side_stream(self, batch: dict, *same):
         side = torch.cuda.Stream()
@@ -124,4 +122,13 @@ def capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
 
 def detached(outputs):
     """A step's outputs without their autograd graph (which would keep the parameters' gradient nodes alive)."""
-    return tuple(t.detach() for t in outputs) if isinstance(outputs, tuple) else outputs.detach()
+    return each(outputs, torch.Tensor.detach)
+
+
+def each(outputs, function):
+    """`function` of each tensor of a step's outputs: a tensor, or a tuple of tensors and {name: tensor} dicts."""
+    if isinstance(outputs, torch.Tensor):
+        return function(outputs)
+    if isinstance(outputs, dict):
+        return {name: function(t) for name, t in outputs.items()}
+    return tuple(each(output, function) for output in outputs)

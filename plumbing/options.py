@@ -53,6 +53,8 @@ def add_run_flags(parser) -> None:
     g.add_argument("--base_model", default=None, help="the Hub id of a local --model_name_or_path, for the card")
     g.add_argument("--license", default=None, help="the model's license for the card (default: the base model's "
                                                    "where the suite knows it)")
+    g.add_argument("--log_model", action="store_true", help="at the end, best/ and results.json as a W&B artifact "
+                                                           "(type model) and as MLflow artifacts of the run")
     g.add_argument("--run_name", default=None, help="the tracked run's name (default: the method and the "
                                                     "output folder's name; $WANDB_NAME wins for W&B)")
     g.add_argument("--run_tags", nargs="+", default=None, help="the tracked run's tags (W&B, MLflow)")
@@ -125,12 +127,12 @@ def parser(doc: str, method: str) -> plumbing.Parser:
 
 
 # --------------------------------------------------------------------------------------------------------- presets
-def parse(parser, argv, table: dict, choose=None, note: str = ""):
+def parse(parser, argv, table: dict, choose=None):
     """parser.parse_args(argv) with the presets of `table` ({key: (settings, source)}) as the defaults: the rows
     `choose(known_args, backbone)` names, in order, later rows over earlier (default: the backbone's row); the
-    flags the user gives win. args.presets records the sources (and `note`; NO_PRESETS where no row applies), the
-    values that applied and those the user's flags replaced (the run summary, results.json); args.backbone what the
-    model is."""
+    flags the user gives win. args.presets records the sources (a fraction's row other than --fraction's: the
+    nearest; NO_PRESETS where no row applies), the values that applied and those the user's flags replaced (the run
+    summary, results.json); args.backbone what the model is."""
     known, _ = parser.parse_known_args(argv)
     kind, config = backbone(known.model_name_or_path)
     parser.set_defaults(backbone=kind, backbone_config=config)
@@ -139,6 +141,8 @@ def parse(parser, argv, table: dict, choose=None, note: str = ""):
     parser.set_defaults(**presets)
     args = parser.parse_args(argv)
     given = {k: getattr(args, k) for k in presets}
+    note = "".join(f", the nearest to --fraction {known.fraction:g} in PRESETS" for key in keys
+                   if isinstance(key, float) and key != known.fraction)
     args.presets = {"source": "; ".join(table[key][1] for key in keys) + note if presets else NO_PRESETS,
                     "applied": {k: v for k, v in given.items() if v == presets[k]},
                     "overridden": {k: v for k, v in given.items() if v != presets[k]}}

@@ -235,8 +235,8 @@ def save(args, step: int, run_state: dict, loader, history, loop: dict) -> None:
             state = {name: obj.state_dict() for name, obj in run_state.items()
                      if obj is not None and not isinstance(obj, torch.Generator)}
             state["record"] = {**loop, "losses": history.losses, "grad_norms": history.grad_norms,
-                               "trajectory": history.trajectory, "resumptions": history.resumptions,
-                               "skipped": history.skipped}
+                               "terms": history.terms, "trajectory": history.trajectory,
+                               "resumptions": history.resumptions, "skipped": history.skipped}
             torch.save(state, tmp / "state.pt")
             per_epoch = len(loader)
             files.write_json(tmp / "run.json", {"args": vars(args), "step": step, "epoch": step // per_epoch,
@@ -291,6 +291,7 @@ def record_of_results(args) -> dict:
     return {"next_step": results["steps"] + 1, "best_dev": -math.inf if best_dev is None else best_dev,
             "best_step": results["best_step"], "train_time": results["train_time_s"],
             "losses": results["train_loss"], "grad_norms": results["grad_norm"], "trajectory": results["trajectory"],
+            "terms": results.get("train_terms", {}),
             "resumptions": results["resumptions"] + [results["steps"]], "skipped": results.get("skipped_steps", []),
             "checkpoint_time": results.get("checkpoint_time_s"), "provenance": results.get("provenance"),
             "eval_pooler": results.get("eval_pooler"), "tracking": results.get("tracking"),

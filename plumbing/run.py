@@ -61,19 +61,24 @@ class History:
 
     def __init__(self, saved: dict, trackers=None, fp16: bool = False):
         self.losses, self.grad_norms = list(saved["losses"]), list(saved["grad_norms"])
+        self.terms = {name: list(values) for name, values in saved.get("terms", {}).items()}  # the loss's terms
         self.trajectory, self.resumptions = list(saved["trajectory"]), list(saved["resumptions"])
         self.skipped = list(saved.get("skipped", []))  # fp16: steps whose update the GradScaler skipped
         self.pending, self.trackers, self.fp16 = [], trackers, fp16
         rows = {}  # a resumed run: its record so far, logged where a tracker lacks it (a kill can lose what W&B had
         for step, pair in enumerate(zip(self.losses, self.grad_norms), start=1):  # not yet written: every 15 s)
             rows.setdefault(step, {}).update({"train/loss": pair[0], "train/grad_norm": pair[1]})
+        for name, values in self.terms.items():
+            for step, value in enumerate(values, start=1):
+                rows.setdefault(step, {})[f"train/{name}"] = value
         for point in self.trajectory:
             rows.setdefault(point["step"], {}).update(point_scalars(point))
         for step in sorted(rows):  # each tracker skips what it holds (tracking.Trackers.held)
             self.scalars(step, rows[step])
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        self.pending.append(torch.stack([loss.detach().float(), grad_norm.float()]))
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, terms: dict) -> None:
+        self.term_names = list(terms)  # the same each step
+        self.pending.append(torch.stack([loss.detach().float(), grad_norm.float(), *terms.values()]))
 
     def read(self) -> None:
         """The pending steps' values as floats: one host sync. The first NaN or inf loss stops the run with its
@@ -83,7 +88,7 @@ class History:
             return
         values = torch.stack(self.pending).tolist()
         self.pending.clear()
-        for step, (loss, grad_norm) in enumerate(values, start=len(self.losses) + 1):
+        for step, (loss, grad_norm, *parts) in enumerate(values, start=len(self.losses) + 1):
             if self.fp16 and not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self.skipped.append(step)
             elif not math.isfinite(loss):
@@ -91,7 +96,10 @@ class History:
                               "divergence", step)
             self.losses.append(loss)
             self.grad_norms.append(grad_norm)
-            self.scalars(step, {"train/loss": loss, "train/grad_norm": grad_norm})
+            for name, value in zip(self.term_names, parts):
+                self.terms.setdefault(name, []).append(value)
+            self.scalars(step, {"train/loss": loss, "train/grad_norm": grad_norm,
+                                **{f"train/{name}": value for name, value in zip(self.term_names, parts)}})
         last = len(self.losses)
         if self.fp16 and last >= FP16_SKIP_LIMIT and self.skipped[-FP16_SKIP_LIMIT:] == list(
                 range(last - FP16_SKIP_LIMIT + 1, last + 1)):
@@ -262,9 +270,10 @@ class Run:
                 break
         self.bar.close()
 
-    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """A step's loss and gradient norm, kept on the device until the next log step; the step is queued."""
-        self.history.add(loss, grad_norm)
+    def record(self, loss: torch.Tensor, grad_norm: torch.Tensor, terms: dict | None = None) -> None:
+        """A step's loss and gradient norm (and `terms`: {name: the loss's weighted term}, e.g. miCSE's "ami"), kept
+        on the device until the next log step; the step is queued."""
+        self.history.add(loss, grad_norm, terms or {})
         self.in_step = False
         syncs.end_step()  # --count_host_syncs' window closes
         self.bar.update()  # a clock read
@@ -544,6 +553,7 @@ class Run:
                    "eval_pooler": eval_pooler, "summary": self.summary, **self.data, **extra,
                    "best_dev_stsb": self.best_dev, "best_step": self.best_step,
                    "steps": len(history.losses), "train_loss": history.losses, "grad_norm": history.grad_norms,
+                   **({"train_terms": history.terms} if history.terms else {}),
                    "trajectory": history.trajectory, "resumptions": history.resumptions,
                    "skipped_steps": history.skipped,
                    "train_time_s": round(self.train_time, 2),

@@ -15,6 +15,7 @@ steps after its last save bit for bit, and logs a metric at a step only where it
   last line prints it). $WANDB_NAME, $WANDB_TAGS and $WANDB_RUN_GROUP win over --run_name, --run_tags, --run_group.
 - mlflow: the tracking server or store of $MLFLOW_TRACKING_URI (MLflow's default otherwise), experiment
   $MLFLOW_EXPERIMENT_NAME (default "sentence-embeddings"); --run_tags and --run_group as its run's tags.
+--log_model: at the end, best/ and results.json as a W&B artifact and MLflow artifacts.
 """
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ class Trackers:
         self.ids, self.tensorboard, self.wandb, self.mlflow = dict(ids or {}), None, None, None
         out, config, new = Path(args.output_dir), flat(config or {}), resume_at is None
         self.out, self.held = out, {}  # held: {tracker: {metric: the last step its tracked run holds}}
+        self.log_model = getattr(args, "log_model", False)
         name, tags, group = run_names(args)
         if "tensorboard" in self.names:
             from torch.utils.tensorboard import SummaryWriter
@@ -141,6 +143,8 @@ class Trackers:
                            if isinstance(value, (int, float))})
             self.scalars(step, scores)
         ended = results is not None and not results.get("interrupted")
+        if ended and self.log_model:
+            self._log_model()
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:
@@ -153,6 +157,20 @@ class Trackers:
         if self.mlflow is not None:
             self.mlflow.set_terminated(self.ids["mlflow"], "FINISHED" if ended else "KILLED")
         self.tensorboard = self.wandb = self.mlflow = None
+
+
+    def _log_model(self) -> None:
+        """--log_model: best/ and results.json as a W&B artifact of type model (named for the run), and MLflow's."""
+        best, results = self.out / "best", self.out / "results.json"
+        if self.wandb is not None:
+            import wandb
+            artifact = wandb.Artifact(f"model-{self.ids['wandb']}", type="model")
+            artifact.add_dir(str(best), name="best")
+            artifact.add_file(str(results))
+            self.wandb.log_artifact(artifact)
+        if self.mlflow is not None:
+            self.mlflow.log_artifacts(self.ids["mlflow"], str(best), "best")
+            self.mlflow.log_artifact(self.ids["mlflow"], str(results))
 
 
 @contextlib.contextmanager

@@ -126,11 +126,13 @@ def test_wandb_and_mlflow_track_the_run_and_a_resume_continues_the_same_tracked_
     import test_resume
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))  # where W&B stages an artifact
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's local file store, for a test
     out = tmp_path / "run"
     argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--logging_steps", 1,
-                                       "--no_align_uniform", "--report_to", "wandb", "mlflow", "tensorboard")]
+                                       "--no_align_uniform", "--report_to", "wandb", "mlflow", "tensorboard",
+                                       "--log_model")]
     test_resume.run("simcse", argv, monkeypatch, stop_at=2)
     test_resume.run("simcse", argv + ["--resume"], monkeypatch)
     results = json.loads((out / "results.json").read_text())
@@ -142,9 +144,12 @@ def test_wandb_and_mlflow_track_the_run_and_a_resume_continues_the_same_tracked_
     parts = sorted(out.glob("wandb/offline-run-*"))
     assert len(parts) == 2 and all(p.name.endswith(results["tracking"]["wandb"]) or
                                    p.name.endswith(results["tracking"]["wandb"] + "-1") for p in parts), parts
-    logged, config = {}, {}
+    logged, config, artifacts = {}, {}, []
     for part in parts:
         for record in wandb_records(part / f"run-{results['tracking']['wandb']}.wandb"):
+            if record.WhichOneof("record_type") == "artifact":
+                artifacts.append((part, record.artifact.type, {entry.path for entry in
+                                                               record.artifact.manifest.contents}))
             if record.WhichOneof("record_type") == "history":
                 items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
                 logged.setdefault(items["_step"], {}).update(items)
@@ -157,6 +162,8 @@ def test_wandb_and_mlflow_track_the_run_and_a_resume_continues_the_same_tracked_
         pytest.approx(gates)
     assert {k: v for k, v in logged[4].items() if k.startswith("test/")} == pytest.approx(test)
     assert config["args.lr"] == 3e-05 and config["args.seed"] == 42 and "provenance.started" in config
+    best_files = {f"best/{p.relative_to(out / 'best')}" for p in (out / "best").rglob("*") if p.is_file()}
+    assert artifacts == [(parts[-1], "model", best_files | {"results.json"})]  # --log_model: once, at the end
     # MLflow: one run, its params the arguments, the same metrics, FINISHED
     client = mlflow.MlflowClient()
     run = client.get_run(results["tracking"]["mlflow"])
@@ -166,6 +173,9 @@ def test_wandb_and_mlflow_track_the_run_and_a_resume_continues_the_same_tracked_
     assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "dev/stsb_dev")} == \
         pytest.approx(gates)
     assert {k: v for k, v in run.data.metrics.items() if k.startswith("test/")} == pytest.approx(test)
+    assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"best", "results.json"}
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "best")} == {f"best/{p.name}" for p in
+                                                                               (out / "best").iterdir()}
 
 
 KILL_DRIVER = '''

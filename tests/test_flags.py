@@ -50,10 +50,10 @@ class Calls:
             monkeypatch.setattr(owner, name, self.spy(name, getattr(owner, name)))
         record = run.Run.record
 
-        def recording(run_self, loss, grad_norm):
+        def recording(run_self, loss, grad_norm, terms=None):
             self.steps.append(self.current)
             self.current = []
-            record(run_self, loss, grad_norm)
+            record(run_self, loss, grad_norm, terms)
         monkeypatch.setattr(run.Run, "record", recording)
 
     def spy(self, name, function):

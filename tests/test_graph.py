@@ -160,7 +160,10 @@ class FakeCuda:
             def replay(self):
                 fake.replays += 1
                 outputs = fake.step.train_step(fake.step.static_batch, *fake.step.same)
-                for buffer, value in zip(fake.step.static_outputs, outputs):
+                buffers, values = [], []  # each tensor of the outputs (loss, grad_norm, {term: ...})
+                graph.each(fake.step.static_outputs, buffers.append)
+                graph.each(outputs, values.append)
+                for buffer, value in zip(buffers, values, strict=True):
                     buffer.copy_(value.detach())
 
         class Stream:

@@ -46,9 +46,9 @@ def first_step(name, flags, tiny_model, corpus, senteval_dir, tmp_path, monkeypa
     from plumbing import run as run_module
     real_record = run_module.Run.record
 
-    def record(self, loss, grad_norm):
+    def record(self, loss, grad_norm, terms=None):
         seen[-1]["loss"] = loss.detach().clone()
-        real_record(self, loss, grad_norm)
+        real_record(self, loss, grad_norm, terms)
         if next(calls) == steps:
             raise StepDone
     with monkeypatch.context() as patch:

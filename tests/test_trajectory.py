@@ -105,3 +105,46 @@ def test_report_to_tensorboard_without_the_package_is_one_line(tiny_model, corpu
         simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--report_to",
                                                 "tensorboard")])
     assert not out.exists()
+
+
+@pytest.mark.parametrize("script, flags, names", [
+    ("micse", ["--queue_size", "16"], ["info_nce", "ami"]),
+    ("simcsepp", [], ["info_nce", "dcl"]),
+    ("simcse", ["--do_mlm", "--micro_batch_size", "2"], ["mlm"]),  # GradCache: the MLM parts summed
+])
+def test_each_methods_loss_terms_are_logged_beside_the_loss_and_kept_across_a_resume(
+        script, flags, names, tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """The loss's weighted terms (miCSE's InfoNCE and lambda x AMI, SimCSE++'s InfoNCE and the weighted DCL,
+    SimCSE's lambda x MLM) at every step in results.json ("train_terms") and the trackers (train/<term>): where they
+    are the whole objective they sum to the loss (to fp32's rounding of one addition); a run stopped at step 2 and
+    resumed keeps them, each step's the straight run's. A term left out, taken before its weight, or not kept in
+    last/ fails it."""
+    pytest.importorskip("tensorboard", reason="tensorboard is a test requirement (requirements-test.txt)")
+    import importlib
+    import test_resume
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    module = importlib.import_module(script)
+    runs = {}
+    for name in ("straight", "resumed"):
+        out = tmp_path / name
+        argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval",
+                                           "--no_align_uniform", "--logging_steps", 1, "--report_to", "tensorboard",
+                                           *flags)]
+        if name == "resumed":
+            test_resume.run(script, argv, monkeypatch, stop_at=2)
+            argv.append("--resume")
+        module.main(argv)
+        runs[name] = json.loads((out / "results.json").read_text())
+    results = runs["straight"]
+    terms = results["train_terms"]
+    assert list(terms) == names and all(len(values) == results["steps"] == 4 for values in terms.values())
+    if len(names) == 2:  # the whole objective: their sum is the loss
+        for step, loss in enumerate(results["train_loss"]):
+            assert sum(terms[n][step] for n in names) == pytest.approx(loss, rel=2 ** -22, abs=1e-7)
+    else:  # MLM: a part of it
+        assert all(0 < mlm < loss for mlm, loss in zip(terms["mlm"], results["train_loss"]))
+    events = EventAccumulator(str(tmp_path / "straight" / "tb")).Reload()
+    for name in names:
+        assert [(e.step, e.value) for e in events.Scalars(f"train/{name}")] == [
+            (step, pytest.approx(value)) for step, value in enumerate(terms[name], start=1)]
+    assert runs["resumed"]["resumptions"] == [2] and runs["resumed"]["train_terms"] == terms
