@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy.stats import spearmanr
 
 import common
 import plumbing
@@ -161,6 +160,7 @@ def unit_rows(a: np.ndarray) -> np.ndarray:
 def spearman(pairs, embed) -> float:
     """Spearman x 100 (two decimals) of the pairs' cosines (embed(list[str]) -> np.ndarray) against their gold scores,
     as SentEval's STS."""
+    from scipy.stats import spearmanr  # here: scipy.stats takes a second to import, which --help need not wait for
     left, right, gold = zip(*pairs)
     cosine = (unit_rows(embed(list(left))) * unit_rows(embed(list(right)))).sum(axis=1)
     return round(float(spearmanr(cosine, np.array(gold)).correlation) * 100, 2)
