@@ -76,9 +76,10 @@ class History:
         for step in sorted(rows):  # each tracker skips what it holds (tracking.Trackers.held)
             self.scalars(step, rows[step])
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, terms: dict) -> None:
-        self.term_names = list(terms)  # the same each step
-        self.pending.append(torch.stack([loss.detach().float(), grad_norm.float(), *terms.values()]))
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, terms: dict | None = None) -> None:
+        self.term_names = list(terms or {})  # the same each step
+        values = [loss.detach(), grad_norm, *(terms or {}).values()]
+        self.pending.append(torch.stack([value.float() for value in values]))
 
     def read(self) -> None:
         """The pending steps' values as floats: one host sync. The first NaN or inf loss stops the run with its
@@ -96,8 +97,8 @@ class History:
                               "divergence", step)
             self.losses.append(loss)
             self.grad_norms.append(grad_norm)
-            for name, value in zip(self.term_names, parts):
-                self.terms.setdefault(name, []).append(value)
+            for name, value in zip(self.term_names, parts):  # None before a term was recorded (an older last/)
+                self.terms.setdefault(name, [None] * (step - 1)).append(value)
             self.scalars(step, {"train/loss": loss, "train/grad_norm": grad_norm,
                                 **{f"train/{name}": value for name, value in zip(self.term_names, parts)}})
         last = len(self.losses)
@@ -273,7 +274,7 @@ class Run:
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor, terms: dict | None = None) -> None:
         """A step's loss and gradient norm (and `terms`: {name: the loss's weighted term}, e.g. miCSE's "ami"), kept
         on the device until the next log step; the step is queued."""
-        self.history.add(loss, grad_norm, terms or {})
+        self.history.add(loss, grad_norm, terms)
         self.in_step = False
         syncs.end_step()  # --count_host_syncs' window closes
         self.bar.update()  # a clock read
