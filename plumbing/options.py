@@ -203,7 +203,7 @@ def check_args(args) -> torch.device:
         check(args, name, lambda v: v >= 0, "a non-negative number")
     check(args, "dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
     args.logging_steps = args.logging_steps or args.eval_steps
-    tracking.check(args.report_to)
+    tracking.check(args.report_to, getattr(args, "log_model", False))
     device = plumbing.resolve_device(args.device)
     args.precision = resolve_precision(args.precision, device)
     if args.count_host_syncs and args.compile:
@@ -217,7 +217,9 @@ def check_args(args) -> torch.device:
 
 
 GRAPHED_METHODS = ("simcse", "simcsepp", "sscl", "whitenedcse", "micse")  # whose step StepGraph captures
-AUTO_GRAPHED = GRAPHED_METHODS  # each captured and replayed on a GPU (docs/gpu.md): --cuda_graph by default
+# --cuda_graph by default: each captured and replayed on a GPU (docs/gpu.md); not miCSE, whose AMI weighs its terms by
+# the valid share of the padded width (padding every batch to --max_seq_length would change its objective)
+AUTO_GRAPHED = ("simcse", "simcsepp", "sscl", "whitenedcse")
 
 
 def check_cuda_graph(args, device: torch.device) -> None:

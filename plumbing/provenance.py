@@ -275,7 +275,9 @@ def run_of(model: str, into_run: bool, all_test_tasks: bool) -> Path | None:
     if not all_test_tasks:
         raise plumbing.UsageError("--into_run writes the 7 STS test tasks' scores: leave out --mode dev and --tasks")
     lock.check_free(path.parent)
-    outdir.read_results(path.parent)  # readable, else one line
+    if outdir.read_results(path.parent).get("interrupted"):  # readable, else one line; and ended
+        raise plumbing.UsageError(f"--into_run: the run in {path.parent} has not ended; finish it with the same "
+                                  "command and --auto_resume (its final evaluation writes the test scores)")
     return path.parent
 
 
@@ -283,15 +285,19 @@ def record_scores(run_dir: Path, **scores) -> None:
     """Scores of a run's best/ written after the fact into its results.json and its model card: eval_sts.py
     --into_run's "test" (with "test_by"), tools/mteb_eval.py's "mteb" (the card's model-index entries)."""
     import types
-    from plumbing import files, outdir
-    results = outdir.read_results(run_dir)
-    results.update(scores)
-    files.write_json(run_dir / outdir.RESULTS, results)
-    args = types.SimpleNamespace(method=results["method"], **results["args"])
-    best = {"step": results["best_step"], "stsb_dev": results["best_dev_stsb"], "test": results.get("test"),
-            "mteb": results.get("mteb")}
-    plain = files.pooling_mode(results["eval_pooler"]) is not None and \
-        not (run_dir / "best" / files.PROJECTION_FILE).is_file()
-    untested = None if results.get("test") else "the run was given --no_test_eval"
-    files.write_text(run_dir / "best" / "README.md", model_card(args, results["eval_pooler"], results["provenance"],
-                                                                best, plain, untested))
+    from plumbing import files, lock, outdir
+    lock.hold(run_dir, now())  # one line if a run has taken the folder meanwhile
+    try:
+        results = outdir.read_results(run_dir)
+        results.update(scores)
+        files.write_json(run_dir / outdir.RESULTS, results)
+        args = types.SimpleNamespace(method=results["method"], **results["args"])
+        best = {"step": results["best_step"], "stsb_dev": results["best_dev_stsb"], "test": results.get("test"),
+                "mteb": results.get("mteb")}
+        plain = files.pooling_mode(results["eval_pooler"]) is not None and \
+            not (run_dir / "best" / files.PROJECTION_FILE).is_file()
+        untested = None if results.get("test") else "the run was given --no_test_eval"  # it ended (run_of)
+        files.write_text(run_dir / "best" / "README.md", model_card(args, results["eval_pooler"],
+                                                                    results["provenance"], best, plain, untested))
+    finally:
+        lock.release(run_dir)

@@ -42,7 +42,7 @@ FREE_FLAGS = {"resume", "auto_resume", "overwrite_output_dir", "keep_last", "sav
               "eval_transfer", "num_workers", "report_to", "logging_steps", "align_uniform_steps", "no_test_eval",
               "no_align_uniform",
               "output_dir", "count_host_syncs", "gradient_checkpointing", "cuda_graph", "fit_memory", "command",
-              "run_name", "run_tags", "run_group", "hub_model_id", "base_model", "license",
+              "run_name", "run_tags", "run_group", "hub_model_id", "base_model", "license", "log_model",
               "presets", "backbone_config"}  # the last two are derived
 
 

@@ -46,11 +46,15 @@ def chosen(report_to) -> list[str]:
     return [name for name in given(report_to) if name != "none"]
 
 
-def check(report_to) -> None:
-    """Each tracker asked for is installed, else one line naming the install, before any work."""
+def check(report_to, log_model: bool = False) -> None:
+    """Each tracker asked for is installed, else one line naming the install, before any work; --log_model has a
+    tracker that keeps artifacts."""
     names = chosen(report_to)
     if "none" in given(report_to) and names:
         raise plumbing.UsageError(f"--report_to none with {' '.join(names)}: give the trackers, or none alone")
+    if log_model and not {"wandb", "mlflow"} & set(names):
+        raise plumbing.UsageError("--log_model sends best/ to W&B or MLflow: add --report_to wandb or mlflow, or "
+                                  "leave --log_model out")
     for name in names:
         plumbing.check_installed(True, name, f"--report_to {name}")
 
@@ -144,7 +148,11 @@ class Trackers:
             self.scalars(step, scores)
         ended = results is not None and not results.get("interrupted")
         if ended and self.log_model:
-            self._log_model()
+            try:
+                self._log_model()
+            except Exception as err:  # the run's results stand; the trackers are still closed below
+                files.write(f"note: --log_model: best/ could not be sent ({str(err).splitlines()[0][:160]}); "
+                            "the run's results and best/ are complete on disk")
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:
@@ -158,16 +166,21 @@ class Trackers:
             self.mlflow.set_terminated(self.ids["mlflow"], "FINISHED" if ended else "KILLED")
         self.tensorboard = self.wandb = self.mlflow = None
 
-
     def _log_model(self) -> None:
         """--log_model: best/ and results.json as a W&B artifact of type model (named for the run), and MLflow's."""
         best, results = self.out / "best", self.out / "results.json"
         if self.wandb is not None:
             import wandb
-            artifact = wandb.Artifact(f"model-{self.ids['wandb']}", type="model")
-            artifact.add_dir(str(best), name="best")
-            artifact.add_file(str(results))
-            self.wandb.log_artifact(artifact)
+            data_dir = os.environ.get("WANDB_DATA_DIR")  # where W&B stages the files: the run's wandb/ unless set
+            os.environ["WANDB_DATA_DIR"] = data_dir or str(self.out / "wandb")
+            try:
+                artifact = wandb.Artifact(f"model-{self.ids['wandb']}", type="model")
+                artifact.add_dir(str(best), name="best")
+                artifact.add_file(str(results))
+                self.wandb.log_artifact(artifact)
+            finally:
+                if data_dir is None:
+                    del os.environ["WANDB_DATA_DIR"]
         if self.mlflow is not None:
             self.mlflow.log_artifacts(self.ids["mlflow"], str(best), "best")
             self.mlflow.log_artifact(self.ids["mlflow"], str(results))

@@ -122,7 +122,7 @@ def test_resume_on_cuda(script, deterministic, tiny_model, corpus, senteval_dir,
     (SimCSE: SDPA's backward; miCSE: AMI's generator and the queue on the device); without it, SDPA's backward and
     atomic adds may order their sums differently, so the losses agree to 1e-3."""
     import test_resume
-    extra = ["--deterministic"] if deterministic else []
+    extra = ["--deterministic", "--no_cuda_graph"] if deterministic else ["--no_cuda_graph"]  # the graph: below
     argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "straight", "--device", "cuda",
                                        "--max_steps", 6, "--no_test_eval", "--lr", 1e-3, *extra)]
     resumed_argv = [str(tmp_path / "resumed") if a == str(tmp_path / "straight") else a for a in argv]

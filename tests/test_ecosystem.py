@@ -126,7 +126,7 @@ def test_wandb_and_mlflow_track_the_run_and_a_resume_continues_the_same_tracked_
     import test_resume
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb-data"))  # where W&B stages an artifact
+    monkeypatch.delenv("WANDB_DATA_DIR", raising=False)  # W&B stages --log_model's files in the run's wandb/
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's local file store, for a test
     out = tmp_path / "run"
@@ -164,6 +164,7 @@ def test_wandb_and_mlflow_track_the_run_and_a_resume_continues_the_same_tracked_
     assert config["args.lr"] == 3e-05 and config["args.seed"] == 42 and "provenance.started" in config
     best_files = {f"best/{p.relative_to(out / 'best')}" for p in (out / "best").rglob("*") if p.is_file()}
     assert artifacts == [(parts[-1], "model", best_files | {"results.json"})]  # --log_model: once, at the end
+    assert list((out / "wandb" / "artifacts" / "staging").iterdir()) and "WANDB_DATA_DIR" not in os.environ
     # MLflow: one run, its params the arguments, the same metrics, FINISHED
     client = mlflow.MlflowClient()
     run = client.get_run(results["tracking"]["mlflow"])
@@ -352,6 +353,9 @@ def test_mteb_on_a_runs_best_writes_its_hub_tasks_into_the_card_once(finished_ru
         holder.kill()
     assert json.loads((run / "results.json").read_text())["mteb"] == []
     assert (run / "best" / "README.md").read_text() == before
+    (run / "results.json").write_text(json.dumps({**results, "mteb": [], "interrupted": True}))  # a stopped run
+    mteb_eval.main(argv)
+    assert json.loads((run / "results.json").read_text())["mteb"] == []
 
 
 def test_mteb_without_the_package_or_with_a_bad_file_is_one_line(finished_run, tmp_path, monkeypatch):
@@ -477,3 +481,14 @@ def test_the_second_hours_frictions_are_each_one_line(tiny_model, corpus, sentev
                                             "--no_test_eval", "--no_align_uniform")])
     assert "note: --warmup_steps 10 is not below the run's 4 steps: its lr never leaves the warm-up" in \
         capsys.readouterr().out
+
+
+def test_log_model_without_a_tracker_that_keeps_artifacts_is_one_line(tiny_model, corpus, senteval_dir, tmp_path):
+    """--log_model alone (or with TensorBoard) would do nothing: one line before any work."""
+    from conftest import cli_in_process
+    out = tmp_path / "run"
+    code, err = cli_in_process(simcse, *smoke_args(tiny_model, corpus, senteval_dir, out, "--log_model",
+                                                   "--report_to", "tensorboard"))
+    assert code == 2 and err.strip().splitlines() == [
+        "error: --log_model sends best/ to W&B or MLflow: add --report_to wandb or mlflow, or leave --log_model out"]
+    assert not out.exists()

@@ -170,7 +170,8 @@ def bench_saves(device, repeats: int = 3) -> dict:
         tokenizer = transformers.BertTokenizerFast(vocab_file=str(vocab))
         args = types.SimpleNamespace(output_dir=tmp)
         state = {"backbone": backbone, "head": head, "optimizer": optimizer, "scheduler": scheduler}
-        history = types.SimpleNamespace(losses=[], grad_norms=[], trajectory=[], resumptions=[], skipped=[])
+        history = types.SimpleNamespace(losses=[], grad_norms=[], terms={}, trajectory=[], resumptions=[],
+                                        skipped=[])
         times = {"copy": [], "best": [], "last": []}
         best = checkpoint.BestCopy(backbone, head, tokenizer, "cls_before_pooler")  # its buffers, once
         for _ in range(repeats):

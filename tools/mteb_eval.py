@@ -135,18 +135,20 @@ def card_entries(metadata: dict, task_results) -> list[dict]:
 def into_run(model: str, entries: list[dict]) -> str | None:
     """A run's best/: MTEB's entries added to its results.json and card (replacing a task's earlier ones); what was
     written, or why not."""
-    from plumbing import lock, outdir, provenance
+    from plumbing import outdir, provenance
     run_dir = Path(model).expanduser().parent
     if Path(model).name != "best" or not (run_dir / outdir.RESULTS).is_file() or not entries:
         return None
-    try:
-        lock.check_free(run_dir)
-    except plumbing.UsageError:
-        return f"note: not written into {run_dir}'s card: a run is using the folder (run this again once it ends)"
+    results = outdir.read_results(run_dir)
+    if results.get("interrupted"):
+        return f"note: not written into {run_dir}'s card: the run has not ended (finish it with --auto_resume)"
     new = {(e["dataset_name"], e["dataset_config"], e["dataset_split"]) for e in entries}
-    kept = [e for e in outdir.read_results(run_dir).get("mteb") or []
+    kept = [e for e in results.get("mteb") or []
             if (e["dataset_name"], e["dataset_config"], e["dataset_split"]) not in new]
-    provenance.record_scores(run_dir, mteb=kept + entries)
+    try:
+        provenance.record_scores(run_dir, mteb=kept + entries)
+    except plumbing.UsageError:  # the folder's lock: a run holds it
+        return f"note: not written into {run_dir}'s card: a run is using the folder (run this again once it ends)"
     return f"wrote MTEB's scores into {run_dir / outdir.RESULTS} and {run_dir / 'best' / 'README.md'}"
 
 

@@ -33,8 +33,7 @@ MUTANTS = {
                            "head = WhitenedHead(hidden, hidden // 2,", [FLAGS]),
     "sscl-tie": ("sscl.py", "if run.dev_gate(step) > run.best_dev", "if run.dev_gate(step) >= run.best_dev",
                  [FLAGS]),
-    "simcsepp-dcl-sign": ("simcsepp.py", "loss = loss + args.dcl_weight * dcl_loss(",
-                          "loss = loss - args.dcl_weight * dcl_loss(", [FLAGS]),
+    "simcsepp-dcl-sign": ("simcsepp.py", "        loss = loss + dcl\n", "        loss = loss - dcl\n", [FLAGS]),
     # the losses
     "info-nce-no-temperature": ("common.py", "logits = cos_sim(z1, z2) / temp", "logits = cos_sim(z1, z2)",
                                 ["tests/test_common.py"]),
