@@ -35,7 +35,6 @@ import sys
 import traceback
 from pathlib import Path
 
-import torch
 
 
 class UsageError(ValueError):
@@ -69,7 +68,10 @@ def cli(main) -> None:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    except torch.OutOfMemoryError as err:
+    except Exception as err:  # torch's OutOfMemoryError (torch imported by whatever ran out: the tools need it not)
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(err, torch.OutOfMemoryError):
+            raise
         reason = str(err).splitlines()[0][:120]
         traceback.clear_frames(err.__traceback__)  # the failed pass's tensors, held by its frames, freed
         keep = _keep_after_out_of_memory
@@ -131,6 +133,7 @@ def check_range(args, name: str, ok, accepted: str) -> None:
 
 def resolve_device(name: str | None) -> torch.device:
     """The --device, checked to exist on this machine (default: cuda if available)."""
+    import torch
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

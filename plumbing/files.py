@@ -10,7 +10,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 
 import plumbing
 from plumbing.progress import write
@@ -144,6 +143,7 @@ def load_linear(name_or_path: str, name: str) -> torch.nn.Linear | None:
     path = Path(name_or_path) / name
     if not path.is_file():
         return None
+    import torch
     from safetensors.torch import load_file
     weights = load_file(str(path))
     linear = torch.nn.Linear(weights["weight"].shape[1], weights["weight"].shape[0])

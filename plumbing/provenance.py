@@ -17,7 +17,6 @@ import subprocess
 from pathlib import Path
 
 import plumbing
-from plumbing import distributed
 
 ROOT = Path(__file__).resolve().parents[1]  # the suite
 
@@ -142,6 +141,7 @@ def resumed(previous: dict | None, current: dict, after_step: int) -> dict:
     merged = {**current, "started": previous.get("started", current["started"]), "parts": parts,
               "crosses_commits": len(commits) > 1}
     if merged["crosses_commits"]:
+        from plumbing import distributed  # here: the tools that read a run's provenance need no torch
         distributed.log("note: this run's parts ran under different commits of the suite: "
                         + ", then ".join(part_commit(p["git"]) for p in parts) + " (results.json: provenance.parts)")
     return merged
