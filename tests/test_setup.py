@@ -234,3 +234,12 @@ def test_the_readme_is_a_guide_of_250_lines_with_docs_beside_it():
     assert {"methods.md", "arguments.md", "evaluation.md", "reproducing.md", "engineering.md", "tests.md"} <= pages
     for page in pages:
         assert f"docs/{page}" in "\n".join(readme), page  # linked from the guide
+
+
+def test_the_readmes_test_time_is_the_one_docs_tests_md_measured():
+    """The README quotes the suite's time from docs/tests.md's measurement, not a figure of its own."""
+    import re
+    readme = (ROOT / "README.md").read_text()
+    measured = re.search(r"The default suite \(.*?\) took (\d+ min \d+ s) on 2 idle", (ROOT / "docs" / "tests.md")
+                         .read_text(), re.S).group(1)
+    assert f"runs the tests: {measured} on 2 idle cores" in readme, measured
