@@ -286,7 +286,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     plumbing.check_range(args, "batch_size", lambda v: v >= 1, "a positive integer")
     plumbing.check_json_path(args.json)
-    run_dir = provenance.run_of(args.model_name_or_path, args.into_run, args.mode == "test" and not args.tasks)
+    run_dir = provenance.run_of(args.model_name_or_path, args.into_run, args.mode == "test" and not args.tasks,
+                                args.pooler)
     device = plumbing.resolve_device(args.device)
 
     senteval_dir = resolve_senteval_dir(args.senteval_dir)

@@ -206,7 +206,7 @@ def hub_metadata(args, paper: str, title: str, best: dict, sentence_transformers
         args.fraction < 1 else "princeton-nlp/datasets-for-simcse"
     results = [EvalResult(task_type="sentence-similarity", dataset_type=STS_DATASETS[task], dataset_name=task,
                           dataset_split="test", metric_type="spearman", metric_value=score,
-                          metric_name=f"Spearman x 100 ({title.split(':')[0]}'s STS protocol, {PROTOCOL[task]})")
+                          metric_name=f"Spearman x 100 (SimCSE's STS protocol, {PROTOCOL[task]})")
                for task, score in (best.get("test") or {}).items() if task in STS_DATASETS]
     results += [EvalResult(**result) for result in best.get("mteb") or []]  # tools/mteb_eval.py's, MTEB's names
     data = ModelCardData(library_name="sentence-transformers" if sentence_transformers else "transformers",
@@ -260,24 +260,35 @@ def model_card(args, eval_pooler: str, provenance: dict, best: dict, sentence_tr
     return "\n".join(lines)
 
 
-def run_of(model: str, into_run: bool, all_test_tasks: bool) -> Path | None:
-    """eval_sts.py's model: a run's folder given for its best/ is one line naming best/; with --into_run, best/'s run
-    folder (results.json beside it, no run holding it), else one line. None without --into_run."""
+def run_of(model: str, into_run: bool, all_test_tasks: bool, pooler: str | None = None) -> Path | None:
+    """eval_sts.py's and tools/mteb_eval.py's model: a run's folder given for its best/ is one line naming best/; with
+    --into_run, best/'s run folder (no run holding it, ended, evaluated with its recorded pooler), else one line. None
+    without --into_run."""
     from plumbing import lock, outdir
     path = Path(model)
-    if (path / "best").is_dir() and (path / outdir.RESULTS).is_file() and not (path / "config.json").is_file():
+    if (path / "best").is_dir() and not (path / "config.json").is_file() and \
+            ((path / outdir.RESULTS).is_file() or (path / lock.NAME).is_file()):
         raise plumbing.UsageError(f"--model_name_or_path {model} is a training run's folder; its model is "
                                   f"--model_name_or_path {path / 'best'}")
     if not into_run:
         return None
+    if path.name == "best" and (path.parent / lock.NAME).is_file():
+        try:
+            lock.check_free(path.parent)
+        except plumbing.UsageError:
+            raise plumbing.UsageError(f"--into_run: the run in {path.parent} is still running "
+                                      f"({lock.holder(path.parent)}); run this again once it has ended") from None
     if path.name != "best" or not (path.parent / outdir.RESULTS).is_file():
         raise plumbing.UsageError(f"--into_run: {model} is not a run's best/ (no {outdir.RESULTS} beside it)")
     if not all_test_tasks:
         raise plumbing.UsageError("--into_run writes the 7 STS test tasks' scores: leave out --mode dev and --tasks")
-    lock.check_free(path.parent)
-    if outdir.read_results(path.parent).get("interrupted"):  # readable, else one line; and ended
+    results = outdir.read_results(path.parent)  # readable, else one line
+    if results.get("interrupted"):
         raise plumbing.UsageError(f"--into_run: the run in {path.parent} has not ended; finish it with the same "
                                   "command and --auto_resume (its final evaluation writes the test scores)")
+    if pooler is not None and pooler != results.get("eval_pooler"):
+        raise plumbing.UsageError(f"--into_run writes the scores of the run's recorded pooler "
+                                  f"({results.get('eval_pooler')}): leave out --pooler {pooler}")
     return path.parent
 
 

@@ -87,7 +87,8 @@ class Trackers:
             with refused("wandb", "check wandb login and the network, or WANDB_MODE=offline to sync later"):
                 self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), dir=str(out),
                                         name=os.environ.get("WANDB_NAME", name), id=self.ids.get("wandb"),
-                                        resume="allow", config=config if new else None, reinit="create_new",
+                                        resume="allow", reinit="create_new",  # a tracker new to the run: its config
+                                        config=config if new or not self.ids.get("wandb") else None,
                                         tags=None if "WANDB_TAGS" in os.environ else tags or None,
                                         group=os.environ.get("WANDB_RUN_GROUP", group))
             self.ids["wandb"] = self.wandb.id
@@ -105,6 +106,7 @@ class Trackers:
             raise RuntimeError("no MLFLOW_TRACKING_URI, and MLflow's default store, SQLite, needs the full mlflow "
                                "package: set MLFLOW_TRACKING_URI to your server (or pip install mlflow)")
         self.mlflow = mlflow.MlflowClient()
+        new = new or not self.ids.get("mlflow")  # a tracker added when the run resumes starts with the params
         if self.ids.get("mlflow"):
             run = self.mlflow.get_run(self.ids["mlflow"])
             self.held["mlflow"] = {key: max(m.step for m in self.mlflow.get_metric_history(run.info.run_id, key))

@@ -369,6 +369,10 @@ def test_mteb_without_the_package_or_with_a_bad_file_is_one_line(finished_run, t
                                    "--device", "cpu", "--output_dir", tmp_path / "out")
         assert code == 2 and err.strip().splitlines() == [
             f"error: --sts_file {bad}, line 2: want sentence1, sentence2 and a numeric score, got ['a', 'b', 'high']"]
+    code, err = cli_in_process(mteb_eval, "--model_name_or_path", finished_run, "--device", "cpu")  # not its best/
+    assert code == 2 and err.strip().splitlines() == [f"error: --model_name_or_path {finished_run} is a training "
+                                                      f"run's folder; its model is --model_name_or_path "
+                                                      f"{finished_run / 'best'}"]
     monkeypatch.setitem(sys.modules, "mteb", None)
     code, err = cli_in_process(mteb_eval, "--model_name_or_path", finished_run / "best", "--device", "cpu")
     assert code == 2 and "tools/mteb_eval.py needs the mteb package: pip install mteb" in err, err
@@ -492,3 +496,24 @@ def test_log_model_without_a_tracker_that_keeps_artifacts_is_one_line(tiny_model
     assert code == 2 and err.strip().splitlines() == [
         "error: --log_model sends best/ to W&B or MLflow: add --report_to wandb or mlflow, or leave --log_model out"]
     assert not out.exists()
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("mlflow"), reason="mlflow-skinny is a test requirement; not here")
+def test_a_tracker_added_when_the_run_resumes_gets_the_runs_params(tiny_model, corpus, senteval_dir, tmp_path,
+                                                                   monkeypatch):
+    """Started with TensorBoard alone, stopped at step 2 and resumed with MLflow too: MLflow's new run gets the run's
+    arguments as its params (a resumed tracked run already has them; a new one would have none) and every step."""
+    import mlflow
+    import test_resume
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = tmp_path / "run"
+    argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--logging_steps", 1, "--no_test_eval",
+                                       "--no_align_uniform", "--report_to", "tensorboard")]
+    test_resume.run("simcse", argv, monkeypatch, stop_at=2)
+    test_resume.run("simcse", argv[:-1] + ["tensorboard", "mlflow", "--resume"], monkeypatch)
+    results = json.loads((out / "results.json").read_text())
+    run = mlflow.MlflowClient().get_run(results["tracking"]["mlflow"])
+    assert run.data.params["args.lr"] == "3e-05" and run.data.params["args.seed"] == "42"
+    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "train/loss")
+    assert {m.step: m.value for m in history} == pytest.approx(dict(enumerate(results["train_loss"], start=1)))

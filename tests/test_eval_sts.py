@@ -305,6 +305,11 @@ def test_a_runs_test_scores_after_the_fact_and_its_folder_named_for_best(tiny_mo
     code, err = cli_in_process(eval_sts, "--model_name_or_path", tiny_model, "--senteval_dir", senteval_dir,
                                "--into_run")
     assert code == 2 and "is not a run's best/" in err
+    code, err = cli_in_process(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
+                               "--into_run", "--pooler", "avg")  # not the pooler the run recorded
+    assert code == 2 and err.strip().splitlines() == [
+        f"error: --into_run writes the scores of the run's recorded pooler ({results['eval_pooler']}): leave out "
+        "--pooler avg"]
     (out / "results.json").write_text(json.dumps({**results, "interrupted": True}))  # a run stopped, to be resumed
     code, err = cli_in_process(eval_sts, "--model_name_or_path", out / "best", "--senteval_dir", senteval_dir,
                                "--into_run")

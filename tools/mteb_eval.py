@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import eval_sts  # noqa: E402
 import common  # noqa: E402
 import plumbing  # noqa: E402
-from plumbing import hub  # noqa: E402
+from plumbing import hub, provenance  # noqa: E402
 
 # the papers' 7 STS tasks by MTEB's names (SentEval's SICKRelatedness is MTEB's SICK-R)
 PAPERS_STS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICK-R"]
@@ -132,14 +132,18 @@ def card_entries(metadata: dict, task_results) -> list[dict]:
             for split, subsets in result.scores.items() for subset in subsets]
 
 
-def into_run(model: str, entries: list[dict]) -> str | None:
+def into_run(model: str, entries: list[dict], pooler: str) -> str | None:
     """A run's best/: MTEB's entries added to its results.json and card (replacing a task's earlier ones); what was
     written, or why not."""
     from plumbing import outdir, provenance
     run_dir = Path(model).expanduser().parent
-    if Path(model).name != "best" or not (run_dir / outdir.RESULTS).is_file() or not entries:
+    if Path(model).name != "best" or not (run_dir / outdir.RESULTS).is_file():
         return None
+    if not entries:
+        return "note: a local --sts_file task is not written into the run's card (its data is a local file)"
     results = outdir.read_results(run_dir)
+    if pooler != results.get("eval_pooler"):
+        return f"note: not written into {run_dir}'s card: its pooler is {results.get('eval_pooler')}, not {pooler}"
     if results.get("interrupted"):
         return f"note: not written into {run_dir}'s card: the run has not ended (finish it with --auto_resume)"
     new = {(e["dataset_name"], e["dataset_config"], e["dataset_split"]) for e in entries}
@@ -200,7 +204,7 @@ def evaluate(model: str, pooler: str | None, tasks: list[str], sts_file: str | N
     (out / "scores.json").write_text(json.dumps({"model": model, "pooler": pooler, "scores": scores}, indent=2))
     print(table)
     print(f"\nwrote {out / 'scores.md'} and MTEB's result files under {out / 'results'}")
-    written = into_run(model, card_entries(metadata, found.task_results))
+    written = into_run(model, card_entries(metadata, found.task_results), pooler)
     if written:
         print(written)
     return scores
@@ -232,6 +236,7 @@ def main(argv=None) -> dict:
     tasks = args.tasks if args.tasks is not None else [] if args.sts_file else PAPERS_STS
     if not tasks and not args.sts_file:
         parser.error("give --tasks or --sts_file")
+    provenance.run_of(args.model_name_or_path, False, True)  # a run's folder: one line naming its best/
     hub.check_local_model(args.model_name_or_path)
     if args.sts_file:
         plumbing.check_file(args.sts_file, "--sts_file")
