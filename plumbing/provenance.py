@@ -272,7 +272,7 @@ def run_of(model: str, into_run: bool, all_test_tasks: bool, pooler: str | None 
                                   f"--model_name_or_path {path / 'best'}")
     if not into_run:
         return None
-    if path.name == "best" and (path.parent / lock.NAME).is_file():
+    if path.name == "best":  # a run still writing its folder (check_free: no lock file, nothing to check)
         try:
             lock.check_free(path.parent)
         except plumbing.UsageError:

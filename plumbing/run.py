@@ -97,10 +97,11 @@ class History:
                               "divergence", step)
             self.losses.append(loss)
             self.grad_norms.append(grad_norm)
-            for name, value in zip(self.term_names, parts):  # None before a term was recorded (an older last/)
+            terms = dict(zip(self.term_names, parts))
+            for name, value in terms.items():  # None before a term was recorded (an older last/)
                 self.terms.setdefault(name, [None] * (step - 1)).append(value)
             self.scalars(step, {"train/loss": loss, "train/grad_norm": grad_norm,
-                                **{f"train/{name}": value for name, value in zip(self.term_names, parts)}})
+                                **{f"train/{name}": value for name, value in terms.items()}})
         last = len(self.losses)
         if self.fp16 and last >= FP16_SKIP_LIMIT and self.skipped[-FP16_SKIP_LIMIT:] == list(
                 range(last - FP16_SKIP_LIMIT + 1, last + 1)):
