@@ -185,6 +185,11 @@ def runs_that_fit(todo: list[dict], gpus: list[int], wanted: int) -> int:
     if fits < wanted:
         print(f"note: --runs_per_gpu {wanted}: {memory.gib(free)} free holds {fits} of these runs at once (up to "
               f"{memory.gib(max(peaks))} each, the memory estimate's, and a CUDA context): {fits} a GPU", flush=True)
+    # without MPS, processes on one GPU take turns: 4 SimCSE runs at once took as long as 4 in a row (docs/cluster.md)
+    if fits > 1 and not (Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) / "control").exists():
+        print(f"note: --runs_per_gpu {fits}: no NVIDIA MPS daemon is running, so the runs on a GPU take turns and "
+              "finish no sooner than one after another; start it first (nvidia-cuda-mps-control -d, docs/cluster.md)",
+              flush=True)
     return fits
 
 

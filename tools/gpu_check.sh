@@ -32,12 +32,18 @@
 #   test_cuda      tests/test_cuda.py                                                                test_cuda.txt
 #   bench          each method as a user runs it, BERT-base-sized, batch 64 x 32 (tools/bench.py)      bench.txt
 #   saves          what writing best/ and last/ costs (tools/bench.py --save_cost)                     saves.txt
+#   recipes_micse  miCSE's few-shot recipe (the sixth row) alone, with and without the graph  recipes_micse_*.txt
+#   runs_per_gpu   K = 1, 2, 4 copies of SimCSE's recipe (--recipe_minutes, the graph) at once on the GPU, each a
+#                  process as `report.py run --runs_per_gpu K` starts them; then K = 4 under NVIDIA MPS where the
+#                  machine has it: each copy's minutes and the wall time of the K together        runs_per_gpu.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
 declare -A LIMIT=([machine]=15 [compare]=170 [recipes_base]=200 [flags]=45 [recipes_large]=240 [test_cuda]=240
-                  [bench]=170 [saves]=60 [graph]=180 [recipes_graph]=240 [families]=60 [gate]=40)
+                  [bench]=170 [saves]=60 [graph]=180 [recipes_graph]=240 [families]=60 [gate]=40
+                  [recipes_micse]=130 [runs_per_gpu]=260)
 DEFAULT="machine graph recipes_graph families gate"
-ORDER="machine graph recipes_graph families gate compare recipes_base flags recipes_large test_cuda bench saves"
+ORDER="machine graph recipes_graph families gate compare recipes_base flags recipes_large test_cuda bench saves
+       recipes_micse runs_per_gpu"
 for stage in $ORDER; do  # COMPARE_S=200 and the like
     override="${stage^^}_S"
     LIMIT[$stage]=${!override:-${LIMIT[$stage]}}
@@ -142,6 +148,35 @@ both_ways() {  # STAGE SIZE STEPS GATE_EVERY PREFIX: the six rows with the graph
     done
 }
 stage_recipes_large() { both_ways recipes_large bert-large 40 10 recipes_bert_large_; }
+stage_recipes_micse() {
+    for mode in cuda_graph no_cuda_graph; do
+        LIMIT[half]=$((LIMIT[recipes_micse] / 2))
+        recipes bert-base 60 20 "recipes_micse_$mode.txt" half --recipes micse-fewshot --method_args micse:--$mode
+    done
+}
+
+stage_runs_per_gpu() {  # K processes at once, as the local executor places K runs on one GPU
+    local file="$OUT/runs_per_gpu.txt" started k mps i
+    local steps=${RPG_STEPS:-500} every=${RPG_GATE:-125}  # long enough for the K runs' steps to overlap
+    echo "K copies of simcse.py's recipe at once (tools/bench.py --recipe_minutes --recipes simcse, $steps steps, a gate every $every)" > "$file"
+    for setting in ${RPG_SETTINGS:-1:off 4:off 4:on}; do  # K:MPS
+        k=${setting%%:*} mps=${setting#*:}
+        if [ "$mps" = on ]; then
+            command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d >> "$file" 2>&1 \
+                || { echo "K=$k under MPS: no nvidia-cuda-mps-control daemon here" >> "$file"; break; }
+        fi
+        started=$SECONDS
+        for i in $(seq "$k"); do
+            timeout -k 10 $((LIMIT[runs_per_gpu] / 2)) python3 tools/bench.py --recipe_minutes --recipes simcse \
+                --size bert-base --model_name_or_path $DATA/tokenizer $RUNS --recipe_steps $steps --gate_every $every \
+                > "$OUT/k$k.$i.tmp" 2>&1 &
+        done
+        wait
+        echo "K=$k MPS $mps: the $k together $((SECONDS - started)) s" >> "$file"
+        for i in $(seq "$k"); do grep -h "^| simcse \|Error\|error:" "$OUT/k$k.$i.tmp" >> "$file"; rm -f "$OUT/k$k.$i.tmp"; done
+        [ "$mps" = on ] && echo quit | nvidia-cuda-mps-control
+    done
+}
 
 stage_flags() {
     limit flags python3 - <<'EOF' > "$OUT/flags.txt" 2>&1
