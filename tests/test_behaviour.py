@@ -3,8 +3,9 @@ losses, gradient norms and STS-B dev scores, against tests/behaviour.json.
 
 Recorded with `SUITE_RECORD_BEHAVIOUR=1 python -m pytest -q tests/test_behaviour.py`, which adds (or replaces) this
 machine's record (only when a change means to move the numbers, and said in its commit; then every record is made
-again). On a machine with a record (its CPU, ISA level and torch version) they must match bit for bit; elsewhere
-another CPU's kernels round differently, so the losses and gradient norms are held to 1e-3 of the first record. The
+again, with OMP_NUM_THREADS=1 too, as `pytest -n auto` runs it on two cores). On a machine with a record (its CPU,
+ISA level, torch version and torch's threads) they must match bit for bit; elsewhere another CPU's kernels round
+differently, so the losses and gradient norms are held to 1e-3 of the first record. The
 tiny model's cosines nearly tie, so its dev scores move with the kernels' last bits (an Intel Xeon and an AMD EPYC
 differ by 0.2 at step 0 and by up to 2 later): elsewhere they are compared only where the untrained model's score
 (step 0, no training yet) is the record's, i.e. where this machine breaks the ties as the recording one did.
@@ -35,7 +36,10 @@ CASES = {  # name: (script, flags)
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
+    # the threads too: a reduction split over two threads adds in another order than one thread (pytest -n's
+    # workers run one each on two cores)
+    return {"cpu": cpu, "isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "threads": torch.get_num_threads()}
 
 
 def numbers(name, tiny_model, corpus, senteval_dir, tmp_path) -> dict:
