@@ -32,12 +32,15 @@ STS_SUBSETS = {
 def available_cores() -> int:
     """The cores this process may use: its CPU affinity, less where a cgroup's CPU quota allows fewer (a container)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
-        if quota != "max":
-            cores = min(cores, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
+    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "quota period", or "max ..."
+                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            quota, period = (open(quota_file).read().split() + [None])[:2]
+            period = open(period_file).read() if period_file else period
+            if quota not in ("max", "-1"):
+                cores = min(cores, max(1, int(quota) // int(period)))
+        except (OSError, ValueError, TypeError):
+            pass
     return cores
 
 

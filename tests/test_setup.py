@@ -21,7 +21,7 @@ def test_ci_runs_exactly_the_readmes_two_set_up_commands():
                       'source "${TMPDIR:-/tmp}/suite-ci-venv/bin/activate"']
     assert ci[2:] == readme_setup_commands()
     assert readme_setup_commands() == ["pip install -r requirements.txt",
-                                       "pip install -r requirements-test.txt && python -m pytest -q tests"]
+                                       "pip install -r requirements-test.txt && python -m pytest -q -n auto tests"]
 
 
 def test_requirements_pin_torch_and_the_test_file_includes_them():
@@ -243,3 +243,29 @@ def test_the_readmes_test_time_is_the_one_docs_tests_md_measured():
     measured = re.search(r"The default suite \(.*?\) took (\d+ min \d+ s) on 2 idle", (ROOT / "docs" / "tests.md")
                          .read_text(), re.S).group(1)
     assert f"runs the tests: {measured} on 2 idle cores" in readme, measured
+
+
+def test_pytest_workers_follow_a_containers_cpu_quota(monkeypatch):
+    """`-n auto` runs a worker a core this process may use: a cgroup's CPU quota (v2's cpu.max, v1's cfs files) caps
+    the affinity's count, "max" and -1 do not. Reading the period as the quota, or ignoring v1, fails it."""
+    import builtins
+    import io
+    import conftest
+    v2, v1, v1_period = ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us",
+                         "/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+    real_open, files = builtins.open, {}
+
+    def fake_open(path, *args, **kwargs):
+        if path in (v2, v1, v1_period):
+            if path not in files:
+                raise FileNotFoundError(path)
+            return io.StringIO(files[path])
+        return real_open(path, *args, **kwargs)
+    monkeypatch.setattr(conftest.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(builtins, "open", fake_open)
+    for given, cores in (({}, 16), ({v2: "200000 100000\n"}, 2), ({v2: "max 100000\n"}, 16),
+                         ({v2: "50000 100000\n"}, 1), ({v1: "300000\n", v1_period: "100000\n"}, 3),
+                         ({v1: "-1\n", v1_period: "100000\n"}, 16)):
+        files.clear()
+        files.update(given)
+        assert conftest.available_cores() == cores, given
