@@ -47,13 +47,15 @@ def available_cores() -> int:
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's: `-n auto`, as the README runs the tests
 def pytest_xdist_auto_num_workers(config):
     """A worker a core (at most 8): the tests are CPU-bound, mostly small tensors and process starts, which one thread
-    runs about as fast as two, so two workers of one thread each finish the suite in about 0.6 of the time."""
-    return min(available_cores(), 8)
+    runs about as fast as two, so two workers of one thread each finish the suite in about 0.6 of the time.
+    PYTEST_XDIST_AUTO_NUM_WORKERS, where set, is pytest-xdist's to answer."""
+    return None if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS") else min(available_cores(), 8)
 
 
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # a worker: its share of the cores, for torch and what it starts
     THREADS = str(max(1, available_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = THREADS  # before torch is imported anywhere
+    os.environ.setdefault("OMP_NUM_THREADS", THREADS)  # before torch is imported anywhere; a user's own setting stays
+    os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -69,8 +71,8 @@ def pytest_terminal_summary(terminalreporter):
         if _installed(name))
     terminalreporter.write_line(f"tested with Python {platform.python_version()}; {versions}")
     workers = getattr(terminalreporter.config.option, "numprocesses", None) or 0
-    threads = (f"{workers} workers of {max(1, available_cores() // workers)} torch threads" if workers
-               else f"torch threads {torch.get_num_threads()}")
+    share = os.environ.get("OMP_NUM_THREADS") or max(1, available_cores() // workers) if workers else None
+    threads = f"{workers} workers, torch threads {share} each" if workers else f"torch threads {torch.get_num_threads()}"
     terminalreporter.write_line(f"on CPU {cpu or platform.processor()} ({torch.backends.cpu.get_cpu_capability()}), "
                                 f"{os.cpu_count()} cores, {threads}")
 

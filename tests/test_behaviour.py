@@ -57,6 +57,8 @@ def numbers(name, tiny_model, corpus, senteval_dir, tmp_path) -> dict:
 def recorded():
     """{"records": [{"machine", "cases"}, ...]}; under SUITE_RECORD_BEHAVIOUR this machine's record starts empty."""
     records = json.loads(FILE.read_text())["records"] if FILE.is_file() else []
+    if os.environ.get("SUITE_RECORD_BEHAVIOUR") and os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.fail("record without -n: each worker would write the file with its own cases alone")
     if os.environ.get("SUITE_RECORD_BEHAVIOUR"):
         records = [r for r in records if r["machine"] != machine()] + [{"machine": machine(), "cases": {}}]
         FILE.write_text(json.dumps({"records": records}, indent=1) + "\n")

@@ -185,8 +185,7 @@ def test_a_run_that_fails_fails_its_job_once_and_status_says_why(protocol_files,
 def test_runs_per_gpu_is_capped_by_what_the_memory_estimate_fits(protocol_files, monkeypatch, capsys):
     """--runs_per_gpu K: the memory estimate of the protocol's runs (plumbing/memory.py) and the GPU's free memory
     decide the largest K that fits, a CUDA context each: here a GPU with room for 2.5 of them takes 2 (K 4 asked),
-    one line says so; a GPU with room for 5 takes the 4 asked. Without an NVIDIA MPS daemon (its control pipe) a
-    line says the K runs will take turns; a note printed always, or never, fails it."""
+    one line says so; a GPU with room for 5 takes the 4 asked."""
     import importlib
     import cluster
     import protocols
@@ -195,14 +194,21 @@ def test_runs_per_gpu_is_capped_by_what_the_memory_estimate_fits(protocol_files,
     parsed = [importlib.import_module(Path(run["argv"][0]).stem).parse_args(run["argv"][1:]) for run in todo]
     largest = max(memory.peak(memory.estimate(args, hub.local_config(args.model_name_or_path))) for args in parsed)
     per_run = (largest + memory.CONTEXT) / (1 - memory.FRAGMENTATION)
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(protocol_files.parent))  # no MPS daemon's pipe there
     for room, want in ((2.5, 2), (5.2, 4)):
         monkeypatch.setattr(memory, "device_free", lambda device: int(room * per_run))
         assert cluster.runs_that_fit(todo, [0], 4) == want
-    printed = capsys.readouterr().out
-    assert "--runs_per_gpu 4: " in printed and "free holds 2" in printed
-    # without MPS the runs take turns (measured on an H200): each K > 1 says so, until the daemon's pipe exists
-    assert printed.count("no NVIDIA MPS daemon") == 2, printed
-    (protocol_files.parent / "control").touch()
-    assert cluster.runs_that_fit(todo, [0], 4) == 4
-    assert "MPS" not in capsys.readouterr().out
+    assert "--runs_per_gpu 4:" in capsys.readouterr().out
+
+
+def test_runs_sharing_a_gpu_without_mps_get_one_line(tmp_path, monkeypatch, capsys):
+    """Without an NVIDIA MPS daemon (its control pipe) the K runs on a GPU take turns (measured on an H200): K > 1
+    says so in one line, K = 1 or a running daemon does not. A note printed always, or never, fails it."""
+    import cluster
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    for k in (1, 2):
+        cluster.note_without_mps(k)
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 1 and printed[0].startswith("note: --runs_per_gpu 2: no NVIDIA MPS daemon"), printed
+    (tmp_path / "control").touch()
+    cluster.note_without_mps(2)
+    assert capsys.readouterr().out == ""

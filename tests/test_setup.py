@@ -1,7 +1,10 @@
 """Set-up in two commands, and the shape of the suite: the papers at the top, a tiny common.py, each run readable in
 at most 800 lines, the algorithm repeated and the bookkeeping written once, a short README."""
 import ast
+import os
 import re
+
+import pytest
 
 from conftest import ROOT
 
@@ -247,7 +250,8 @@ def test_the_readmes_test_time_is_the_one_docs_tests_md_measured():
 
 def test_pytest_workers_follow_a_containers_cpu_quota(monkeypatch):
     """`-n auto` runs a worker a core this process may use: a cgroup's CPU quota (v2's cpu.max, v1's cfs files) caps
-    the affinity's count, "max" and -1 do not. Reading the period as the quota, or ignoring v1, fails it."""
+    the affinity's count, "max" and -1 do not, nor does a quota above it. Reading the period as the quota, ignoring
+    v1, or a quota that raises the count fails it."""
     import builtins
     import io
     import conftest
@@ -265,7 +269,24 @@ def test_pytest_workers_follow_a_containers_cpu_quota(monkeypatch):
     monkeypatch.setattr(builtins, "open", fake_open)
     for given, cores in (({}, 16), ({v2: "200000 100000\n"}, 2), ({v2: "max 100000\n"}, 16),
                          ({v2: "50000 100000\n"}, 1), ({v1: "300000\n", v1_period: "100000\n"}, 3),
-                         ({v1: "-1\n", v1_period: "100000\n"}, 16)):
+                         ({v1: "-1\n", v1_period: "100000\n"}, 16), ({v2: "3200000 100000\n"}, 16)):
         files.clear()
         files.update(given)
         assert conftest.available_cores() == cores, given
+
+
+@pytest.mark.skipif(not os.environ.get("PYTEST_XDIST_WORKER"), reason="a pytest -n worker's setting (the README's "
+                    "command runs it)")
+def test_each_pytest_worker_gives_torch_its_share_of_the_cores():
+    """Under `-n auto` each worker's torch and the processes it starts use the worker's share of the cores (two
+    workers of two threads on two cores ran the suite no faster than one process). A worker left at torch's default,
+    or a child process that does not inherit the setting, fails it."""
+    import subprocess
+    import sys
+    import torch
+    import conftest
+    share = max(1, conftest.available_cores() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    want = int(os.environ.get("OMP_NUM_THREADS", share))
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
+                           text=True, check=True).stdout
+    assert torch.get_num_threads() == want and int(child) == want, (torch.get_num_threads(), child, want)

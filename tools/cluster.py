@@ -148,6 +148,7 @@ def submit(todo: list[dict], folder: Path, executor: str, gpus: list[int] | None
     else:
         if gpus and runs_per_gpu > 1:
             runs_per_gpu = runs_that_fit(todo, gpus, runs_per_gpu)
+            note_without_mps(runs_per_gpu)
         slots = [(gpu, k) for gpu in (gpus or [None]) for k in range(runs_per_gpu if gpus else 1)]
         groups = [todo[i::len(slots)] for i in range(len(slots))]
         jobs = []
@@ -185,12 +186,16 @@ def runs_that_fit(todo: list[dict], gpus: list[int], wanted: int) -> int:
     if fits < wanted:
         print(f"note: --runs_per_gpu {wanted}: {memory.gib(free)} free holds {fits} of these runs at once (up to "
               f"{memory.gib(max(peaks))} each, the memory estimate's, and a CUDA context): {fits} a GPU", flush=True)
-    # without MPS, processes on one GPU take turns: 4 SimCSE runs at once took as long as 4 in a row (docs/cluster.md)
-    if fits > 1 and not (Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) / "control").exists():
-        print(f"note: --runs_per_gpu {fits}: no NVIDIA MPS daemon is running, so the runs on a GPU take turns and "
-              "finish no sooner than one after another; start it first (nvidia-cuda-mps-control -d, docs/cluster.md)",
-              flush=True)
     return fits
+
+
+def note_without_mps(runs_per_gpu: int) -> None:
+    """One line where K > 1 runs would share a GPU without an NVIDIA MPS daemon (its control pipe): the processes then
+    take turns; 4 SimCSE runs at once gave 1.09 x one's throughput on an H200 (docs/cluster.md)."""
+    pipe = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) / "control"
+    if runs_per_gpu > 1 and not pipe.exists():
+        print(f"note: --runs_per_gpu {runs_per_gpu}: no NVIDIA MPS daemon is running ({pipe} is missing), so the runs "
+              "on a GPU take turns and gain little over one at a time (docs/cluster.md)", flush=True)
 
 
 def attach(run: dict, results: Path, folder: Path) -> dict:

@@ -33,9 +33,10 @@
 #   bench          each method as a user runs it, BERT-base-sized, batch 64 x 32 (tools/bench.py)      bench.txt
 #   saves          what writing best/ and last/ costs (tools/bench.py --save_cost)                     saves.txt
 #   recipes_micse  miCSE's few-shot recipe (the sixth row) alone, with and without the graph  recipes_micse_*.txt
-#   runs_per_gpu   K = 1, 2, 4 copies of SimCSE's recipe (--recipe_minutes, the graph) at once on the GPU, each a
-#                  process as `report.py run --runs_per_gpu K` starts them; then K = 4 under NVIDIA MPS where the
-#                  machine has it: each copy's minutes and the wall time of the K together        runs_per_gpu.txt
+#   runs_per_gpu   K copies of SimCSE's recipe (--recipe_minutes, the graph) at once on the GPU, each a process as
+#                  `report.py run --runs_per_gpu K` starts them: K = 1, 4, then 4 under NVIDIA MPS where the machine
+#                  has it (RPG_SETTINGS="1:off 2:off 4:on" and the like; RPG_STEPS, RPG_GATE: 500 steps, a gate
+#                  every 125): each copy's minutes and the wall time of the K together        runs_per_gpu.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
 declare -A LIMIT=([machine]=15 [compare]=170 [recipes_base]=200 [flags]=45 [recipes_large]=240 [test_cuda]=240
@@ -156,26 +157,39 @@ stage_recipes_micse() {
 }
 
 stage_runs_per_gpu() {  # K processes at once, as the local executor places K runs on one GPU
-    local file="$OUT/runs_per_gpu.txt" started k mps i
+    local file="$OUT/runs_per_gpu.txt" tmp started k mps i pids left
     local steps=${RPG_STEPS:-500} every=${RPG_GATE:-125}  # long enough for the K runs' steps to overlap
+    local stage_end=$((SECONDS + LIMIT[runs_per_gpu])) settings=(${RPG_SETTINGS:-1:off 4:off 4:on})  # K:MPS
+    tmp=$(mktemp -d)
     echo "K copies of simcse.py's recipe at once (tools/bench.py --recipe_minutes --recipes simcse, $steps steps, a gate every $every)" > "$file"
-    for setting in ${RPG_SETTINGS:-1:off 4:off 4:on}; do  # K:MPS
+    if [ -e "${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}/control" ]; then
+        echo "an MPS daemon was already running: every setting below ran under it" >> "$file"
+    fi
+    for setting in "${settings[@]}"; do
         k=${setting%%:*} mps=${setting#*:}
         if [ "$mps" = on ]; then
-            command -v nvidia-cuda-mps-control >/dev/null && nvidia-cuda-mps-control -d >> "$file" 2>&1 \
-                || { echo "K=$k under MPS: no nvidia-cuda-mps-control daemon here" >> "$file"; break; }
+            if ! command -v nvidia-cuda-mps-control >/dev/null; then
+                echo "K=$k under MPS: nvidia-cuda-mps-control is not installed here" >> "$file"; continue
+            fi
+            nvidia-cuda-mps-control -d >> "$file" 2>&1 || { echo "K=$k under MPS: the daemon did not start" >> "$file"; continue; }
+            trap 'echo quit | nvidia-cuda-mps-control' EXIT  # also where the call is cut short
         fi
-        started=$SECONDS
+        left=$((stage_end - SECONDS))
+        [ "$left" -gt 20 ] || { echo "K=$k MPS $mps: not run (the stage's $((LIMIT[runs_per_gpu])) s spent)" >> "$file"; break; }
+        started=$SECONDS pids=()
         for i in $(seq "$k"); do
-            timeout -k 10 $((LIMIT[runs_per_gpu] / 2)) python3 tools/bench.py --recipe_minutes --recipes simcse \
-                --size bert-base --model_name_or_path $DATA/tokenizer $RUNS --recipe_steps $steps --gate_every $every \
-                > "$OUT/k$k.$i.tmp" 2>&1 &
+            timeout -k 10 "$left" python3 tools/bench.py --recipe_minutes --recipes simcse \
+                --size bert-base --model_name_or_path $DATA/tokenizer $RUNS --recipe_steps "$steps" --gate_every "$every" \
+                > "$tmp/$i.txt" 2>&1 &
+            pids+=($!)
         done
-        wait
+        for i in $(seq "$k"); do wait "${pids[$((i - 1))]}"; echo "copy $i exit $?" >> "$tmp/$i.txt"; done
         echo "K=$k MPS $mps: the $k together $((SECONDS - started)) s" >> "$file"
-        for i in $(seq "$k"); do grep -h "^| simcse \|Error\|error:" "$OUT/k$k.$i.tmp" >> "$file"; rm -f "$OUT/k$k.$i.tmp"; done
-        [ "$mps" = on ] && echo quit | nvidia-cuda-mps-control
+        for i in $(seq "$k"); do grep -h "^| simcse \|Error\|error:\|^copy .* exit [^0]" "$tmp/$i.txt" >> "$file"; done
+        rm -f "$tmp"/*.txt
+        if [ "$mps" = on ]; then echo quit | nvidia-cuda-mps-control; trap - EXIT; fi
     done
+    rm -rf "$tmp"
 }
 
 stage_flags() {
