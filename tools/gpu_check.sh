@@ -141,20 +141,15 @@ recipes() {  # SIZE STEPS GATE_EVERY FILE STAGE [BENCH FLAGS...]
 }
 stage_recipes_base() { recipes bert-base 80 20 recipes_bert_base.txt recipes_base \
     --method_args simcse:--no_cuda_graph simcsepp:--no_cuda_graph sscl:--no_cuda_graph whitenedcse:--no_cuda_graph; }
-both_ways() {  # STAGE SIZE STEPS GATE_EVERY PREFIX: the six rows with the graph, then eagerly, each in half
-    for mode in cuda_graph no_cuda_graph; do
+both_ways() {  # STAGE SIZE STEPS GATE_EVERY PREFIX [BENCH FLAGS...]: the rows with the graph, then eagerly, each in
+    for mode in cuda_graph no_cuda_graph; do  # half the stage's limit
         LIMIT[half]=$((LIMIT[$1] / 2))
-        recipes "$2" "$3" "$4" "$5$mode.txt" half \
+        recipes "$2" "$3" "$4" "$5$mode.txt" half "${@:6}" \
             --method_args simcse:--$mode simcsepp:--$mode sscl:--$mode whitenedcse:--$mode micse:--$mode
     done
 }
 stage_recipes_large() { both_ways recipes_large bert-large 40 10 recipes_bert_large_; }
-stage_recipes_micse() {
-    for mode in cuda_graph no_cuda_graph; do
-        LIMIT[half]=$((LIMIT[recipes_micse] / 2))
-        recipes bert-base 60 20 "recipes_micse_$mode.txt" half --recipes micse-fewshot --method_args micse:--$mode
-    done
-}
+stage_recipes_micse() { both_ways recipes_micse bert-base 60 20 recipes_micse_ --recipes micse-fewshot; }
 
 stage_runs_per_gpu() {  # K processes at once, as the local executor places K runs on one GPU
     local file="$OUT/runs_per_gpu.txt" tmp started k mps i pids left

@@ -135,7 +135,7 @@ def card_entries(metadata: dict, task_results) -> list[dict]:
 def into_run(model: str, entries: list[dict], pooler: str) -> str | None:
     """A run's best/: MTEB's entries added to its results.json and card (replacing a task's earlier ones); what was
     written, or why not."""
-    from plumbing import outdir, provenance
+    from plumbing import outdir
     run_dir = Path(model).expanduser().parent
     if Path(model).name != "best" or not (run_dir / outdir.RESULTS).is_file():
         return None
