@@ -99,13 +99,17 @@ def data_parallel(model: torch.nn.Module, compile: bool = False):
     return torch.compile(model) if compile else model
 
 
-def any_process(flag: bool) -> bool:
-    """True on every process when `flag` is true on any of them (so that they stop together)."""
-    if world_size() == 1:
-        return flag
+def any_process_next(flag: bool):
+    """Whether `flag` is true on any process, without waiting: the exchange starts now (on the host, gloo: it must
+    not wait for the GPU) and the returned function reads the answer, the same on every process; read a step later,
+    it has long arrived."""
     t = torch.tensor([float(flag)])
-    dist.all_reduce(t, group=_HOST_GROUP)  # on the host: asked every step, it must not wait for the GPU
-    return bool(t.item())
+    work = dist.all_reduce(t, group=_HOST_GROUP, async_op=True)
+
+    def answer() -> bool:
+        work.wait()
+        return bool(t.item())
+    return answer
 
 
 def broadcast_float(value: float) -> float:
@@ -136,7 +140,7 @@ class StopSignal:
     after it, a signal lets results.json be written first. `exit_if_stopped()` then exits 130 / 143."""
 
     def __init__(self):
-        self.signum, self.phase = None, "training"
+        self.signum, self.phase, self.answer = None, "training", None
         for s in STOP_SIGNALS:
             signal.signal(s, self._handle)
 
@@ -164,12 +168,21 @@ class StopSignal:
         finally:
             self.phase = "writing results.json"
 
-    def requested(self, share: bool = True) -> bool:
-        """Whether the run stops after this step. One process: at once. Several: they agree when `share`
-        (a log, dev or save step, where the loop reads values anyway), so that they stop at the same step."""
+    def requested(self) -> bool:
+        """Whether the run stops after this step (asked once a step). One process: at once. Several: each step every
+        process sends whether it was signalled and reads the answer of the step before, which has arrived meanwhile
+        (any_process_next: no wait for the GPU), so that all stop at the same step, the one after the signal's."""
         if world_size() == 1:
             return self.signum is not None
-        return share and any_process(self.signum is not None)
+        agreed = self.answer() if self.answer else False
+        self.answer = any_process_next(self.signum is not None)
+        return agreed
+
+    def settle(self) -> None:
+        """The training's end: the last step's exchange read, so that none is left in flight."""
+        if self.answer:
+            self.answer, answer = None, self.answer
+            answer()
 
     def exit_if_stopped(self) -> None:
         if self.signum is not None:

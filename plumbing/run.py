@@ -270,6 +270,7 @@ class Run:
             self.last_step = step
             if self._after(step):
                 break
+        self.stop.settle()
         self.bar.close()
 
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor, terms: dict | None = None) -> None:
@@ -361,7 +362,7 @@ class Run:
         align_step = bool(args.align_uniform_steps) and step % args.align_uniform_steps == 0
         every_save = bool(args.save_steps) and step > 0 and step % args.save_steps == 0
         log_step = gate or align_step or every_save or step % args.logging_steps == 0
-        stopping = self.stop.requested(share=log_step)  # several processes agree at log steps only
+        stopping = self.stop.requested()  # several processes: all at the same step, the one after a signal's
         if not (log_step or stopping):
             return False
         self._read()

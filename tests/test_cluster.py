@@ -114,11 +114,11 @@ def test_one_run_across_two_tasks_trains_as_one_process(tmp_path, corpus, sentev
 
 
 def fake_slurm(tmp_path, monkeypatch) -> None:
-    """An `srun` (and `sbatch`) on PATH that do nothing: submitit's Slurm executor is then built, its script
-    written; nothing is submitted."""
+    """An `srun` (and Slurm's other commands) on PATH that do nothing and answer nothing: submitit's Slurm executor is
+    then built, its script written; nothing is submitted, whether or not this machine runs a Slurm."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("srun", "sbatch"):
+    for name in ("srun", "sbatch", "sinfo", "sacctmgr", "squeue", "sacct"):
         (bin_dir / name).write_text("#!/bin/sh\nexit 1\n")
         (bin_dir / name).chmod(stat.S_IRWXU)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
@@ -175,7 +175,8 @@ def test_a_run_that_fails_fails_its_job_once_and_status_says_why(protocol_files,
     protocol_files.write_text(json.dumps(protocol))
     with pytest.raises(SystemExit) as stop:
         report.main(["run", "--protocol", str(protocol_files), "--executor", "local", "--wait"])
-    assert stop.value.code == 1 and "== failed: LocalJob" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert stop.value.code == 1 and "== failed: python simcse.py" in out and "status 2" in out, out
     report.main(["status", "--protocol", str(protocol_files)])
     line, = capsys.readouterr().out.splitlines()
     assert line.startswith("simcse seed 1: failed (the run exited with status 2)") and "--lr" in line, line

@@ -4,7 +4,7 @@ With dropout switched off both runs compute the same function, so after four ste
 1e-5: this is what proves the gathers (negatives over the global batch, DCL's and the whitening's batch
 statistics, miCSE's queue) and DistributedDataParallel's gradient averaging. The driver runs a method's own main()
 under torchrun and records, at every dev gate, the parameters it evaluates, and what crossed the processes: DDP's
-forward passes, and the stop flag's exchanges (at log steps only); the one-process reference runs the same main()
+forward passes, and the stop flag's exchanges (one a step, read the next); the one-process reference runs the same main()
 in the test's own process with the same recording dev gate.
 """
 import json
@@ -25,7 +25,7 @@ import plumbing
 from plumbing import distributed, run
 from test_distributed import recording_dev_measures
 rank = os.environ["RANK"]
-real_dev_measures, real_any_process = run.dev_measures, distributed.any_process
+real_dev_measures, real_any_process_next = run.dev_measures, distributed.any_process_next
 seen = {{}}
 
 class CountingDDP(distributed.DistributedDataParallel):
@@ -33,11 +33,11 @@ class CountingDDP(distributed.DistributedDataParallel):
         seen["ddp_forwards"] += 1
         return super().forward(*args, **kwargs)
 
-def any_process(flag):
+def any_process_next(flag):
     seen["stop_flag_exchanges"] += 1
-    return real_any_process(flag)
+    return real_any_process_next(flag)
 
-distributed.DistributedDataParallel, distributed.any_process = CountingDDP, any_process
+distributed.DistributedDataParallel, distributed.any_process_next = CountingDDP, any_process_next
 for i, (script, out, argv) in enumerate(json.load(open(sys.argv[1]))):  # one run after another
     # each run's process group under keys of its own in torchrun's store, as a restarted attempt's
     # (plumbing/distributed.init): the last group's addresses, still there, would be read and tried
@@ -217,11 +217,11 @@ def test_two_processes_train_like_one(case, two_processes, no_dropout_model, wel
     assert r1["grad_norm"][0] == pytest.approx(r2["grad_norm"][0], rel=1e-2 if half else 1e-5)
     assert r1["train_loss"] == pytest.approx(r2["train_loss"], rel=1e-2 if half else 1e-3 if case in ADAM_NOISE
                                              else 1e-5, abs=1e-6)
-    # DistributedDataParallel ran every training pass; the processes exchanged the stop flag at the log steps 0, 2
-    # and 4 only, not at each of the 5 steps
+    # DistributedDataParallel ran every training pass; the processes exchanged the stop flag once after each of
+    # the 5 steps (0 to 4), without waiting for it (a signal stops them all at the next step)
     for rank in (0, 1):
         seen = json.loads((two_out / f"seen_rank{rank}.json").read_text())
-        assert seen == {"ddp_forwards": 4 * PASSES.get(case, 1), "stop_flag_exchanges": 3, "exit": 0}, seen
+        assert seen == {"ddp_forwards": 4 * PASSES.get(case, 1), "stop_flag_exchanges": 5, "exit": 0}, seen
     # written once, by process 0: one results.json, one checkpoint, one "wrote" line
     assert sorted(p.name for p in two_out.iterdir() if not p.name.startswith(("params", "seen", "std"))) == \
         ["best", "results.json", "started.json"]

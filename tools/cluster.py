@@ -23,6 +23,8 @@ import contextlib
 import getpass
 import json
 import os
+import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -36,40 +38,51 @@ sys.path.insert(0, str(ROOT))
 import plumbing  # noqa: E402
 from plumbing import files  # noqa: E402
 import protocols  # noqa: E402
+import slurm  # noqa: E402
 
 
 class Job:
     """What one job runs: `runs` ({"row", "seed", "out", "argv", "kept", "status"} each) one after another, those
     kept already skipped (a requeued job continues where it stopped). submitit pickles it; `checkpoint` is its
-    requeue."""
+    requeue. What the job did goes to each run's job file (`progress_of`), written by the job alone."""
 
     def __init__(self, runs: list[dict]):
-        self.runs, self.child, self.terminated = runs, None, False
+        self.runs, self.child, self.terminated, self.started = runs, None, False, None
 
     def __call__(self) -> list[str]:
         import submitit
-        if submitit.JobEnvironment().num_tasks > 1:  # --nodes, --gpus_per_job: what torchrun would set
+        if submitit.JobEnvironment().num_tasks > 1:  # --nodes, --tasks_per_node: what torchrun would set
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         env, first = dict(os.environ), os.environ.get("RANK", "0") == "0"
-        # Slurm's pre-emption sends SIGTERM to every process of the job, the run's too: noted, so that the run is not
-        # sent a second one (which stops it at once, without its save); submitit's SIGUSR2 is the job's alone
+        # Slurm's pre-emption, `scontrol requeue` and `scancel` send SIGTERM to every process of the job, the run's
+        # too: noted, so that the run is not sent a second one (which stops it at once, without its save);
+        # submitit's SIGUSR2 is the job's alone
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "terminated", True))
         for run in self.runs:
             if Path(run["kept"]).is_file():
                 continue
-            self._note(run, first, state="running", pid=os.getpid(),
-                       job=os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID"))
+            if self.terminated:
+                raise SystemExit(143)
+            was = progress_of(run)
+            self._note(run, first, state="running", starts=was.get("starts", 0) + 1, pid=os.getpid(),
+                       log_offset=log_size(run))
+            self.started = time.perf_counter(), cpu_of_children()
             self.child = subprocess.Popen([sys.executable, *run["argv"]], cwd=ROOT, env=env,
                                           preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN))
             code = self.child.wait()
             self.child = None
+            if self.terminated:  # Slurm stopped the job: it requeues it, or it was cancelled (status asks Slurm)
+                self._note(run, first, state="stopped", reason="SIGTERM from Slurm", **self._spent(run))
+                raise SystemExit(143)
             if code != 0:
-                self._note(run, first, state="failed", reason=f"the run exited with status {code}")
+                self._note(run, first, state="failed", reason=f"the run exited with status {code}",
+                           **self._spent(run))
                 raise RuntimeError(f"{protocols.command_line(run)} exited with status {code}")
             if first:
+                spent = self._spent(run)
                 results = json.loads((ROOT / run["out"] / "results.json").read_text())
-                files.write_json(Path(run["kept"]), results)
-                self._note(run, first, state="done")
+                files.write_json(Path(run["kept"]), {**results, "report": spent})
+                self._note(run, first, state="done", **spent)
         return [run["kept"] for run in self.runs]
 
     def checkpoint(self, *args, **kwargs):
@@ -81,25 +94,48 @@ class Job:
                 self.child.send_signal(signal.SIGTERM)
             with contextlib.suppress(ChildProcessError):  # reaped already
                 os.waitpid(self.child.pid, 0)
-        for run in self.runs:
-            if not Path(run["kept"]).is_file():
-                note = status_of(run)
-                self._note(run, True, state="requeued", requeued=note.get("requeued", 0) + 1)
-                break
+            run = next(run for run in self.runs if not Path(run["kept"]).is_file())
+            self._note(run, True, state="stopped", reason="Slurm's SIGUSR2 (the time limit near, or a pre-emption)",
+                       **self._spent(run))
         return submitit.helpers.DelayedSubmission(Job(self.runs))
+
+    def _spent(self, run: dict) -> dict:
+        """The run's wall and CPU time in this job, added to those of its earlier starts (the first task's)."""
+        was, (wall, cpu) = progress_of(run), self.started
+        return {"wall_s": round(was.get("wall_s", 0) + time.perf_counter() - wall, 1),
+                "cpu_s": round(was.get("cpu_s", 0) + cpu_of_children() - cpu, 1)}
 
     @staticmethod
     def _note(run: dict, first: bool, **what) -> None:
-        """The run's job status file (the first task's alone)."""
+        """The run's job file (the first task's alone)."""
         if first:
-            files.write_json(Path(run["status"]), {**status_of(run), **what, "time": time.time()})
+            files.write_json(progress_path(run), {**progress_of(run), **what, "time": time.time()})
+
+
+def progress_path(run: dict) -> Path:
+    """What the job did with the run (its state, starts, times): written by the job alone, beside the submission's
+    note (`status`), which the submitting command alone writes."""
+    return Path(run["status"][:-len(".json")] + ".job.json")
+
+
+def progress_of(run: dict) -> dict:
+    return status_json(progress_path(run))
 
 
 def status_of(run: dict) -> dict:
+    return status_json(Path(run["status"]))
+
+
+def log_size(run: dict) -> int:
     try:
-        return json.loads(Path(run["status"]).read_text())
-    except (OSError, ValueError):
-        return {}
+        return Path(status_of(run)["log"]).stat().st_size
+    except (OSError, KeyError, TypeError):
+        return 0
+
+
+def cpu_of_children() -> float:
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def check_submitit():
@@ -110,8 +146,10 @@ def check_submitit():
 
 
 def make_executor(folder: Path, executor: str, gpus_per_job: int, nodes: int, timeout_min: int,
-                  partition: str | None, account: str | None, signal_delay_s: int, extra: dict):
-    """submitit's executor for the jobs; what it refuses (an unknown Slurm parameter) is one line."""
+                  partition: str | None, account: str | None, signal_delay_s: int, extra: dict,
+                  tasks_per_node: int | None = None, max_timeouts: int = 3):
+    """submitit's executor for the jobs; what it refuses (an unknown Slurm parameter), or what the cluster cannot
+    give (slurm.check_request), is one line."""
     submitit = check_submitit()
     if executor == "slurm" and shutil.which("srun") is None:
         raise plumbing.UsageError("--executor slurm: this machine has no srun (Slurm's commands); submit from a "
@@ -119,11 +157,15 @@ def make_executor(folder: Path, executor: str, gpus_per_job: int, nodes: int, ti
     if executor == "local" and nodes > 1:
         raise plumbing.UsageError(f"--nodes {nodes}: the local executor runs on this machine alone; use "
                                   "--executor slurm")
-    made = submitit.AutoExecutor(folder=str(folder / "%j"), cluster=executor)
-    slurm = {f"slurm_{k}": v for k, v in {"partition": partition, "account": account}.items() if v}
+    if executor == "slurm":
+        slurm.check_request(partition, account, gpus_per_job, nodes, timeout_min)
+    made = submitit.AutoExecutor(folder=str(folder / "%j"), cluster=executor,
+                                 **({"slurm_max_num_timeout": max_timeouts} if executor == "slurm" else {}))
+    named = {f"slurm_{k}": v for k, v in {"partition": partition, "account": account}.items() if v}
     try:
-        made.update_parameters(timeout_min=timeout_min, nodes=nodes, tasks_per_node=gpus_per_job or 1,
-                               gpus_per_node=gpus_per_job, **slurm, **extra)
+        made.update_parameters(timeout_min=timeout_min, nodes=nodes,
+                               tasks_per_node=tasks_per_node or gpus_per_job or 1, gpus_per_node=gpus_per_job,
+                               **named, **extra)
         if executor == "slurm":
             made.update_parameters(slurm_signal_delay_s=signal_delay_s)
     except (ValueError, TypeError, NameError) as err:  # NameError: an unknown parameter, with the known ones
@@ -133,18 +175,30 @@ def make_executor(folder: Path, executor: str, gpus_per_job: int, nodes: int, ti
 
 def submit(todo: list[dict], folder: Path, executor: str, gpus: list[int] | None, runs_per_gpu: int,
            **options) -> list:
-    """The runs of `todo` (attach's) submitted: one job per run on Slurm (a job array); locally one job per GPU of
-    `gpus` times `runs_per_gpu` (else one), each with its share of the runs. The submitit jobs."""
+    """The runs of `todo` (attach's) submitted: one job per run on Slurm (a job array, all or nothing); locally one
+    job per GPU of `gpus` times `runs_per_gpu` (else one), each with its share of the runs. The submitit jobs."""
     check_owner(folder)
     made = make_executor(folder, executor, **options)
     # the job's process unpickles Job from this module: the suite and its tools on its path (Slurm and the local
     # executor pass the environment on)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tools"),
                                                              os.environ.get("PYTHONPATH")]))
+    folder.mkdir(parents=True, exist_ok=True)
+    for run in todo:  # a new job for each: what an earlier, ended job did with the run is no longer its state
+        was = progress_of(run)
+        files.write_json(progress_path(run), {k: was[k] for k in ("wall_s", "cpu_s") if k in was})
     if executor == "slurm":
         groups = [[run] for run in todo]
-        with made.batch():
-            jobs = [made.submit(Job(group)) for group in groups]
+        before = set(folder.iterdir())
+        try:
+            with made.batch():
+                jobs = [made.submit(Job(group)) for group in groups]
+        except Exception as err:  # sbatch refused the array: none of it was queued
+            for path in set(folder.iterdir()) - before:  # submitit's pickles and script of the refused array
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+            said = [line.strip() for line in str(err).splitlines() if "error:" in line]
+            raise plumbing.UsageError(f"sbatch refused the jobs: {(said or [str(err).strip()])[-1][:300]}; nothing "
+                                      "was queued") from None
     else:
         if gpus and runs_per_gpu > 1:
             runs_per_gpu = runs_that_fit(todo, gpus, runs_per_gpu)
@@ -158,9 +212,10 @@ def submit(todo: list[dict], folder: Path, executor: str, gpus: list[int] | None
                     made.update_parameters(visible_gpus=[gpu], gpus_per_node=1)
                 jobs.append(made.submit(Job(group)))
     for job, group in zip(jobs, groups):
-        for run in group:
-            Job._note(run, True, state="pending", job=str(job.job_id), executor=executor, user=getpass.getuser(),
-                      log=str(Path(job.paths.stdout)), errors=str(Path(job.paths.stderr)))
+        for run in group:  # the submission's note: this command's alone (the job writes progress_path)
+            files.write_json(Path(run["status"]), {"job": str(job.job_id), "executor": executor,
+                                                   "user": getpass.getuser(), "log": str(Path(job.paths.stdout)),
+                                                   "errors": str(Path(job.paths.stderr)), "time": time.time()})
     files.write_json(folder / "owner.json", {"user": getpass.getuser()})
     return jobs
 
@@ -218,19 +273,76 @@ def status_json(path: Path) -> dict:
         return {}
 
 
-def queued(run: dict) -> bool:
-    """Whether the run's job is still pending or running (its job status file, and the job: submitit's view)."""
-    note = status_of(run)
-    if note.get("state") not in ("pending", "running", "requeued"):
+PENDING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
+PROGRESS = re.compile(r"^(step \d+/\d+|training: \d+/\d+)")
+
+
+def situations(runs: list[dict]) -> list[tuple[str, str]]:
+    """Each run's (state, what to say of it), Slurm asked once for all: "done"; "pending" or "running" (queued: a
+    second `run` submits nothing for it); "failed" or "lost" (resubmitted by a second `run`); "not submitted"."""
+    notes = [status_of(run) for run in runs]
+    ids = [n["job"] for n in notes if n.get("executor") == "slurm" and "job" in n]
+    known = slurm.states(ids) if ids else {}  # before the kept files are looked at: a job ending now is done
+    found = []
+    for run, note in zip(runs, notes):
+        job, did = note.get("job"), progress_of(run)
+        requeued = did.get("starts", 0) - 1  # this job's starts of the run: each after the first, a requeue
+        again = f", requeued {requeued} time(s)" if requeued > 0 else ""
+        if Path(run["kept"]).is_file():
+            found.append(("done", f"done{again}"))
+        elif not note:
+            found.append(("not submitted", "not submitted"))
+        elif note.get("executor") == "slurm":
+            state, reason = known.get(job, (None, ""))
+            if state in PENDING:
+                found.append(("pending", f"pending (job {job}{again}{', Slurm: ' + reason if reason else ''})"))
+            elif slurm.alive(state):
+                found.append(("running", f"running (job {job}{again}): {latest_progress(run, note, did)}"))
+            elif state is None:
+                found.append(("lost", f"lost (Slurm no longer knows job {job}{again}; its log: {note.get('log')})"))
+            elif state in ("NODE_FAIL", "BOOT_FAIL"):
+                found.append(("lost", f"lost (job {job}: {state}{again}; its log: {note.get('log')})"))
+            else:
+                found.append(("failed", failed_line(note, did, f"job {job}: {state}", again)))
+        elif local_alive(note):
+            found.append(("running", f"running (job {job}{again}): {latest_progress(run, note, did)}"))
+        else:
+            found.append(("failed", failed_line(note, did, f"job {job} ended", again)))
+    return found
+
+
+def failed_line(note: dict, did: dict, ended: str, again: str) -> str:
+    """Why the run failed (the run's own reason where it gave one) and its log's error lines."""
+    errors = last_lines(note.get("errors"), 400)
+    own = errors[:next((i for i, line in enumerate(errors) if line.startswith("submitit ERROR")),
+                       len(errors))]  # the run's own, before submitit's traceback of the job
+    said = [line for line in own if line.startswith("error:") or ": error:" in line][-2:] or own[-2:]
+    gave_up = [line.split("Job not requeued because: ", 1)[1] for line in errors if "Job not requeued because" in line]
+    reason = did.get("reason") if did.get("state") == "failed" else \
+        (f"{ended}, not requeued: {gave_up[-1].rstrip('.')}" if gave_up else f"{ended} without the run's results")
+    tail = " | ".join(said or last_lines(note.get("log"), 3))
+    return f"failed ({reason}){again}; its log: {tail} ({note.get('errors')})"
+
+
+def latest_progress(run: dict, note: dict, did: dict) -> str:
+    """The run's latest progress line (its step and ETA) since its job last started it."""
+    if did.get("state") != "running":
+        return "starting"
+    try:
+        with open(note["log"], "rb") as log:
+            log.seek(did.get("log_offset", 0))
+            lines = log.read().decode(errors="replace").splitlines()
+    except (OSError, KeyError, TypeError):
+        return "started"
+    return next((line.strip() for line in reversed(lines) if PROGRESS.match(line.strip())), "started")
+
+
+def local_alive(note: dict) -> bool:
+    """A local job: its controller process alive (not a zombie its submitting process has not reaped) and no outcome
+    of submitit's yet."""
+    if list((Path(note["log"]).parent).glob("*_result.pkl")) if note.get("log") else False:
         return False
-    if note.get("executor") == "slurm":
-        import submitit
-        state = submitit.SlurmJob(Path(run["status"]).parent / "%j", note["job"]).state
-        return state in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "UNKNOWN")
-    folder = Path(run["status"]).parent / str(note.get("job"))
-    if list(folder.glob("*_result.pkl")):  # submitit's outcome of a local job: it has ended
-        return False
-    try:  # a local job: its controller process alive (not a zombie its submitting process has not reaped)
+    try:
         stat = Path(f"/proc/{int(note['job'])}/stat")
         if stat.exists():
             return stat.read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -240,40 +352,32 @@ def queued(run: dict) -> bool:
         return False
 
 
+def queued(runs: list[dict]) -> list[bool]:
+    """Whether each run's job is pending or running: a second `run` submits nothing for it."""
+    return [state in ("pending", "running") for state, _ in situations(runs)]
+
+
 def wait(runs: list[dict]) -> None:
     """Until none of these runs' jobs is pending or running (a second `run --wait` waits for the first's)."""
-    while any(queued(run) for run in runs):
+    while any(queued(runs)):
         time.sleep(2)
 
 
 def status_lines(protocol: dict, results: Path) -> list[str]:
-    """Each run's state: done, failed (the reason and its log's last lines), running (its step and ETA, from its
-    log's last progress line), pending, requeued N times, or not submitted."""
-    lines = []
-    for run in protocols.runs(protocol):
-        run = attach(run, results, results / "jobs")
-        note = status_of(run)
-        name = f"{run['row']} seed {run['seed']}"
-        requeued = f", requeued {note['requeued']} time(s)" if note.get("requeued") else ""
-        if Path(run["kept"]).is_file():
-            lines.append(f"{name}: done{requeued}")
-        elif not note:
-            lines.append(f"{name}: not submitted")
-        elif note["state"] == "failed" or not queued(run):
-            reason = note.get("reason") or "its job ended without the run's results"
-            errors = last_lines(note.get("errors"), 400)
-            own = errors[:next((i for i, line in enumerate(errors) if line.startswith("submitit ERROR")),
-                               len(errors))]  # the run's own, before submitit's traceback of the job
-            said = [line for line in own if line.startswith("error:") or ": error:" in line][-2:] or own[-2:]
-            tail = " | ".join(said or last_lines(note.get("log"), 3))
-            lines.append(f"{name}: failed ({reason}){requeued}; its log: {tail} ({note.get('errors')})")
-        elif note["state"] == "pending":
-            lines.append(f"{name}: pending (job {note['job']})")
-        else:
-            progress = next((line for line in reversed(last_lines(note.get("log"), 200)) if line.startswith("step ")),
-                            "started")
-            lines.append(f"{name}: {note['state']} (job {note['job']}{requeued}): {progress}")
-    return lines
+    """Each run's state: done, running (its step and ETA, from its log since its latest start), pending (Slurm's
+    reason), requeued N times, failed (the reason and its log's error lines), lost, or not submitted."""
+    runs = [attach(run, results, results / "jobs") for run in protocols.runs(protocol)]
+    return [f"{run['row']} seed {run['seed']}: {said}" for run, (_, said) in zip(runs, situations(runs))]
+
+
+def underway(protocol: dict, results: Path) -> dict[tuple[str, int], str]:
+    """{(row, seed): "running" or "pending"} for the protocol's runs whose jobs are queued (the page names them)."""
+    runs = [attach(run, results / protocol["name"], results / protocol["name"] / "jobs")
+            for run in protocols.runs(protocol)]
+    if not any(Path(run["status"]).is_file() for run in runs):
+        return {}
+    return {(run["row"], run["seed"]): state for run, (state, _) in zip(runs, situations(runs))
+            if state in ("pending", "running")}
 
 
 def last_lines(log: str | None, n: int) -> list[str]:
@@ -291,10 +395,16 @@ def add_arguments(parser) -> None:
     g.add_argument("--wait", action="store_true", help="wait for the jobs, then write the page")
     g.add_argument("--gpus_per_job", type=int, default=0, help="GPUs of each job (with --nodes: a node's)")
     g.add_argument("--nodes", type=int, default=1, help="each run across this many nodes (torch.distributed)")
+    g.add_argument("--tasks_per_node", type=int, default=None,
+                   help="processes of a run on each node (default: --gpus_per_job, else 1); on CPUs, e.g. 2 runs "
+                        "one run as two processes (gloo)")
     g.add_argument("--runs_per_gpu", type=int, default=1, help="local: runs at once on each GPU of --gpus")
     g.add_argument("--timeout_min", type=int, default=None, help="a job's time limit (Slurm: 240; local: none)")
     g.add_argument("--partition", default=None, help="Slurm's partition")
     g.add_argument("--account", default=None, help="Slurm's account")
+    g.add_argument("--max_timeouts", type=int, default=3,
+                   help="Slurm: a job that reaches its time limit is requeued this many times, then ends failed "
+                        "(submitit's count; a pre-emption is always requeued)")
     g.add_argument("--signal_delay_s", type=int, default=120,
                    help="Slurm: the signal this long before the time limit (a run saves last/ at its step's end)")
     g.add_argument("--slurm", nargs="*", default=[], metavar="KEY=VALUE",
@@ -315,16 +425,12 @@ def options(args, gpus) -> dict | None:
     if extra and executor != "slurm":
         raise plumbing.UsageError("--slurm's parameters go with --executor slurm")
     timeout = args.timeout_min or (240 if executor == "slurm" else 7 * 24 * 60)
+    if executor == "slurm" and args.signal_delay_s >= timeout * 60:
+        raise plumbing.UsageError(f"--signal_delay_s {args.signal_delay_s}: the warning would come before the job "
+                                  f"starts (--timeout_min {timeout}); give less than {timeout * 60}")
+    if (args.tasks_per_node or 1) < 1 or args.nodes < 1 or args.max_timeouts < 0:
+        raise plumbing.UsageError("--tasks_per_node and --nodes are at least 1, --max_timeouts at least 0")
     return {"executor": executor, "wait": args.wait, "runs_per_gpu": args.runs_per_gpu,
             "gpus_per_job": args.gpus_per_job or (1 if gpus else 0), "nodes": args.nodes, "timeout_min": timeout,
             "partition": args.partition, "account": args.account, "signal_delay_s": args.signal_delay_s,
-            "extra": extra}
-
-
-def failed(job) -> str | None:
-    """A submitit job's outcome: None when it ended well, else why (its exception's last line)."""
-    try:
-        job.results()  # every task's (--gpus_per_job, --nodes: several)
-    except Exception as err:  # submitit's UncompletedJobError or FailedJobError
-        return f"job {job.job_id}: {(str(err).strip().splitlines() or [type(err).__name__])[-1][:200]}"
-    return None
+            "extra": extra, "tasks_per_node": args.tasks_per_node, "max_timeouts": args.max_timeouts}

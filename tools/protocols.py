@@ -133,8 +133,16 @@ def load(name_or_file: str) -> dict:
         protocol = json.loads(path.read_text())
         names = [protocol["name"]] + [row["name"] for row in protocol["rows"]]
         for row in protocol["rows"]:
-            if not isinstance(row["script"], str) or not all(isinstance(f, str) for f in row.get("flags", [])):
-                raise TypeError(f"row {row['name']!r}: its script is a path and its flags a list of strings")
+            flags = row.get("flags", [])
+            if not isinstance(row["script"], str) or not isinstance(flags, list) or \
+                    not all(isinstance(f, str) for f in flags):
+                raise TypeError(f"row {row['name']!r}: its script is a path and its flags a list of strings, "
+                                f"e.g. [\"--m\", \"0.9\"], not {flags!r}")
+            if row.get("paper") is not None and row["paper"] not in PAPER:
+                raise TypeError(f"row {row['name']!r}: paper {row['paper']!r} is none of the page's "
+                                f"({', '.join(PAPER)}) or null")
+        if not isinstance(protocol.get("args", []), list):
+            raise TypeError("its args are a list of strings")
         if not all(isinstance(seed, int) for seed in protocol["seeds"]):
             raise TypeError("its seeds are integers")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
@@ -185,6 +193,35 @@ def runs(protocol: dict, extra: list[str] = ()) -> list[dict]:
                     str(seed), *transfer, "--output_dir", str(out), "--auto_resume"]
             found.append({"row": row["name"], "seed": seed, "out": out, "argv": argv})
     return found
+
+
+def check_commands(every: list[dict]) -> None:
+    """Each run's command line read by its own script's parser, as the run will read it, before anything runs or is
+    queued: a script that is not here, or a flag it does not take, is one line naming the run (and the flag nearest
+    to a misspelt one)."""
+    import contextlib
+    import importlib
+    import io
+    parsed = set()
+    for run in every:
+        script = run["argv"][0]
+        if not (ROOT / script).is_file() or Path(script).suffix != ".py":
+            raise plumbing.UsageError(f"row {run['row']!r}: {script} is not a script of this suite (simcse.py, "
+                                      "simcsepp.py, sscl.py, whitenedcse.py, micse.py)")
+        if tuple(run["argv"]) in parsed:
+            continue
+        parsed.add(tuple(run["argv"]))
+        said = io.StringIO()
+        try:
+            with contextlib.chdir(ROOT), contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+                importlib.import_module(Path(script).stem).parse_args(run["argv"][1:])
+        except SystemExit as stop:
+            if stop.code not in (0, None):
+                lines = [line for line in said.getvalue().splitlines() if line.strip()]
+                raise plumbing.UsageError(f"row {run['row']!r} seed {run['seed']}: "
+                                          f"{(lines or ['its command line is refused'])[-1]}") from None
+        except plumbing.UsageError as err:
+            raise plumbing.UsageError(f"row {run['row']!r} seed {run['seed']}: {err}") from None
 
 
 def precision_lines(protocol: dict) -> list[str]:
@@ -323,8 +360,9 @@ def score_rows(protocol: dict, found: dict, columns: list[str], key: str) -> lis
     return lines
 
 
-def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
-    """results/<name>/RESULTS.md (and its plots) from whatever runs exist; the missing ones are listed."""
+def write_page(protocol: dict, results_dir: Path, plots: bool = True, underway: dict | None = None) -> Path:
+    """results/<name>/RESULTS.md (and its plots) from whatever runs exist; the missing ones are listed, those whose
+    jobs are pending or running (`underway`: {(row, seed): state}, tools/cluster.py) as such."""
     damaged = []
     found = collect(protocol, results_dir, damaged)
     folder = results_dir / protocol["name"]
@@ -336,6 +374,13 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True) -> Path:
              f"). Each cell: mean ± sample standard deviation over the seeds; a paper's ± is its own. The tables "
              "are also in `latex/` and every run in `runs.csv`, beside this page.", "",
              *[line + "\n" for line in tables.provenance_lines([r for s in found.values() for r in s.values()])]]
+    underway = underway or {}
+    for state in ("running", "pending"):
+        these = [r for r in missing if underway.get((r["row"], r["seed"])) == state]
+        if these:
+            lines += [f"{state.capitalize()} (`python tools/report.py status --protocol {protocol['name']}`): "
+                      + ", ".join(f"{tables.markdown_cell(r['row'])} seed {r['seed']}" for r in these) + ".", ""]
+    missing = [r for r in missing if (r["row"], r["seed"]) not in underway]
     if missing:
         lines += ["Missing (run them with `python tools/report.py run`, or the lines of `commands`): "
                   + ", ".join(f"{tables.markdown_cell(r['row'])} seed {r['seed']}" for r in missing) + ".", ""]

@@ -12,13 +12,13 @@ The default protocol, `smoke`, is this suite's own CPU comparison (RESULTS.md):
     python tools/report.py write                    # RESULTS.md, results/dev_curves.png and results/align_uniform.png
                                                     # from results/*.json alone
 
-Every run uses the same model, corpus, batch, steps and evaluation schedule (PROTOCOL) with its seed; each
-method's own flags come after. Resumable: a run whose results/<name>.seed<S>.json exists is not trained again,
-and a run whose JSON has no "transfer" yet only gets its transfer evaluation, so `report.py run` can be stopped
-and started again and completes in pieces. Checkpoints go to runs/report/ (not committed); each run's
-results.json is copied to results/ with the run's wall and CPU time under "report". The transfer tasks run
-with `eval_transfer.py --mode fasttest` on each best checkpoint (TRANSFER_MODE). The plots need matplotlib
-(in requirements.txt); without it they are skipped with a message.
+Every run uses the same model, corpus, batch, steps and evaluation schedule (PROTOCOL) with its seed; each method's
+own flags come after. Resumable: a run whose results/<name>.seed<S>.json exists is not trained again, and a run
+whose JSON has no "transfer" yet only gets its transfer evaluation, so `report.py run` can be stopped and started
+again and completes in pieces. Checkpoints go to runs/report/<row>.seed<S>/ (a protocol's: runs/<protocol>/; neither
+committed); each run's results.json is copied to results/ (results/<protocol>/) with the run's wall and CPU time
+under "report". The transfer tasks run with `eval_transfer.py --mode fasttest` on each best checkpoint
+(TRANSFER_MODE). The plots need matplotlib (in requirements.txt); without it they are skipped with a message.
 """
 from __future__ import annotations
 
@@ -602,15 +602,18 @@ def plot_align_uniform(runs, results_dir, main_names, few_names):
 def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs: dict | None = None) -> None:
     """Every run of `protocol` not finished yet (a stopped one resumes from its last/): one at a time here, or as
     submitit's jobs (`jobs`: --executor, --gpus and the job flags; tools/cluster.py), which this command waits for
-    with --wait; each run's results.json, with its wall and CPU time here, goes to results/<name>/."""
+    with --wait; each run's results.json, with its wall and CPU time under "report", goes to results/<name>/. Every
+    command line is read by its script's parser first: a mistake is one line, before anything runs or is queued."""
     every = protocols.runs(protocol, extra)
+    protocols.check_commands(every)
     done = protocols.collect(protocol, RESULTS)
     todo = [run for run in every if run["seed"] not in done.get(run["row"], {})]
     if jobs:
         folder = RESULTS / protocol["name"] / "jobs"
         todo = [cluster.attach(run, RESULTS / protocol["name"], folder) for run in todo]
-        waiting = [run for run in todo if cluster.queued(run)]  # a second `run` resubmits none of them
-        todo = [run for run in todo if run not in waiting]
+        queued = cluster.queued(todo)  # pending, requeued or running: a second `run` resubmits none of them
+        waiting = [run for run, is_queued in zip(todo, queued) if is_queued]
+        todo = [run for run, is_queued in zip(todo, queued) if not is_queued]
     print(f"protocol {protocol['name']}: {len(every)} runs, {len(every) - len(todo)} done{' or queued' if jobs else ''}"
           f", {len(todo)} to make ({jobs['executor'] + ' jobs' if jobs else 'one at a time'}); wall time: "
           f"{protocols.estimate(todo, RESULTS)}", flush=True)
@@ -622,13 +625,14 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs:
               f"{protocol['name']}; logs under {folder}", flush=True)
         if not jobs["wait"]:
             return
-        failed = [(job, error) for job, error in ((job, cluster.failed(job)) for job in submitted) if error]
-        cluster.wait(waiting)
+        cluster.wait(todo + waiting)
+        ended = todo + waiting
+        failed = [(run, said) for run, (state, said) in zip(ended, cluster.situations(ended)) if state != "done"]
     else:
         failed = [(run, err) for run, err in ((run, failed_run(make_here)(run)) for run in todo) if err]
-    for what, err in failed:
-        print(f"== failed: {protocols.command_line(what) if isinstance(what, dict) else what} ({err})", flush=True)
-    protocols.write_page(protocol, RESULTS)
+    for run, err in failed:
+        print(f"== failed: {protocols.command_line(run)} ({err})", flush=True)
+    protocols.write_page(protocol, RESULTS, underway=cluster.underway(protocol, RESULTS))
     if failed:
         raise SystemExit(1)
 
@@ -690,6 +694,11 @@ def main(argv=None):
                    help="paper: the script's paper defaults; smoke: the MiniLM CPU settings on ../shared")
     args = parser.parse_args(argv)
     try:
+        if args.protocol == "smoke" and args.action == "status":  # the smoke page runs here, not as jobs
+            folders = sorted(path.parent.name for path in RESULTS.glob("*/jobs"))
+            print("status reports a protocol's jobs: python tools/report.py status --protocol NAME"
+                  + (f" (jobs were submitted for: {', '.join(folders)})" if folders else " (none submitted here)"))
+            return
         if args.protocol == "smoke":
             unknown = set(args.only or []) - {name for name, *_ in RUNS + FEW_SHOT}
             if unknown:
@@ -721,7 +730,7 @@ def main(argv=None):
         elif args.action == "run":
             run_protocol(protocol, extra, gpus, jobs)
         else:
-            protocols.write_page(protocol, RESULTS)
+            protocols.write_page(protocol, RESULTS, underway=cluster.underway(protocol, RESULTS))
     except plumbing.UsageError as err:
         fail(str(err))
 

@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# A real single-node Slurm on this machine, for trying the cluster path (tools/cluster.py, `report.py run --executor
+# slurm`) on a laptop or a CI runner: Debian's slurm-wlm, munge, and slurmdbd on MariaDB for accounting (sacct).
+#
+#   sudo bash tools/local_slurm.sh start     # installs the packages where missing (apt-get), starts what is not up
+#   sudo bash tools/local_slurm.sh status    # sinfo, or why not
+#   sudo bash tools/local_slurm.sh stop      # stops what `start` started
+#
+# The cluster "suite": two slurmd on this host, nodes c1 (16 CPUs, taken first) and c2 (2 CPUs), more than the machine
+# has (a job here is a small process that mostly waits). Partitions:
+#   debug   (default) c1 and c2; its jobs can be pre-empted, and are then requeued (PreemptMode=REQUEUE)
+#   urgent  c2 alone; a higher PriorityTier: its jobs pre-empt debug's jobs on c2
+# Idempotent: a second `start` starts only what is down. Its files live under /var/lib/suite-slurm (state, logs, the
+# configuration under etc/); it needs root (the daemons, apt-get). Jobs run as the user who submits them.
+set -euo pipefail
+ACTION="${1:-start}"
+BASE="${SUITE_SLURM_DIR:-/var/lib/suite-slurm}"
+ETC="$BASE/etc"
+export SLURM_CONF="$ETC/slurm.conf"
+PACKAGES=(slurm-wlm slurmdbd munge mariadb-server)
+
+say() { echo "local_slurm: $*"; }
+need_root() { [ "$(id -u)" = 0 ] || { say "needs root (daemons, apt-get): sudo bash $0 $ACTION"; exit 2; }; }
+up() { pgrep -f "$1" >/dev/null 2>&1; }
+alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }  # a daemon of ours, by its pid file
+
+install() {
+  local missing=()
+  for p in "${PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return
+  say "installing ${missing[*]} (apt-get)"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${PACKAGES[@]}" >/dev/null
+}
+
+configure() {
+  mkdir -p "$ETC" "$BASE/log" "$BASE/ctld" "$BASE/spool" /run/munge /var/log/munge
+  cat > "$ETC/slurm.conf" <<EOF
+ClusterName=suite
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort=16817
+SlurmdPort=16818
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+StateSaveLocation=$BASE/ctld
+SlurmdSpoolDir=$BASE/spool/%n
+SlurmctldPidFile=$BASE/slurmctld.pid
+SlurmdPidFile=$BASE/slurmd.%n.pid
+SlurmctldLogFile=$BASE/log/slurmctld.log
+SlurmdLogFile=$BASE/log/slurmd.%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+ReturnToService=2
+JobRequeue=1
+KillWait=10
+MinJobAge=300
+MaxArraySize=1001
+SchedulerParameters=sched_min_interval=100000
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort=16819
+AccountingStorageEnforce=associations
+JobCompType=jobcomp/none
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+NodeName=c1 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17001 CPUs=16 RealMemory=8000 Weight=1 State=UNKNOWN
+NodeName=c2 NodeHostname=localhost NodeAddr=127.0.0.1 Port=17002 CPUs=2 RealMemory=2000 Weight=100 State=UNKNOWN
+PartitionName=debug Nodes=c1,c2 Default=YES PriorityTier=1 PreemptMode=REQUEUE MaxTime=120 State=UP
+PartitionName=urgent Nodes=c2 PriorityTier=10 PreemptMode=OFF MaxTime=120 State=UP
+EOF
+  cat > "$ETC/slurmdbd.conf" <<EOF
+AuthType=auth/munge
+DbdHost=localhost
+DbdPort=16819
+SlurmUser=root
+LogFile=$BASE/log/slurmdbd.log
+PidFile=$BASE/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=slurm
+StoragePass=suite
+StorageLoc=suite_slurm_acct_db
+EOF
+  chmod 600 "$ETC/slurmdbd.conf"
+}
+
+start() {
+  need_root
+  install
+  configure
+  if ! up "munged"; then
+    [ -s /etc/munge/munge.key ] || mungekey -c -f >/dev/null
+    chown -R munge:munge /etc/munge /run/munge /var/log/munge /var/lib/munge 2>/dev/null || true
+    runuser -u munge -- munged
+  fi
+  if ! up "mariadbd|mysqld"; then
+    mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld
+    [ -d /var/lib/mysql/mysql ] || mariadb-install-db --user=mysql >/dev/null
+    (mariadbd --user=mysql >"$BASE/log/mariadb.log" 2>&1 &)
+    for _ in $(seq 60); do mariadb -e "select 1" >/dev/null 2>&1 && break; sleep 0.5; done
+  fi
+  mariadb -e "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'suite';
+              GRANT ALL ON suite_slurm_acct_db.* TO 'slurm'@'localhost'; FLUSH PRIVILEGES;"
+  if ! alive "$BASE/slurmdbd.pid"; then
+    slurmdbd  # reads slurmdbd.conf beside $SLURM_CONF
+    for _ in $(seq 60); do sacctmgr -n list cluster >/dev/null 2>&1 && break; sleep 0.5; done
+  fi
+  sacctmgr -n list cluster format=cluster | grep -qw suite || sacctmgr -i add cluster suite >/dev/null
+  alive "$BASE/slurmctld.pid" || slurmctld
+  for node in c1 c2; do alive "$BASE/slurmd.$node.pid" || slurmd -N "$node"; done
+  for _ in $(seq 120); do
+    if [ "$(sinfo -h -N -p debug -o '%t' 2>/dev/null | grep -cE '^(idle|mix|alloc)')" = 2 ]; then
+      ln -sf "$SLURM_CONF" /etc/slurm/slurm.conf  # the clients' default, so that a shell here needs no SLURM_CONF
+      say "up: $(sinfo -h -o '%P %D %t' | tr '\n' ' ')(SLURM_CONF=$SLURM_CONF)"
+      return
+    fi
+    sleep 0.5
+  done
+  say "the nodes did not come up; see $BASE/log/"
+  sinfo -N || true
+  exit 1
+}
+
+stop() {
+  need_root
+  local pids=()
+  for pidfile in "$BASE"/slurmd.*.pid "$BASE/slurmctld.pid" "$BASE/slurmdbd.pid"; do
+    alive "$pidfile" && pids+=("$(cat "$pidfile")")
+  done
+  [ ${#pids[@]} -gt 0 ] && kill "${pids[@]}" 2>/dev/null
+  for _ in $(seq 40); do kill -0 "${pids[@]}" 2>/dev/null || break; sleep 0.25; done
+  pkill -x mariadbd 2>/dev/null || true
+  pkill -x munged 2>/dev/null || true
+  [ -L /etc/slurm/slurm.conf ] && rm -f /etc/slurm/slurm.conf
+  say "stopped"
+}
+
+case "$ACTION" in
+  start) start ;;
+  stop) stop ;;
+  status) sinfo 2>/dev/null || { say "not running: bash $0 start"; exit 1; } ;;
+  *) say "usage: bash $0 start|status|stop"; exit 2 ;;
+esac
