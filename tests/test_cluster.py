@@ -213,3 +213,63 @@ def test_runs_sharing_a_gpu_without_mps_get_one_line(tmp_path, monkeypatch, caps
     (tmp_path / "control").touch()
     cluster.note_without_mps(2)
     assert capsys.readouterr().out == ""
+
+
+def test_status_reads_the_latest_start_and_the_page_names_running_runs(protocol_files, tmp_path, monkeypatch,
+                                                                        capsys):
+    """A running run's progress comes from its log since its job last started it: after a requeue the old ETA is
+    not shown ("starting" until the new start's first line). The page lists a queued run as running, not missing;
+    `status` without --protocol reports and writes nothing. Reading the log from its start, or listing every run
+    not done as missing, fails it."""
+    import cluster
+    import protocols
+    import report
+    protocol = json.loads(protocol_files.read_text())
+    run = cluster.attach(protocols.runs(protocol)[0], tmp_path / "results" / "tiny", tmp_path / "results" / "tiny" /
+                         "jobs")
+    log = tmp_path / "job.log"
+    log.write_text("step 20/60  loss 2.0  3.00 steps/s  ETA 1m47s\n")
+    Path(run["status"]).parent.mkdir(parents=True)
+    Path(run["status"]).write_text(json.dumps({"job": str(os.getpid()), "executor": "local", "log": str(log)}))
+    cluster.progress_path(run).write_text(json.dumps({"state": "running", "starts": 2,
+                                                      "log_offset": log.stat().st_size}))
+    line = cluster.status_lines(protocol, tmp_path / "results" / "tiny")[0]
+    assert line == f"simcse seed 1: running (job {os.getpid()}, requeued 1 time(s)): started", line
+    with log.open("a") as more:
+        more.write("training: 39/60 steps (65%), 2.1 steps/s, 18s elapsed, ETA 10s\n")
+    line = cluster.status_lines(protocol, tmp_path / "results" / "tiny")[0]
+    assert line.endswith("requeued 1 time(s)): training: 39/60 steps (65%), 2.1 steps/s, 18s elapsed, ETA 10s"), line
+    report.main(["write", "--protocol", str(protocol_files)])
+    page = (tmp_path / "results" / "tiny" / "RESULTS.md").read_text()
+    assert "Running (`python tools/report.py status --protocol tiny`): simcse seed 1." in page
+    assert "Missing (run them with `python tools/report.py run`, or the lines of `commands`): sscl seed 1, simcse " \
+           "seed 2, sscl seed 2." in page
+    capsys.readouterr()
+    before = sorted(p for p in (tmp_path / "results").rglob("*"))
+    report.main(["status"])
+    assert capsys.readouterr().out.startswith("status reports a protocol's jobs: python tools/report.py status "
+                                              "--protocol NAME (jobs were submitted for: tiny)")
+    assert sorted(p for p in (tmp_path / "results").rglob("*")) == before
+
+
+def test_a_misspelt_flag_or_a_wrong_field_is_one_line_before_anything_runs(protocol_files, tmp_path, capsys):
+    """Every run's command line read by its own script's parser before anything runs or is queued (here, or on a
+    cluster: tests/test_slurm.py): --args "--max_step 10" names --max_steps; a script that is not the suite's,
+    flags as a string and an unknown paper are refused when the protocol is read. Skipping the parse fails it."""
+    import report
+    protocol = json.loads(protocol_files.read_text())
+
+    def refused(needle, *argv, **row):
+        protocol_files.write_text(json.dumps({**protocol, "rows": [{**protocol["rows"][0], **row}]}))
+        with pytest.raises(SystemExit) as stop:
+            report.main(["run", "--protocol", str(protocol_files), *argv])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "results" / "tiny").exists() and not (tmp_path / "runs").exists()
+    refused("row 'simcse' seed 1: simcse.py: error: unrecognized arguments: --max_step 10; did you mean "
+            "--max_steps?", "--args", "--max_step 10")
+    refused("row 'simcse' seed 1: simcse.py: error: unrecognized arguments: --max_step 10; did you mean "
+            "--max_steps?", "--args", "--max_step 10", "--executor", "local")
+    refused("simcse_pp.py is not a script of this suite", script="simcse_pp.py")
+    refused("its flags a list of strings, e.g. [\"--m\", \"0.9\"], not '--m 0.9'", flags="--m 0.9")
+    refused("paper 'simcse++' is none of the page's", paper="simcse++")

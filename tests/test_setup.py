@@ -19,6 +19,11 @@ def readme_setup_commands() -> list[str]:
 def test_ci_runs_exactly_the_readmes_two_set_up_commands():
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.startswith(("#", "set ", "cd "))]
+    # beside the install, a real Slurm for tests/test_slurm.py where CI runs as root (started, then waited for)
+    slurm = [line for line in ci if "slurm" in line or line in ("fi", 'if [ "$(id -u)" = 0 ] && command -v apt-get '
+                                                                      '>/dev/null; then')]
+    assert len(slurm) == 5 and "bash tools/local_slurm.sh start" in slurm[2] and "wait" in slurm[4], slurm
+    ci = [line for line in ci if line not in slurm]
     # in a new virtual environment, as a fresh machine installs (the newest versions the requirements admit)
     assert ci[:2] == ['python -m venv --clear "${TMPDIR:-/tmp}/suite-ci-venv"',
                       'source "${TMPDIR:-/tmp}/suite-ci-venv/bin/activate"']
@@ -42,7 +47,8 @@ def test_the_top_level_shows_the_papers():
         METHOD_FILES + ["common.py", "data.py", "eval_sts.py", "eval_transfer.py"])
     assert {p.name for p in (ROOT / "tools").glob("*.py")} == {"report.py", "protocols.py", "analyze.py", "bench.py",
                                                                     "parity.py", "tables.py", "memory.py",
-                                                                    "mteb_eval.py", "mutants.py", "cluster.py"}
+                                                                    "mteb_eval.py", "mutants.py", "cluster.py",
+                                                                    "slurm.py"}
     assert "what a first reading skips" in (ROOT / "plumbing" / "__init__.py").read_text().lower()
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import io
 import json
 import os
 import re
@@ -184,18 +185,20 @@ def submit(todo: list[dict], folder: Path, executor: str, gpus: list[int] | None
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tools"),
                                                              os.environ.get("PYTHONPATH")]))
     folder.mkdir(parents=True, exist_ok=True)
-    for run in todo:  # a new job for each: what an earlier, ended job did with the run is no longer its state
-        was = progress_of(run)
+    before, earlier = set(folder.iterdir()), [progress_of(run) for run in todo]
+    for run, was in zip(todo, earlier):  # a new job for each: what an ended job did is no longer the run's state
         files.write_json(progress_path(run), {k: was[k] for k in ("wall_s", "cpu_s") if k in was})
     if executor == "slurm":
         groups = [[run] for run in todo]
-        before = set(folder.iterdir())
-        try:
-            with made.batch():
+        try:  # sbatch's own lines are quoted below, once
+            with contextlib.redirect_stderr(io.StringIO()), made.batch():  # (it submits on leaving)
                 jobs = [made.submit(Job(group)) for group in groups]
         except Exception as err:  # sbatch refused the array: none of it was queued
             for path in set(folder.iterdir()) - before:  # submitit's pickles and script of the refused array
                 shutil.rmtree(path) if path.is_dir() else path.unlink()
+            for run, was in zip(todo, earlier):
+                if was:
+                    files.write_json(progress_path(run), was)
             said = [line.strip() for line in str(err).splitlines() if "error:" in line]
             raise plumbing.UsageError(f"sbatch refused the jobs: {(said or [str(err).strip()])[-1][:300]}; nothing "
                                       "was queued") from None
@@ -295,7 +298,8 @@ def situations(runs: list[dict]) -> list[tuple[str, str]]:
         elif note.get("executor") == "slurm":
             state, reason = known.get(job, (None, ""))
             if state in PENDING:
-                found.append(("pending", f"pending (job {job}{again}{', Slurm: ' + reason if reason else ''})"))
+                held = f"; `scontrol release {job}` lets it start" if "held" in reason.lower() else ""
+                found.append(("pending", f"pending (job {job}{again}{', Slurm: ' + reason if reason else ''}{held})"))
             elif slurm.alive(state):
                 found.append(("running", f"running (job {job}{again}): {latest_progress(run, note, did)}"))
             elif state is None:

@@ -56,7 +56,7 @@ JobAcctGatherType=jobacct_gather/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
-ReturnToService=2
+ReturnToService=1
 JobRequeue=1
 KillWait=10
 MinJobAge=300
@@ -65,7 +65,7 @@ SchedulerParameters=sched_min_interval=100000
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStoragePort=16819
-AccountingStorageEnforce=associations
+AccountingStorageEnforce=associations,qos
 JobCompType=jobcomp/none
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
@@ -94,15 +94,19 @@ start() {
   need_root
   install
   configure
+  # the nodes' names resolve here (torch.distributed's MASTER_ADDR is a job's first node, as on a real cluster)
+  grep -q "suite-slurm" /etc/hosts || echo "127.0.0.1 c1 c2  # suite-slurm" >> /etc/hosts
   if ! up "munged"; then
     [ -s /etc/munge/munge.key ] || mungekey -c -f >/dev/null
     chown -R munge:munge /etc/munge /run/munge /var/log/munge /var/lib/munge 2>/dev/null || true
     runuser -u munge -- munged
+    touch "$BASE/started-munged"  # stop stops it: this script started it
   fi
   if ! up "mariadbd|mysqld"; then
     mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld
     [ -d /var/lib/mysql/mysql ] || mariadb-install-db --user=mysql >/dev/null
     (mariadbd --user=mysql >"$BASE/log/mariadb.log" 2>&1 &)
+    touch "$BASE/started-mariadbd"
     for _ in $(seq 60); do mariadb -e "select 1" >/dev/null 2>&1 && break; sleep 0.5; done
   fi
   mariadb -e "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'suite';
@@ -115,6 +119,10 @@ start() {
   alive "$BASE/slurmctld.pid" || slurmctld
   for node in c1 c2; do alive "$BASE/slurmd.$node.pid" || slurmd -N "$node"; done
   for _ in $(seq 120); do
+    # a node an earlier session left DOWN or DRAINED (scontrol update ... state=down) is put back
+    for node in $(sinfo -h -N -p debug -o '%N %t' 2>/dev/null | awk '$2 ~ /^(down|drain|drng)/ {print $1}'); do
+      scontrol update nodename="$node" state=resume 2>/dev/null || true
+    done
     if [ "$(sinfo -h -N -p debug -o '%t' 2>/dev/null | grep -cE '^(idle|mix|alloc)')" = 2 ]; then
       ln -sf "$SLURM_CONF" /etc/slurm/slurm.conf  # the clients' default, so that a shell here needs no SLURM_CONF
       say "up: $(sinfo -h -o '%P %D %t' | tr '\n' ' ')(SLURM_CONF=$SLURM_CONF)"
@@ -135,9 +143,13 @@ stop() {
   done
   [ ${#pids[@]} -gt 0 ] && kill "${pids[@]}" 2>/dev/null
   for _ in $(seq 40); do kill -0 "${pids[@]}" 2>/dev/null || break; sleep 0.25; done
-  pkill -x mariadbd 2>/dev/null || true
-  pkill -x munged 2>/dev/null || true
+  for daemon in mariadbd munged; do  # only those this script started: a MariaDB of the machine's own stays
+    [ -e "$BASE/started-$daemon" ] && { pkill -x "$daemon" 2>/dev/null || true; rm -f "$BASE/started-$daemon"; }
+  done
   [ -L /etc/slurm/slurm.conf ] && rm -f /etc/slurm/slurm.conf
+  if grep -q "# suite-slurm$" /etc/hosts; then  # in place: a container's /etc/hosts cannot be replaced
+    grep -v "# suite-slurm$" /etc/hosts > "$BASE/hosts" && cat "$BASE/hosts" > /etc/hosts
+  fi
   say "stopped"
 }
 

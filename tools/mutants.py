@@ -21,6 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = "tests/test_flags.py"
+SLURM_STOPS = "tests/test_slurm.py::test_every_way_slurm_stops_a_job"
+SLURM_STATES = "tests/test_slurm.py::test_status_asks_squeue_and_sacct_and_says_lost_where_neither_knows"
+SLURM_MISTAKES = "tests/test_slurm.py::test_mistakes_are_one_line_before_anything_is_queued"
 
 # name: (file, the line's text, its mutation, the tests that should catch it)
 MUTANTS = {
@@ -75,6 +78,23 @@ MUTANTS = {
     "graph-grads-left-for-capture": ("plumbing/graph.py", "        self.optimizer.zero_grad(set_to_none=True)  # the "
                                      "graph's backward", "        pass  # the graph's backward",
                                      ["tests/test_graph.py"]),
+    # the cluster path, against a real Slurm (tests/test_slurm.py: skipped where tools/local_slurm.sh's is not up)
+    "slurm-sigterm-is-failure": ("tools/cluster.py", "            if self.terminated:  # Slurm stopped the job",
+                                 "            if False:  # Slurm stopped the job", [SLURM_STOPS]),
+    "slurm-starts-not-counted": ("tools/cluster.py", 'starts=was.get("starts", 0) + 1,', "starts=1,",
+                                 [SLURM_STOPS]),
+    "slurm-array-raw-id": ("tools/cluster.py", '{"job": str(job.job_id), "executor"',
+                           '{"job": str(job.job_id).split("_")[0], "executor"', [SLURM_STOPS]),
+    "slurm-lost-is-queued": ("tools/cluster.py", "            if state in PENDING:",
+                             "            if state in PENDING or state is None:", [SLURM_STATES]),
+    "slurm-request-unchecked": ("tools/cluster.py", "        slurm.check_request(partition, account, gpus_per_job, "
+                                "nodes, timeout_min)", "        pass", [SLURM_MISTAKES]),
+    "commands-not-parsed": ("tools/protocols.py", '                importlib.import_module(Path(script).stem).'
+                            'parse_args(run["argv"][1:])', "                pass",
+                            ["tests/test_cluster.py::test_a_misspelt_flag_or_a_wrong_field_is_one_line_before_anything_"
+                             "runs"]),
+    "stop-never-agreed": ("plumbing/distributed.py", "        agreed = self.answer() if self.answer else False",
+                          "        agreed = False", [SLURM_STOPS]),
     "dev-gate-in-train-mode": ("plumbing/run.py", "            m.eval()\n        measures = dev_set(encode)",
                                "            m.train()\n        measures = dev_set(encode)",
                                ["tests/test_eval_sts.py", "tests/test_simcse.py"]),

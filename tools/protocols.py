@@ -146,7 +146,8 @@ def load(name_or_file: str) -> dict:
         if not all(isinstance(seed, int) for seed in protocol["seeds"]):
             raise TypeError("its seeds are integers")
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
-        raise plumbing.UsageError(f"--protocol {path}: not a protocol ({err!r}); see protocols.py") from None
+        said = str(err) if type(err) is TypeError else repr(err)  # ours: a sentence
+        raise plumbing.UsageError(f"--protocol {path}: not a protocol ({said}); see protocols.py") from None
     for name in names:  # each names a folder: runs/<protocol>/<row>.seed<S>
         if not isinstance(name, str) or not name.strip() or "/" in name or "\0" in name or name in (".", ".."):
             raise plumbing.UsageError(f"--protocol {path}: the name {name!r} cannot name a folder (no '/', not "
@@ -211,8 +212,9 @@ def check_commands(every: list[dict]) -> None:
         if tuple(run["argv"]) in parsed:
             continue
         parsed.add(tuple(run["argv"]))
-        said = io.StringIO()
+        said, argv0 = io.StringIO(), sys.argv[0]
         try:
+            sys.argv[0] = script  # the parser's name in its messages
             with contextlib.chdir(ROOT), contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
                 importlib.import_module(Path(script).stem).parse_args(run["argv"][1:])
         except SystemExit as stop:
@@ -222,6 +224,8 @@ def check_commands(every: list[dict]) -> None:
                                           f"{(lines or ['its command line is refused'])[-1]}") from None
         except plumbing.UsageError as err:
             raise plumbing.UsageError(f"row {run['row']!r} seed {run['seed']}: {err}") from None
+        finally:
+            sys.argv[0] = argv0
 
 
 def precision_lines(protocol: dict) -> list[str]:
