@@ -127,7 +127,9 @@ class Trackers:
 
         def new(tracker):  # what the tracked run does not hold yet (a resumed run's steps since its last save)
             held = self.held.get(tracker, {})
-            return {k: v for k, v in values.items() if step > held.get(k, -1)}
+            # TensorBoard's: one step for every metric (a defaultdict, whose .get alone would not call its default)
+            floor = held.default_factory() if isinstance(held, collections.defaultdict) else -1
+            return {k: v for k, v in values.items() if step > held.get(k, floor)}
         if self.tensorboard is not None:
             for tag, value in new("tensorboard").items():
                 self.tensorboard.add_scalar(tag, value, step)

@@ -203,8 +203,9 @@ def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpu
     logged already, are trained again by the resumed run), then --resume: W&B's offline parts together and MLflow's
     store hold the loss and gradient norm at each of the 8 steps once, each the value results.json has (the resumed
     run's numbers are the straight run's bit for bit), and the run's last lines print the sync command for both
-    parts, which the installed wandb's CLI takes. A resumed run that logged its replayed steps again would give
-    MLflow two values at a step and W&B a second part that starts at an old step."""
+    parts, which the installed wandb's CLI takes; TensorBoard's events, read by its EventAccumulator, hold each step
+    once too. A resumed run that logged its replayed steps again would give MLflow two values at a step, W&B a
+    second part that starts at an old step, and TensorBoard steps 1 and 2 twice (a held step read as -1 did so)."""
     import random
     import mlflow
     import test_resume
@@ -215,7 +216,7 @@ def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpu
     out = tmp_path / "run"
     argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--max_steps", 8, "--eval_steps", 4,
                                        "--logging_steps", 1, "--save_steps", 3, "--no_test_eval", "--no_align_uniform",
-                                       "--report_to", "wandb", "mlflow")]
+                                       "--report_to", "wandb", "mlflow", "tensorboard")]
     kill_at = random.Random(20261128).choice([4, 5])  # after the save at 3, before the one at 6
     driver = tmp_path / "driver.py"
     driver.write_text(KILL_DRIVER.format(root=str(ROOT)))
@@ -237,6 +238,9 @@ def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpu
                     if key in items:
                         seen.setdefault(key, []).append((items["_step"], items[key]))
     client = mlflow.MlflowClient()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
     for key, want in (("train/loss", results["train_loss"]), ("train/grad_norm", results["grad_norm"])):
         steps = list(range(1, 9))
         assert sorted(step for step, _ in seen[key]) == steps, (key, seen[key])  # W&B: each step once
@@ -244,6 +248,10 @@ def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpu
         history = client.get_metric_history(results["tracking"]["mlflow"], key)
         assert sorted(m.step for m in history) == steps, key  # MLflow: each step once
         assert {m.step: m.value for m in history} == pytest.approx(dict(zip(steps, want))), key
+        # TensorBoard, as its own reader reads the events (the resumed part purges what the first wrote from step 3):
+        # a list, so that a step written twice fails it
+        scalars = events.Scalars(key)
+        assert [e.step for e in scalars] == steps and [e.value for e in scalars] == pytest.approx(want), key
     assert f"`wandb sync {' '.join(map(str, parts))}` uploads this run, all its 2 part(s)" in capsys.readouterr().out
     dry = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", *map(str, parts)],  # the CLI's own
                          capture_output=True, text=True, env=dict(os.environ, **env), timeout=120)
