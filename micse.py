@@ -234,7 +234,7 @@ def micse_objective(z1, z2, attn1, attn2, *, queue, sentence_ids, generator, glo
 def train_step(ddp_model, backbone, head, momentum_model, queue, generator, params, optimizer,
                scaler, args, batch: dict, global_rows: int):
     """One optimizer step on this process's rows of the global batch: the views' pass, the loss,
-    backward, unscale and clip, the optimizer step; the momentum encoder's EMA, the keys queued."""
+    backward, clip, the step; the momentum EMA, the keys queued; (loss, grad norm, {term: value})"""
     inputs = {k: v for k, v in batch.items() if k != "example_ids"}
     sentence_ids = distributed.gather(batch["example_ids"], global_rows)  # the queue's ids
     terms = {}  # the loss's two terms, logged beside it

@@ -214,9 +214,9 @@ def mlm_loss(masked: dict, ddp_model, lm_head, blocks: int, args, part=None,
 def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, mlm, batch: dict,
                global_rows: int):
     """One optimizer step on this process's rows of the global batch: the views' forward pass,
-    InfoNCE (+ lambda MLM), backward, unscale and clip, the optimizer step; (loss, gradient norm)
-    on the device. `columns`: NLI's (1: sentences); `mlm`: --do_mlm's (lm_head, generator, special
-    ids, [MASK]'s id, vocabulary size), else None."""
+    InfoNCE (+ lambda MLM), backward, unscale and clip, the optimizer step; (loss, gradient norm,
+    {term: value}) on the device. `columns`: NLI's (1: sentences); `mlm`: --do_mlm's (lm_head,
+    generator, special ids, [MASK]'s id, vocabulary size), else None."""
     if mlm is not None:  # Appendix D.2: masked copies of the views' rows, from the MLM's generator
         lm_head, generator, special_ids, mask_token_id, vocab_size = mlm
         views = views_of(batch, columns, args)

@@ -178,7 +178,7 @@ def simcsepp_loss(z1, z2, z_dropout_off=None, *, global_rows: int, args,
 def train_step(ddp_model, backbone, head, params, optimizer, scaler, args, batch: dict,
                global_rows: int):
     """One optimizer step on this process's rows of the global batch: the views' passes, the loss,
-    backward, unscale and clip, the optimizer step; (loss, gradient norm) on the device."""
+    backward, unscale and clip, the optimizer step; (loss, gradient norm, {term: value})."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     terms = {}  # the loss's two terms, logged beside it
     if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once

@@ -296,3 +296,17 @@ def test_each_pytest_worker_gives_torch_its_share_of_the_cores():
     child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], capture_output=True,
                            text=True, check=True).stdout
     assert torch.get_num_threads() == want and int(child) == want, (torch.get_num_threads(), child, want)
+
+
+def test_the_readmes_simcse_loop_is_simcse_py_s():
+    """The README's loop (its first Python block) is simcse.py's main(): each of its lines stands there, in order, so
+    that a changed step (what `train` returns, what `run.record` takes) fails here, not in a reader's copy. The
+    block read with `loss, grad_norm = train(...)` while the step returned three values."""
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    code = [line.strip() for line in (ROOT / "simcse.py").read_text().splitlines()]
+    at = 0
+    for line in filter(None, (line.strip() for line in block.splitlines())):
+        found = next((i for i in range(at, len(code)) if code[i] == line), None)
+        assert found is not None, f"README's line not in simcse.py (in order): {line}"
+        at = found + 1
