@@ -126,8 +126,9 @@ def fake_slurm(tmp_path, monkeypatch) -> None:
 
 def test_the_sbatch_script_submitit_writes_for_the_flags(tmp_path, monkeypatch):
     """--executor slurm --partition gpu --account lab --gpus_per_job 4 --nodes 2 --timeout_min 240 --signal_delay_s
-    120 --slurm qos=high: the script asks Slurm for them, its signal (USR2) 120 s before the time limit, and runs
-    submitit's job (which requeues itself on the signal: `scontrol requeue`)."""
+    120 --slurm qos=high: the script asks Slurm for them, its signal (USR2) 120 s before the time limit, a job that
+    may be requeued (a site's JobRequeue=0 would cancel it on a pre-emption), and runs submitit's job (which requeues
+    itself on the signal: `scontrol requeue`)."""
     import cluster
     fake_slurm(tmp_path, monkeypatch)
     made = cluster.make_executor(tmp_path / "jobs", "slurm", gpus_per_job=4, nodes=2, timeout_min=240,
@@ -135,7 +136,7 @@ def test_the_sbatch_script_submitit_writes_for_the_flags(tmp_path, monkeypatch):
     script = made._executor._make_submission_file_text("python -u -m submitit.core._submit FOLDER", "uid")
     for line in ("#SBATCH --partition=gpu", "#SBATCH --account=lab", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --time=240", "#SBATCH --qos=high",
-                 "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append"):
+                 "#SBATCH --signal=USR2@120", "#SBATCH --open-mode=append", "#SBATCH --requeue"):
         assert line in script, (line, script)
     assert "submitit.core._submit" in script
 

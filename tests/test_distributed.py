@@ -4,8 +4,8 @@ With dropout switched off both runs compute the same function, so after four ste
 1e-5: this is what proves the gathers (negatives over the global batch, DCL's and the whitening's batch
 statistics, miCSE's queue) and DistributedDataParallel's gradient averaging. The driver runs a method's own main()
 under torchrun and records, at every dev gate, the parameters it evaluates, and what crossed the processes: DDP's
-forward passes, and the stop flag's exchanges (one a step, read the next); the one-process reference runs the same main()
-in the test's own process with the same recording dev gate.
+forward passes, and the stop flag's exchanges (one a step, read the next); the one-process reference runs the same
+main() in the test's own process with the same recording dev gate.
 """
 import json
 import os

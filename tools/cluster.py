@@ -64,16 +64,18 @@ class Job:
                 continue
             if self.terminated:
                 raise SystemExit(143)
-            was = progress_of(run)
+            was, log = progress_of(run), Path(submitit.JobEnvironment().paths.stdout)
             self._note(run, first, state="running", starts=was.get("starts", 0) + 1, pid=os.getpid(),
-                       log_offset=log_size(run))
+                       log_offset=log.stat().st_size if log.is_file() else 0)  # this start's lines follow
             self.started = time.perf_counter(), cpu_of_children()
             self.child = subprocess.Popen([sys.executable, *run["argv"]], cwd=ROOT, env=env,
                                           preexec_fn=lambda: signal.signal(signal.SIGUSR2, signal.SIG_IGN))
+            if self.terminated:  # the signal came while the run was starting: it is passed on
+                self.child.send_signal(signal.SIGTERM)
             code = self.child.wait()
             self.child = None
-            if self.terminated:  # Slurm stopped the job: it requeues it, or it was cancelled (status asks Slurm)
-                self._note(run, first, state="stopped", reason="SIGTERM from Slurm", **self._spent(run))
+            if self.terminated and code != 0:  # Slurm stopped the job: requeued, or cancelled (status asks Slurm)
+                self._note(run, first, state="stopped", reason="SIGTERM from Slurm", code=code, **self._spent(run))
                 raise SystemExit(143)
             if code != 0:
                 self._note(run, first, state="failed", reason=f"the run exited with status {code}",
@@ -84,6 +86,8 @@ class Job:
                 results = json.loads((ROOT / run["out"] / "results.json").read_text())
                 files.write_json(Path(run["kept"]), {**results, "report": spent})
                 self._note(run, first, state="done", **spent)
+            if self.terminated:  # the run had ended: kept, and the job goes as Slurm asks
+                raise SystemExit(143)
         return [run["kept"] for run in self.runs]
 
     def checkpoint(self, *args, **kwargs):
@@ -94,10 +98,10 @@ class Job:
             if not self.terminated:  # the time limit's warning: the job's alone
                 self.child.send_signal(signal.SIGTERM)
             with contextlib.suppress(ChildProcessError):  # reaped already
-                os.waitpid(self.child.pid, 0)
-            run = next(run for run in self.runs if not Path(run["kept"]).is_file())
-            self._note(run, True, state="stopped", reason="Slurm's SIGUSR2 (the time limit near, or a pre-emption)",
-                       **self._spent(run))
+                _, status = os.waitpid(self.child.pid, 0)
+                run = next(run for run in self.runs if not Path(run["kept"]).is_file())
+                self._note(run, True, state="stopped", code=os.waitstatus_to_exitcode(status),
+                           reason="Slurm's SIGUSR2 (the time limit near, or a pre-emption)", **self._spent(run))
         return submitit.helpers.DelayedSubmission(Job(self.runs))
 
     def _spent(self, run: dict) -> dict:
@@ -125,13 +129,6 @@ def progress_of(run: dict) -> dict:
 
 def status_of(run: dict) -> dict:
     return status_json(Path(run["status"]))
-
-
-def log_size(run: dict) -> int:
-    try:
-        return Path(status_of(run)["log"]).stat().st_size
-    except (OSError, KeyError, TypeError):
-        return 0
 
 
 def cpu_of_children() -> float:
@@ -167,8 +164,10 @@ def make_executor(folder: Path, executor: str, gpus_per_job: int, nodes: int, ti
         made.update_parameters(timeout_min=timeout_min, nodes=nodes,
                                tasks_per_node=tasks_per_node or gpus_per_job or 1, gpus_per_node=gpus_per_job,
                                **named, **extra)
-        if executor == "slurm":
-            made.update_parameters(slurm_signal_delay_s=signal_delay_s)
+        if executor == "slurm":  # --requeue: a site's JobRequeue=0 would cancel a pre-empted job instead
+            made.update_parameters(slurm_signal_delay_s=signal_delay_s,
+                                   slurm_additional_parameters={"requeue": True,
+                                                                **extra.get("slurm_additional_parameters", {})})
     except (ValueError, TypeError, NameError) as err:  # NameError: an unknown parameter, with the known ones
         raise plumbing.UsageError(f"submitit refuses a parameter: {str(err).splitlines()[0][:300]}") from None
     return made
@@ -276,7 +275,7 @@ def status_json(path: Path) -> dict:
         return {}
 
 
-PENDING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"}
+PENDING = {"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SPECIAL_EXIT", "RESV_DEL_HOLD"}
 PROGRESS = re.compile(r"^(step \d+/\d+|training: \d+/\d+)")
 
 
@@ -297,9 +296,13 @@ def situations(runs: list[dict]) -> list[tuple[str, str]]:
             found.append(("not submitted", "not submitted"))
         elif note.get("executor") == "slurm":
             state, reason = known.get(job, (None, ""))
-            if state in PENDING:
+            if state is None and did.get("state") == "failed":  # forgotten by Slurm, but the job said why
+                found.append(("failed", failed_line(note, did, f"job {job}", again)))
+            elif state in PENDING:
                 held = f"; `scontrol release {job}` lets it start" if "held" in reason.lower() else ""
                 found.append(("pending", f"pending (job {job}{again}{', Slurm: ' + reason if reason else ''}{held})"))
+            elif state in ("SUSPENDED", "STOPPED"):
+                found.append(("running", f"{state.lower()} (job {job}{again})"))
             elif slurm.alive(state):
                 found.append(("running", f"running (job {job}{again}): {latest_progress(run, note, did)}"))
             elif state is None:
@@ -362,9 +365,16 @@ def queued(runs: list[dict]) -> list[bool]:
 
 
 def wait(runs: list[dict]) -> None:
-    """Until none of these runs' jobs is pending or running (a second `run --wait` waits for the first's)."""
-    while any(queued(runs)):
-        time.sleep(2)
+    """Until none of these runs' jobs is pending or running (a second `run --wait` waits for the first's): asked
+    every 10 s (2 s for local jobs), a question Slurm does not answer asked again."""
+    every = 10 if any(status_of(run).get("executor") == "slurm" for run in runs) else 2
+    while True:
+        try:
+            if not any(queued(runs)):
+                return
+        except plumbing.UsageError as err:
+            print(f"note: {err}; asking again", flush=True)
+        time.sleep(every)
 
 
 def status_lines(protocol: dict, results: Path) -> list[str]:
@@ -378,10 +388,12 @@ def underway(protocol: dict, results: Path) -> dict[tuple[str, int], str]:
     """{(row, seed): "running" or "pending"} for the protocol's runs whose jobs are queued (the page names them)."""
     runs = [attach(run, results / protocol["name"], results / protocol["name"] / "jobs")
             for run in protocols.runs(protocol)]
-    if not any(Path(run["status"]).is_file() for run in runs):
+    runs = [run for run in runs if Path(run["status"]).is_file() and not Path(run["kept"]).is_file()]
+    try:
+        return {(run["row"], run["seed"]): state for run, (state, _) in zip(runs, situations(runs))
+                if state in ("pending", "running")}
+    except plumbing.UsageError:  # Slurm does not answer (or is not here): the page lists them as missing
         return {}
-    return {(run["row"], run["seed"]): state for run, (state, _) in zip(runs, situations(runs))
-            if state in ("pending", "running")}
 
 
 def last_lines(log: str | None, n: int) -> list[str]:

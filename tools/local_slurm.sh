@@ -124,7 +124,8 @@ start() {
       scontrol update nodename="$node" state=resume 2>/dev/null || true
     done
     if [ "$(sinfo -h -N -p debug -o '%t' 2>/dev/null | grep -cE '^(idle|mix|alloc)')" = 2 ]; then
-      ln -sf "$SLURM_CONF" /etc/slurm/slurm.conf  # the clients' default, so that a shell here needs no SLURM_CONF
+      # the clients' default, so that a shell here needs no SLURM_CONF; a machine's own slurm.conf is left alone
+      [ -e /etc/slurm/slurm.conf ] && [ ! -L /etc/slurm/slurm.conf ] || ln -sfn "$SLURM_CONF" /etc/slurm/slurm.conf
       say "up: $(sinfo -h -o '%P %D %t' | tr '\n' ' ')(SLURM_CONF=$SLURM_CONF)"
       return
     fi
@@ -146,7 +147,7 @@ stop() {
   for daemon in mariadbd munged; do  # only those this script started: a MariaDB of the machine's own stays
     [ -e "$BASE/started-$daemon" ] && { pkill -x "$daemon" 2>/dev/null || true; rm -f "$BASE/started-$daemon"; }
   done
-  [ -L /etc/slurm/slurm.conf ] && rm -f /etc/slurm/slurm.conf
+  [ "$(readlink /etc/slurm/slurm.conf 2>/dev/null)" = "$SLURM_CONF" ] && rm -f /etc/slurm/slurm.conf
   if grep -q "# suite-slurm$" /etc/hosts; then  # in place: a container's /etc/hosts cannot be replaced
     grep -v "# suite-slurm$" /etc/hosts > "$BASE/hosts" && cat "$BASE/hosts" > /etc/hosts
   fi

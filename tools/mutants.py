@@ -83,14 +83,14 @@ MUTANTS = {
                                       ["tests/test_ecosystem.py::test_each_step_is_tracked_once_across_a_kill_between_"
                                        "saves"]),
     # the cluster path, against a real Slurm (tests/test_slurm.py: skipped where tools/local_slurm.sh's is not up)
-    "slurm-sigterm-is-failure": ("tools/cluster.py", "            if self.terminated:  # Slurm stopped the job",
-                                 "            if False:  # Slurm stopped the job", [SLURM_STOPS]),
+    "slurm-sigterm-is-failure": ("tools/cluster.py", "            if self.terminated and code != 0:  # Slurm",
+                                 "            if False:  # Slurm", [SLURM_STOPS]),
     "slurm-starts-not-counted": ("tools/cluster.py", 'starts=was.get("starts", 0) + 1,', "starts=1,",
                                  [SLURM_STOPS]),
     "slurm-array-raw-id": ("tools/cluster.py", '{"job": str(job.job_id), "executor"',
                            '{"job": str(job.job_id).split("_")[0], "executor"', [SLURM_STOPS]),
-    "slurm-lost-is-queued": ("tools/cluster.py", "            if state in PENDING:",
-                             "            if state in PENDING or state is None:", [SLURM_STATES]),
+    "slurm-lost-is-queued": ("tools/cluster.py", "            elif state in PENDING:",
+                             "            elif state in PENDING or state is None:", [SLURM_STATES]),
     "slurm-request-unchecked": ("tools/cluster.py", "        slurm.check_request(partition, account, gpus_per_job, "
                                 "nodes, timeout_min)", "        pass", [SLURM_MISTAKES]),
     "commands-not-parsed": ("tools/protocols.py", '                importlib.import_module(Path(script).stem).'

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shlex
 import sys
@@ -212,10 +213,11 @@ def check_commands(every: list[dict]) -> None:
         if tuple(run["argv"]) in parsed:
             continue
         parsed.add(tuple(run["argv"]))
-        said, argv0 = io.StringIO(), sys.argv[0]
+        said, argv0, cwd = io.StringIO(), sys.argv[0], os.getcwd()
         try:
             sys.argv[0] = script  # the parser's name in its messages
-            with contextlib.chdir(ROOT), contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+            os.chdir(ROOT)  # where the run starts: its relative paths
+            with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
                 importlib.import_module(Path(script).stem).parse_args(run["argv"][1:])
         except SystemExit as stop:
             if stop.code not in (0, None):
@@ -226,6 +228,7 @@ def check_commands(every: list[dict]) -> None:
             raise plumbing.UsageError(f"row {run['row']!r} seed {run['seed']}: {err}") from None
         finally:
             sys.argv[0] = argv0
+            os.chdir(cwd)
 
 
 def precision_lines(protocol: dict) -> list[str]:

@@ -13,9 +13,10 @@ import subprocess
 
 import plumbing
 
-# states squeue may still list for a while after a job has ended (MinJobAge); any other state it lists is alive
+# a job's states once it has ended (sacct's; squeue lists only jobs still queued, unless asked for more); any other
+# state is alive: pending, held (SPECIAL_EXIT, RESV_DEL_HOLD: releasable), running, suspended, completing, ...
 ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-         "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT"}
+         "OUT_OF_MEMORY"}
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess | None:
@@ -34,9 +35,10 @@ def states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
     found: dict[str, tuple[str, str]] = {}
     if not job_ids:
         return found
-    listed = _run(["squeue", "-h", "-r", "-u", getpass.getuser(), "-o", "%i|%T|%r"])
+    listed = _run(["squeue", "-a", "-h", "-r", "-u", getpass.getuser(), "-o", "%i|%T|%r"])  # -a: hidden partitions
     if listed is None or listed.returncode != 0:
-        why = (listed.stderr.strip().splitlines() or ["no answer"])[-1] if listed else "no answer in 60 s"
+        why = (listed.stderr.strip().splitlines() or ["no answer"])[-1] if listed else \
+            "not installed here" if shutil.which("squeue") is None else "no answer in 60 s"
         raise plumbing.UsageError(f"squeue failed ({why}): the jobs' states are unknown; try again when Slurm "
                                   "answers (nothing was submitted)")
     for line in listed.stdout.splitlines():
@@ -63,12 +65,13 @@ def check_request(partition: str | None, account: str | None, gpus_per_job: int,
     """One line, before anything is queued, for what this cluster cannot give: a partition it does not have, an
     account the user has no association with, GPUs on a partition without them, more nodes than the partition has,
     a time limit beyond the partition's. What sinfo or sacctmgr do not answer is left to sbatch."""
-    info = _run(["sinfo", "-h", "-o", "%P|%D|%l|%G"])
-    if info is not None and info.returncode == 0:
+    info = _run(["sinfo", "-a", "-h", "-o", "%P|%D|%l|%G"])  # a line a partition's GRES group: added up
+    if info is not None and info.returncode == 0 and not (partition and "," in partition):  # a list: sbatch's
         rows = {}
         for line in info.stdout.splitlines():
             name, count, limit, gres = line.strip().split("|")
-            rows[name.rstrip("*")] = (name.endswith("*"), int(count), limit, gres)
+            default, had, _, kinds = rows.get(name.rstrip("*"), (False, 0, limit, ""))
+            rows[name.rstrip("*")] = (default or name.endswith("*"), had + int(count), limit, f"{kinds},{gres}")
         name = partition or next((p for p, row in rows.items() if row[0]), None)
         if partition and partition not in rows:
             raise plumbing.UsageError(f"--partition {partition}: this cluster has no such partition (sinfo: "
@@ -77,7 +80,7 @@ def check_request(partition: str | None, account: str | None, gpus_per_job: int,
             _, count, limit, gres = rows[name]
             if gpus_per_job and "gpu" not in gres:
                 raise plumbing.UsageError(f"--gpus_per_job {gpus_per_job}: partition {name} has no GPUs (sinfo's "
-                                          f"GRES: {gres}); --gpus_per_job 0 runs on CPUs")
+                                          f"GRES: {gres.strip(',')}); --gpus_per_job 0 runs on CPUs")
             if nodes > count:
                 raise plumbing.UsageError(f"--nodes {nodes}: partition {name} has {count} node(s)")
             most = minutes(limit)
