@@ -21,7 +21,6 @@ PACKAGES=(slurm-wlm slurmdbd munge mariadb-server)
 
 say() { echo "local_slurm: $*"; }
 need_root() { [ "$(id -u)" = 0 ] || { say "needs root (daemons, apt-get): sudo bash $0 $ACTION"; exit 2; }; }
-up() { pgrep -f "$1" >/dev/null 2>&1; }
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }  # a daemon of ours, by its pid file
 
 install() {
@@ -96,13 +95,13 @@ start() {
   configure
   # the nodes' names resolve here (torch.distributed's MASTER_ADDR is a job's first node, as on a real cluster)
   grep -q "suite-slurm" /etc/hosts || echo "127.0.0.1 c1 c2  # suite-slurm" >> /etc/hosts
-  if ! up "munged"; then
+  if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then  # (a dead munged may linger as a zombie)
     [ -s /etc/munge/munge.key ] || mungekey -c -f >/dev/null
     chown -R munge:munge /etc/munge /run/munge /var/log/munge /var/lib/munge 2>/dev/null || true
     runuser -u munge -- munged
     touch "$BASE/started-munged"  # stop stops it: this script started it
   fi
-  if ! up "mariadbd|mysqld"; then
+  if ! mariadb -e "select 1" >/dev/null 2>&1; then
     mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld
     [ -d /var/lib/mysql/mysql ] || mariadb-install-db --user=mysql >/dev/null
     (mariadbd --user=mysql >"$BASE/log/mariadb.log" 2>&1 &)
