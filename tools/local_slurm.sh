@@ -21,7 +21,8 @@ PACKAGES=(slurm-wlm slurmdbd munge mariadb-server)
 
 say() { echo "local_slurm: $*"; }
 need_root() { [ "$(id -u)" = 0 ] || { say "needs root (daemons, apt-get): sudo bash $0 $ACTION"; exit 2; }; }
-alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }  # a daemon of ours, by its pid file
+# a daemon of ours, by its pid file: running, not a zombie (a killed daemon may linger as one where no init reaps it)
+alive() { [ -s "$1" ] && [ -r "/proc/$(cat "$1")/stat" ] && [ "$(cut -d' ' -f3 "/proc/$(cat "$1")/stat")" != Z ]; }
 
 install() {
   local missing=()
