@@ -181,8 +181,8 @@ class StopSignal:
     def settle(self) -> None:
         """The training's end: the last step's exchange read, so that none is left in flight."""
         if self.answer:
-            self.answer, answer = None, self.answer
-            answer()
+            self.answer()
+            self.answer = None
 
     def exit_if_stopped(self) -> None:
         if self.signum is not None:

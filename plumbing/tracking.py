@@ -67,7 +67,7 @@ class Trackers:
         self.names = chosen(args.report_to) if enabled else []
         self.ids, self.tensorboard, self.wandb, self.mlflow = dict(ids or {}), None, None, None
         out, config, new = Path(args.output_dir), flat(config or {}), resume_at is None
-        self.out, self.held = out, {}  # held: {tracker: {metric: the last step its tracked run holds}}
+        self.out, self.held = out, {}  # held: {tracker: defaultdict(metric: the last step its run holds)}
         self.log_model = getattr(args, "log_model", False)
         name, tags, group = run_names(args)
         if "tensorboard" in self.names:
@@ -83,7 +83,7 @@ class Trackers:
             import wandb
             (out / "wandb").mkdir(parents=True, exist_ok=True)
             if not new and self.ids.get("wandb"):  # what the run's earlier offline parts hold
-                self.held["wandb"] = wandb_held(out, self.ids["wandb"])
+                self.held["wandb"] = collections.defaultdict(lambda: -1, wandb_held(out, self.ids["wandb"]))
             with refused("wandb", "check wandb login and the network, or WANDB_MODE=offline to sync later"):
                 self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), dir=str(out),
                                         name=os.environ.get("WANDB_NAME", name), id=self.ids.get("wandb"),
@@ -109,8 +109,9 @@ class Trackers:
         new = new or not self.ids.get("mlflow")  # a tracker added when the run resumes starts with the params
         if self.ids.get("mlflow"):
             run = self.mlflow.get_run(self.ids["mlflow"])
-            self.held["mlflow"] = {key: max(m.step for m in self.mlflow.get_metric_history(run.info.run_id, key))
-                                   for key in run.data.metrics}
+            self.held["mlflow"] = collections.defaultdict(lambda: -1, {
+                key: max(m.step for m in self.mlflow.get_metric_history(run.info.run_id, key))
+                for key in run.data.metrics})
         else:
             mlflow.set_experiment(experiment)
             run = self.mlflow.create_run(mlflow.get_experiment_by_name(experiment).experiment_id, run_name=name,
@@ -126,10 +127,8 @@ class Trackers:
         values = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
 
         def new(tracker):  # what the tracked run does not hold yet (a resumed run's steps since its last save)
-            held = self.held.get(tracker, {})
-            # TensorBoard's: one step for every metric (a defaultdict, whose .get alone would not call its default)
-            floor = held.default_factory() if isinstance(held, collections.defaultdict) else -1
-            return {k: v for k, v in values.items() if step > held.get(k, floor)}
+            held = self.held.get(tracker)  # (read by [], which calls the default: TensorBoard's is every metric's)
+            return {k: v for k, v in values.items() if held is None or step > held[k]}
         if self.tensorboard is not None:
             for tag, value in new("tensorboard").items():
                 self.tensorboard.add_scalar(tag, value, step)

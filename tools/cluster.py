@@ -347,7 +347,7 @@ def latest_progress(run: dict, note: dict, did: dict) -> str:
 def local_alive(note: dict) -> bool:
     """A local job: its controller process alive (not a zombie its submitting process has not reaped) and no outcome
     of submitit's yet."""
-    if list((Path(note["log"]).parent).glob("*_result.pkl")) if note.get("log") else False:
+    if note.get("log") and list(Path(note["log"]).parent.glob("*_result.pkl")):
         return False
     try:
         stat = Path(f"/proc/{int(note['job'])}/stat")
@@ -385,9 +385,9 @@ def status_lines(protocol: dict, results: Path) -> list[str]:
 
 
 def underway(protocol: dict, results: Path) -> dict[tuple[str, int], str]:
-    """{(row, seed): "running" or "pending"} for the protocol's runs whose jobs are queued (the page names them)."""
-    runs = [attach(run, results / protocol["name"], results / protocol["name"] / "jobs")
-            for run in protocols.runs(protocol)]
+    """{(row, seed): "running" or "pending"} for the protocol's runs (kept in `results`, as status_lines') whose jobs
+    are queued (the page names them)."""
+    runs = [attach(run, results, results / "jobs") for run in protocols.runs(protocol)]
     runs = [run for run in runs if Path(run["status"]).is_file() and not Path(run["kept"]).is_file()]
     try:
         return {(run["row"], run["seed"]): state for run, (state, _) in zip(runs, situations(runs))

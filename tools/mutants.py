@@ -78,8 +78,8 @@ MUTANTS = {
     "graph-grads-left-for-capture": ("plumbing/graph.py", "        self.optimizer.zero_grad(set_to_none=True)  # the "
                                      "graph's backward", "        pass  # the graph's backward",
                                      ["tests/test_graph.py"]),
-    "tracking-held-default-ignored": ("plumbing/tracking.py", "if step > held.get(k, floor)}",
-                                      "if step > held.get(k, -1)}",
+    "tracking-held-default-ignored": ("plumbing/tracking.py", "if held is None or step > held[k]}",
+                                      "if held is None or step > held.get(k, -1)}",
                                       ["tests/test_ecosystem.py::test_each_step_is_tracked_once_across_a_kill_between_"
                                        "saves"]),
     # the cluster path, against a real Slurm (tests/test_slurm.py: skipped where tools/local_slurm.sh's is not up)

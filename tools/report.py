@@ -27,7 +27,6 @@ import json
 import math
 import os
 import platform
-import resource
 import shlex
 import subprocess
 import sys
@@ -124,11 +123,9 @@ def timed(cmd, env=None) -> dict:
     """Run cmd in ROOT (an error raises); its wall time and its processes' CPU time (all children's, when runs
     go on at once)."""
     print("== " + " ".join(str(c) for c in cmd[1:]), flush=True)
-    cpu_before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    cpu_before, start = cluster.cpu_of_children(), time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True, env=env)
-    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cost = {"wall_s": round(time.perf_counter() - start, 1),
-            "cpu_s": round(cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime, 1)}
+    cost = {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(cluster.cpu_of_children() - cpu_before, 1)}
     print(f"== took {cost['wall_s']:.0f}s wall, {cost['cpu_s']:.0f}s CPU", flush=True)
     return cost
 
@@ -625,14 +622,16 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs:
               f"{protocol['name']}; logs under {folder}", flush=True)
         if not jobs["wait"]:
             return
-        cluster.wait(todo + waiting)
         ended = todo + waiting
+        cluster.wait(ended)
         failed = [(run, said) for run, (state, said) in zip(ended, cluster.situations(ended)) if state != "done"]
     else:
         failed = [(run, err) for run, err in ((run, failed_run(make_here)(run)) for run in todo) if err]
     for run, err in failed:
         print(f"== failed: {protocols.command_line(run)} ({err})", flush=True)
-    protocols.write_page(protocol, RESULTS, underway=cluster.underway(protocol, RESULTS))
+    # after --wait none of its runs is queued; here, an earlier submission's may be
+    underway = {} if jobs else cluster.underway(protocol, RESULTS / protocol["name"])
+    protocols.write_page(protocol, RESULTS, underway=underway)
     if failed:
         raise SystemExit(1)
 
@@ -730,7 +729,7 @@ def main(argv=None):
         elif args.action == "run":
             run_protocol(protocol, extra, gpus, jobs)
         else:
-            protocols.write_page(protocol, RESULTS, underway=cluster.underway(protocol, RESULTS))
+            protocols.write_page(protocol, RESULTS, underway=cluster.underway(protocol, RESULTS / protocol["name"]))
     except plumbing.UsageError as err:
         fail(str(err))
 

@@ -30,7 +30,7 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess | None:
 
 
 def states(job_ids: list[str]) -> dict[str, tuple[str, str]]:
-    """{job id: (state, squeue's reason or "")} for the jobs Slurm knows: squeue's live and recent jobs, then sacct's
+    """{job id: (state, squeue's reason or "")} for the jobs Slurm knows: squeue's (those still queued), then sacct's
     (where accounting is on) for the others. A job neither knows is absent: Slurm has lost it."""
     found: dict[str, tuple[str, str]] = {}
     if not job_ids:
