@@ -4,7 +4,6 @@ Hub (cached) or --train_file; `datasets` reads and caches it as SimCSE's train.p
 from __future__ import annotations
 
 import collections
-import csv
 import itertools
 import random
 from pathlib import Path
@@ -43,22 +42,8 @@ def training_examples(args, default_file: str = "wiki1m_for_simcse.txt", triplet
     if Path(path).is_file() and Path(path).stat().st_size > 20 * 2**20:
         distributed.log(f"reading {path} (datasets caches it: the next run is faster)")
     lines = plumbing.read_lines(path, "--train_file")  # missing, unreadable, not UTF-8: one line
-    if triplets:
-        rows = csv.reader(lines)
-        header = next(rows)
-        if {"sent0", "sent1"} - set(header):
-            raise plumbing.UsageError(f"--train_file {path}: the header must name sent0,sent1 "
-                                      "(and hard_neg for hard negatives: nli_for_simcse.csv)")
-        columns = ["sent0", "sent1"] + (["hard_neg"] if hard_negatives and "hard_neg" in header
-                                        else [])
-        if neutral and not {"hard_neg", "neutral"} <= set(header):
-            raise plumbing.UsageError(f"--train_file {path}: --neutral_hard_negatives needs "
-                                      "sent0,sent1,hard_neg,neutral columns (docs/reproducing.md)")
-        columns += ["neutral"] if neutral else []
-        for row in rows:
-            if len(row) < len(header):
-                raise plumbing.UsageError(f"--train_file {path} line {rows.line_num} has "
-                                          f"{len(row)} column(s), expected {len(header)}")
+    if triplets:  # the columns it has and a run wants; a short row: one line
+        columns = plumbing.triplet_columns(lines, path, hard_negatives, neutral)
     import datasets
     datasets.disable_progress_bars()  # one line instead, for a corpus big enough to take a while
     if triplets:  # keep_default_na: a sentence "NA" or "null" stays a sentence

@@ -27,6 +27,7 @@ cleanrl_utils/).
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.util
 import math
 import os
@@ -173,6 +174,25 @@ def read_lines(path, flag: str) -> list[str]:
     if not text.strip():
         raise UsageError(f"{flag} {path} is empty")
     return text.splitlines()
+
+
+def triplet_columns(lines: list[str], path, hard_negatives: bool, neutral: bool) -> list[str]:
+    """An NLI file's columns a run reads (data.training_examples): sent0, sent1, hard_neg where the file has it
+    and `hard_negatives`, neutral with `neutral`; a header without them or a short row is one line."""
+    rows = csv.reader(lines)
+    header = next(rows)
+    if {"sent0", "sent1"} - set(header):
+        raise UsageError(f"--train_file {path}: the header must name sent0,sent1 (and hard_neg for hard negatives: "
+                         "nli_for_simcse.csv)")
+    if neutral and not {"hard_neg", "neutral"} <= set(header):
+        raise UsageError(f"--train_file {path}: --neutral_hard_negatives needs sent0,sent1,hard_neg,neutral columns "
+                         "(docs/reproducing.md)")
+    for row in rows:
+        if len(row) < len(header):
+            raise UsageError(f"--train_file {path} line {rows.line_num} has {len(row)} column(s), expected "
+                             f"{len(header)}")
+    return ["sent0", "sent1"] + (["hard_neg"] if hard_negatives and "hard_neg" in header else []) + \
+        (["neutral"] if neutral else [])
 
 
 def parse_score(value: str, path, line_number: int, flag: str) -> float:
