@@ -75,18 +75,25 @@ def parse_args(argv=None):
     return args
 
 
-def ami_loss(attn1, attn2, num_samples: int = 150,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+def ami_loss(attn1, attn2, num_samples: int = 150, generator: torch.Generator | None = None,
+             longest=None, layout: int | None = None) -> torch.Tensor:
     """Attention mutual information (Eq. 4, Algorithm 1) as the authors' code computes it, to
     minimise; `attn1`, `attn2`: the views' attention probabilities of the K (even) layers it scores,
     stacked (N, K, H, n, n), fp32. 1. Tiles: a sample's, head's, layer parity's n x n entries.
     2. `num_samples` entries a tile sampled among those valid in both views (> 0), tiles with fewer
     left out (none has that many: the poorest's count). 3. Their logs, centred. 4. MI = -1/2 log(1 -
-    rho^2), rho their cosine. 5. -mean(MI) over the tiles kept x (their valid share^2 + 1e-6)."""
+    rho^2), rho their cosine. 5. -mean(MI) over the tiles kept x (their valid share^2 + 1e-6).
+    `longest` (the batch's longest row, a 0-d tensor), `layout` (--max_seq_length): a batch padded
+    wider (a CUDA graph's) scores what it scores padded to its longest row (the released code's)."""
     if attn1.shape[1] < 2 or attn1.shape[1] % 2:
         raise ValueError(f"AMI needs an even number (>= 2) of layers, got {attn1.shape[1]}")
+    n = attn1.shape[-1]
+    pad = max((layout or 0) - n, 0)  # every padding in one layout: the same draws
+    attn1, attn2 = (F.pad(a, (0, pad, 0, pad)) for a in (attn1, attn2))  # zeros: never sampled
+    row = torch.arange(n + pad, device=attn1.device) < (n if longest is None else longest)
+    inside = (row[:, None] & row).flatten().repeat(attn1.shape[1] // 2)  # not a padding's entry
     tiles1, tiles2 = attention_tiles(attn1), attention_tiles(attn2)  # 1.
-    sample = ami_sample(tiles1, tiles2, num_samples, generator)  # 2.
+    sample = ami_sample(tiles1, tiles2, num_samples, generator, inside)  # 2.
     log1, log2 = centred_logs(tiles1, sample), centred_logs(tiles2, sample)  # 3.
     rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)  # 4.
     # Code over paper: Algorithm 1 drops Eq. 4's log; the released code keeps it (and scales).
@@ -113,18 +120,19 @@ class AMISample(NamedTuple):
     valid_fraction: torch.Tensor  # the valid share of the kept tiles' entries (the loss's scale)
 
 
-def ami_sample(tiles1, tiles2, num_samples: int, generator=None) -> AMISample:
+def ami_sample(tiles1, tiles2, num_samples: int, generator=None, inside=None) -> AMISample:
     """Which entries AMI reads, every shape fixed (no host sync): `used`, the tiles that count (the
     released code drops the rest); sampled without replacement: the k valid entries of largest
-    random keys, topk-sorted (a tile's first k columns)."""
-    valid = (tiles1 > 0) & (tiles2 > 0)
+    random keys, topk-sorted (a tile's first k columns); `inside`: the batch's entries, else all."""
+    valid = (tiles1 > 0) & (tiles2 > 0) & (True if inside is None else inside)
     counts = valid.sum(dim=1)
     enough = counts >= num_samples
     some_enough = enough.any()
     used = enough | ~some_enough
     k = torch.where(some_enough, num_samples, counts.min())
     # Code over paper: the released code scales by the valid share of the tiles it keeps
-    valid_fraction = (counts * used).sum().to(tiles1.dtype) / (used.sum() * valid.shape[1])
+    valid_fraction = (counts * used).sum().to(tiles1.dtype) / (used.sum() * (
+        valid.shape[1] if inside is None else inside.sum()))
     width = min(num_samples, tiles1.shape[1])
     device = generator.device if generator is not None else tiles1.device
     keys = torch.rand(valid.shape, generator=generator, device=device).to(tiles1.device)
@@ -151,13 +159,14 @@ def moco_info_nce(z1, z2, queue, temp: float = 0.05, own_keys=None) -> torch.Ten
 
 
 def micse_loss(z1, z2, attn1, attn2, queue, temp=0.05, ami_lambda=2.5e-3, ami_samples=150,
-               own_keys=None, generator=None, positives_only=False, terms=None) -> torch.Tensor:
+               own_keys=None, generator=None, positives_only=False, terms=None, longest=None,
+               layout=None) -> torch.Tensor:
     """miCSE's objective: InfoNCE over the batch and `queue`'s negatives (Eq. 2) + ami_lambda x AMI
-    (Eq. 4); `positives_only`: Table 4's positive pairs alone, with AMI; a dict given as `terms`
-    gets the two terms ("info_nce", "ami") for the log. Every input fp32."""
+    (Eq. 4, `longest` and `layout` its); `positives_only`: Table 4's positive pairs alone, with AMI;
+    a dict given as `terms` gets the two terms ("info_nce", "ami") for the log. Every input fp32."""
     contrastive = common.positive_only_loss(z1, z2, temp) if positives_only else \
         moco_info_nce(z1, z2, queue, temp, own_keys)
-    ami = ami_lambda * ami_loss(attn1, attn2, ami_samples, generator)
+    ami = ami_lambda * ami_loss(attn1, attn2, ami_samples, generator, longest, layout)
     if terms is not None:
         terms.update(info_nce=contrastive.detach(), ami=ami.detach())
     return contrastive + ami
@@ -221,14 +230,15 @@ def embeddings(batch, ddp_model, head, args, part=None) -> tuple:
 
 
 def micse_objective(z1, z2, attn1, attn2, *, queue, sentence_ids, generator, global_rows, args,
-                    terms=None):
+                    longest, terms=None):
     """micse_loss over the global batch (`global_rows` rows gathered; AMI per process's rows)."""
     z1, z2 = distributed.gather(z1, global_rows), distributed.gather(z2, global_rows)
     # This suite's choice (the paper is silent; the released code has no queue): an anchor's own
     # sentence queued earlier is no negative of itself (small subsets repeat), nor an empty slot
     left_out = (queue.ids == sentence_ids[:, None]) | ~queue.filled
     return micse_loss(z1, z2, attn1, attn2, queue.tensor, args.temp, args.ami_lambda,
-                      args.ami_samples, left_out, generator, args.no_negatives, terms)
+                      args.ami_samples, left_out, generator, args.no_negatives, terms, longest,
+                      args.max_seq_length)  # one layout, eager or padded by the CUDA graph
 
 
 def train_step(ddp_model, backbone, head, momentum_model, queue, generator, params, optimizer,
@@ -239,7 +249,8 @@ def train_step(ddp_model, backbone, head, momentum_model, queue, generator, para
     sentence_ids = distributed.gather(batch["example_ids"], global_rows)  # the queue's ids
     terms = {}  # the loss's two terms, logged beside it
     loss_of = functools.partial(micse_objective, queue=queue, sentence_ids=sentence_ids, args=args,
-                                generator=generator, global_rows=global_rows, terms=terms)
+                                generator=generator, global_rows=global_rows, terms=terms,
+                                longest=inputs["attention_mask"].sum(1).max())  # AMI's rows
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
         loss = common.grad_cache(functools.partial(embeddings, inputs, ddp_model, head, args),

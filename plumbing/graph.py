@@ -7,17 +7,18 @@ values that stay the same for a shape, such as the global batch's row count):
 
 - The first WARMUP steps run eagerly on a side stream (PyTorch's recipe: the lazy state, the optimizer's moments and
   the GradScaler's scale, is made before the capture).
-- Then the step is captured once, on the next full batch (as many rows as the largest so far), in input buffers of
-  its shape: the optimizer made capturable with its learning rate a device tensor (the schedule writes into it
-  between replays: no host sync), autocast's weight cache off (a capture cannot keep it), dropout drawn from the
-  graph-safe CUDA generator (and `generators`, e.g. the MLM masking's, registered with the graph). Each later batch
-  of that shape is copied into the buffers and the graph replayed; a batch of another shape (an epoch's short last
-  batch) runs eagerly.
+- Then the step is captured once for each shape of batch, in input buffers of that shape: the optimizer made
+  capturable with its learning rate a device tensor (the schedule writes into it between replays: no host sync),
+  autocast's weight cache off (a capture cannot keep it), dropout drawn from the graph-safe CUDA generator (and
+  `generators`, e.g. the MLM masking's, registered with the graph). Each later batch of a shape is copied into its
+  buffers and its graph replayed. Every batch is padded to --max_seq_length, so there are two shapes: the full batch
+  and an epoch's short last one, whose graph is captured (after one eager warm-up step of its own) in the first
+  graph's memory pool: the two never run at once, so they share their memory.
 - What a replay returns lives in the graph's memory and is overwritten by the next replay: it is returned as copies.
 
 What cannot be captured is refused before any work where --cuda_graph is given, and left eager by default
 (options.check_cuda_graph): another device, torchrun's processes (DDP's all-reduce hooks), --micro_batch_size and
---gradient_checkpointing (they read and set the RNG's state on the host), --compile. A step that turns out not to be
+--gradient_checkpointing (they read and set the RNG's state on the host). A step that turns out not to be
 capturable (an encoder whose forward copies a value from the host, as DeBERTa-v2's relative positions do;
 WhitenedCSE's eigh for groups wider than 2) goes on eagerly after one line. `release()` frees the graphs' memory
 (before the final evaluation)."""
@@ -38,27 +39,24 @@ class StepGraph:
         """train_step(batch) -> a tensor or a tuple of tensors; enabled False: it is called as it is.
         generators: the torch.Generators on the GPU that the step draws from besides the default one (None: none)."""
         self.train_step, self.optimizer, self.enabled = train_step, optimizer, enabled
-        self.generators, self.calls, self.largest = [g for g in generators if g is not None], 0, 0
-        self.graph, self.static_batch, self.static_outputs, self.same = None, None, None, ()
+        self.generators, self.calls = [g for g in generators if g is not None], 0
+        self.graphs, self.warmed, self.pool = {}, set(), None  # {shape: (graph, input buffers, outputs)}
 
     def __call__(self, batch: dict, *same):  # -> what train_step returns, detached
         if not self.enabled:
             return self.train_step(batch, *same)
         self.calls += 1
-        rows = next(iter(batch.values())).shape[0]
-        self.largest = max(self.largest, rows)
-        if self.calls <= WARMUP:
+        shape = (tuple((k, tuple(v.shape)) for k, v in batch.items()), same)  # what a graph fixes
+        if self.calls <= WARMUP or shape not in self.warmed:  # a new shape: one eager step first
+            self.warmed.add(shape)
             return self._on_side_stream(batch, *same)
-        if self.graph is None and rows == self.largest:  # a full batch: the shape to capture
-            if not self._capture(batch, *same):
-                return detached(self.train_step(batch, *same))  # not capturable: eagerly from now on
-        elif self.graph is None or same != self.same or any(
-                batch[k].shape != buffer.shape for k, buffer in self.static_batch.items()):
-            return detached(self.train_step(batch, *same))  # an epoch's short last batch: eagerly
-        for k, buffer in self.static_batch.items():
+        if shape not in self.graphs and not self._capture(shape, batch, *same):
+            return detached(self.train_step(batch, *same))  # not capturable: eagerly from now on
+        cuda_graph, buffers, outputs = self.graphs[shape]
+        for k, buffer in buffers.items():
             buffer.copy_(batch[k], non_blocking=True)
-        self.graph.replay()
-        return each(self.static_outputs, torch.Tensor.clone)
+        cuda_graph.replay()
+        return each(outputs, torch.Tensor.clone)
 
     def _on_side_stream(self, batch: dict, *same):
         side = torch.cuda.Stream()
@@ -68,20 +66,21 @@ class StepGraph:
         torch.cuda.current_stream().wait_stream(side)
         return outputs
 
-    def _capture(self, batch: dict, *same) -> bool:
-        """The step captured on this batch's buffers; False (and one line) where it cannot be: the run then goes on
-        eagerly, with what the capture attempt left (no kernel of it ran) cleared by the eager step's zero_grad."""
+    def _capture(self, shape, batch: dict, *same) -> bool:
+        """The step captured on buffers of this batch's shape; False (and one line) where it cannot be: the run then
+        goes on eagerly, with what the capture attempt left (no kernel of it ran) cleared by the eager step's
+        zero_grad."""
         capturable(self.optimizer, next(iter(batch.values())).device)
-        self.static_batch, self.same = {k: v.clone() for k, v in batch.items()}, same
+        buffers = {k: v.clone() for k, v in batch.items()}
         self.optimizer.zero_grad(set_to_none=True)  # the graph's backward makes the gradients in its own pool
-        self.graph = torch.cuda.CUDAGraph()
+        cuda_graph = torch.cuda.CUDAGraph()
         for generator in self.generators:
-            self.graph.register_generator_state(generator)
+            cuda_graph.register_generator_state(generator)
         cache = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)
         try:  # thread_local: the data loader's pinning thread may call CUDA meanwhile
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.static_outputs = detached(self.train_step(self.static_batch, *same))
+            with torch.cuda.graph(cuda_graph, pool=self.pool, capture_error_mode="thread_local"):
+                outputs = detached(self.train_step(buffers, *same))
         except torch.OutOfMemoryError:
             raise  # the run's own out-of-memory stop (plumbing.cli)
         except RuntimeError as error:  # e.g. an encoder whose forward reads or copies a host value
@@ -93,21 +92,26 @@ class StepGraph:
             return False
         finally:
             torch.set_autocast_cache_enabled(cache)
+        self.graphs[shape], self.pool = (cuda_graph, buffers, outputs), self.pool or cuda_graph.pool()
         _LIVE.add(self)
         return True
 
-    def release(self) -> None:
-        """The graph, its buffers and its memory pool given back."""
-        self.graph, self.static_batch, self.static_outputs = None, None, None
+    def release(self) -> int:
+        """The graphs, their buffers and their memory pool given back; how many there were."""
+        count, self.graphs, self.pool = len(self.graphs), {}, None
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
+        return count
 
 
-def release() -> None:
-    """Every StepGraph's graph and memory pool freed (the training has ended: the final evaluation needs the room)."""
+def release() -> int:
+    """Every StepGraph's graphs and memory pool freed (the training has ended: the final evaluation needs the room);
+    how many graphs were captured (the run's record says so)."""
+    count = 0
     for step_graph in list(_LIVE):
-        step_graph.release()
+        count += step_graph.release()
         step_graph.enabled = False
+    return count
 
 
 def capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

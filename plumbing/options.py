@@ -73,7 +73,8 @@ def add_run_flags(parser) -> None:
                    help="alias of --precision fp32")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the encoder for the training passes (batches padded to a "
-                        "multiple of 8, so that few shapes compile)")
+                        "multiple of 8, so that few shapes compile); with --cuda_graph, the compiled "
+                        "step captured in the graph")
     g.add_argument("--pad_to_max_length", action="store_true",
                    help="pad every batch to --max_seq_length (the released train.py's flag): one "
                         "shape for every step, as a CUDA graph needs; the losses of padding to the "
@@ -217,9 +218,9 @@ def check_args(args) -> torch.device:
 
 
 GRAPHED_METHODS = ("simcse", "simcsepp", "sscl", "whitenedcse", "micse")  # whose step StepGraph captures
-# --cuda_graph by default: each captured and replayed on a GPU (docs/gpu.md); not miCSE, whose AMI weighs its terms by
-# the valid share of the padded width (padding every batch to --max_seq_length would change its objective)
-AUTO_GRAPHED = ("simcse", "simcsepp", "sscl", "whitenedcse")
+# --cuda_graph by default: each captured and replayed on a GPU (docs/gpu.md); miCSE's AMI reads its entries up to the
+# batch's longest row, so the graph's padding to --max_seq_length leaves its objective as it is
+AUTO_GRAPHED = GRAPHED_METHODS
 
 
 def check_cuda_graph(args, device: torch.device) -> None:
@@ -242,12 +243,11 @@ def check_cuda_graph(args, device: torch.device) -> None:
     cannot = {"the device": device.type != "cuda" and f"a CUDA graph needs a CUDA GPU, not {device.type}",
               "torchrun": int(os.environ.get("WORLD_SIZE", "1")) > 1 and "DDP's all-reduce hooks are not captured: "
                                                                            "one process",
-              "--compile": args.compile and "give one of them",
               "--micro_batch_size": args.micro_batch_size and "GradCache reads and sets the RNG's state on the host",
               "--gradient_checkpointing": args.gradient_checkpointing and "the recomputation reads the RNG's state "
                                                                           "on the host"}
-    if args.cuda_graph is None:  # the default
-        args.cuda_graph = args.method in AUTO_GRAPHED and not any(cannot.values())
+    if args.cuda_graph is None:  # the default (--compile: compiled eagerly, unless --cuda_graph is given too)
+        args.cuda_graph = args.method in AUTO_GRAPHED and not any(cannot.values()) and not args.compile
     elif args.cuda_graph:
         for what, why in cannot.items():
             if why:

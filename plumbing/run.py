@@ -137,6 +137,7 @@ class Run:
         self.device = distributed.init(device)
         self.best_dev, self.best_step, self.gate_step = -math.inf, None, None
         self.encoder_notes, self.fitted = [], None  # check_encoder's (--fit_memory's record)
+        self.graphs_captured = 0  # CUDA graphs of the step (--cuda_graph's record)
 
     def check_encoder(self, backbone, tokenizer, attentions: bool = False, layers: bool = False,
                       mlm_head: bool = False) -> tuple[bool, dict]:
@@ -457,7 +458,7 @@ class Run:
         trained one (then the best model's copy goes too: on a GPU, four times the weights in all; plumbing/memory.py
         counts the evaluation's peak so), or before best/ is written after an out-of-memory stop: the gradients,
         AdamW's moments and the CUDA graph's memory pool."""
-        graph.release()
+        self.graphs_captured += graph.release()
         for thing in self.state.values():
             if isinstance(thing, torch.optim.Optimizer):
                 thing.zero_grad(set_to_none=True)
@@ -565,7 +566,8 @@ class Run:
                    "steps_per_second": round(len(history.losses) / self.train_time, 3) if self.train_time else 0.0,
                    **peak_memory(device), "interrupted": self.stop.signum is not None,
                    "provenance": dict(self.provenance), "tracking": history.trackers.ids,
-                   **({"fit_memory": self.fitted} if self.fitted else {})}
+                   **({"fit_memory": self.fitted} if self.fitted else {}),
+                   **({"cuda_graphs": self.graphs_captured} if getattr(args, "cuda_graph", False) else {})}
         if args.count_host_syncs:
             results["host_syncs"] = syncs.WINDOW.record()
         if self.stop.signum is not None:

@@ -3,6 +3,7 @@ learning rate a tensor steps exactly as the eager one, fp16's skipped step inclu
 refused in one line before any work; without the flag the step is called as it is (tests/test_behaviour.py: the
 same losses bit for bit). The capture and replay themselves: tests/test_cuda.py."""
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,7 +80,6 @@ def cuda_graph_args(**given):
 
 
 @pytest.mark.parametrize("given, needle", [
-    ({"compile": True}, "--cuda_graph with --compile: give one of them"),
     ({"micro_batch_size": 4}, "--cuda_graph with --micro_batch_size: GradCache reads and sets the RNG's state"),
     ({"gradient_checkpointing": True}, "--cuda_graph with --gradient_checkpointing: the recomputation reads"),
 ])
@@ -91,12 +91,22 @@ def test_what_a_graph_cannot_capture_is_refused_in_one_line_and_left_eager_by_de
     assert args.cuda_graph is False and args.pad_to_max_length is False
 
 
+def test_compile_runs_eagerly_by_default_and_inside_the_graph_where_both_are_given():
+    args = cuda_graph_args(cuda_graph=None, compile=True)
+    options.check_cuda_graph(args, torch.device("cuda"))
+    assert args.cuda_graph is False and args.pad_to_max_length is False
+    args = cuda_graph_args(cuda_graph=True, compile=True)  # the compiled step captured (docs/gpu.md)
+    options.check_cuda_graph(args, torch.device("cuda"))
+    assert args.cuda_graph is True and args.pad_to_max_length is True
+
+
 def test_by_default_the_rows_captured_on_a_gpu_take_the_graph_on_cuda_alone(monkeypatch):
     """Every method file's step has been captured and replayed on a GPU (docs/gpu.md): each takes the graph by
-    default on CUDA but miCSE (the padding would change its AMI weight), none on CPU or with --no_cuda_graph."""
-    assert options.AUTO_GRAPHED == ("simcse", "simcsepp", "sscl", "whitenedcse")
+    default on CUDA (miCSE too: its AMI reads up to the batch's longest row, tests/test_micse.py), none on CPU or with
+    --no_cuda_graph."""
+    assert options.AUTO_GRAPHED == ("simcse", "simcsepp", "sscl", "whitenedcse", "micse")
     for method in options.GRAPHED_METHODS:
-        for device, want in (("cuda", method != "micse"), ("cpu", False)):
+        for device, want in (("cuda", True), ("cpu", False)):
             args = cuda_graph_args(method=method, cuda_graph=None)
             options.check_cuda_graph(args, torch.device(device))
             assert args.cuda_graph is want and args.pad_to_max_length is want, (method, device)
@@ -150,20 +160,24 @@ class FakeCuda:
 
     def __init__(self, monkeypatch, fail=None, tensors=()):
         import contextlib
-        self.replays, self.registered, self.log, self.tensors = 0, [], [], list(tensors)
+        self.replays, self.registered, self.log, self.tensors, self.pools = 0, [], [], list(tensors), []
         fake = self
 
         class Graph:
             def register_generator_state(self, generator):
                 fake.registered.append(generator)
 
-            def replay(self):
+            def pool(self):
+                return ("pool of", id(self))
+
+            def replay(self):  # the step rerun on this graph's own buffers, into its own outputs
                 fake.replays += 1
-                outputs = fake.step.train_step(fake.step.static_batch, *fake.step.same)
-                buffers, values = [], []  # each tensor of the outputs (loss, grad_norm, {term: ...})
-                graph.each(fake.step.static_outputs, buffers.append)
+                _, buffers, captured = self.step.graphs[self.shape]
+                outputs = self.step.train_step(buffers, *self.shape[1])
+                into, values = [], []  # each tensor of the outputs (loss, grad_norm, {term: ...})
+                graph.each(captured, into.append)
                 graph.each(outputs, values.append)
-                for buffer, value in zip(buffers, values, strict=True):
+                for buffer, value in zip(into, values, strict=True):
                     buffer.copy_(value.detach())
 
         class Stream:
@@ -180,8 +194,9 @@ class FakeCuda:
             fake.log.append("off")
 
         @contextlib.contextmanager
-        def capture(graph, capture_error_mode):
+        def capture(graph, pool, capture_error_mode):
             assert capture_error_mode == "thread_local" and not torch.is_autocast_cache_enabled()
+            fake.pools.append(pool)
             assert all(p.grad is None for group in fake.step.optimizer.param_groups for p in group["params"])
             saved = [t.detach().clone() for t in fake.state()]
             rng = torch.get_rng_state(), [g.get_state() for g in fake.registered]
@@ -200,9 +215,12 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "graph", capture)
         real_capture = graph.StepGraph._capture
 
-        def capturing(step, batch, *same):
+        def capturing(step, shape, batch, *same):
             fake.step = step
-            return real_capture(step, batch, *same)
+            captured = real_capture(step, shape, batch, *same)
+            if captured:  # which step and shape a replay reruns
+                step.graphs[shape][0].step, step.graphs[shape][0].shape = step, shape
+            return captured
         monkeypatch.setattr(graph.StepGraph, "_capture", capturing)
 
     def state(self):
@@ -235,27 +253,48 @@ def eager_losses(sizes, scale=1.0):
     return [train_step({"x": torch.randn(n, 4)}, scale)[0].detach() for n in sizes]
 
 
-def test_the_step_is_captured_on_a_full_batch_after_the_warm_up_and_short_batches_run_eagerly(monkeypatch):
+def test_each_shape_is_captured_after_its_own_warm_up_and_replayed_from_its_own_graph(monkeypatch):
     """Expected: WARMUP eager steps (a short batch among them) each on a side stream that waits for the current one
-    and is waited for, the capture on the next full batch (the optimizer made capturable, its lr a tensor, the MLM
-    generator registered, no gradient left), a replay for it and every later full batch on the batch copied into the
-    graph's buffers, an epoch's short batch eagerly; every step's loss the eager loop's; what a step returns holds no
-    autograd graph and is a copy of the graph's outputs. Fails where the batch is not copied into the buffers (the
-    losses of a stale batch), where a stream does not wait, where gradients are left for the capture."""
+    and is waited for; then a graph for each shape of batch, captured the first time the shape comes after the warm-up
+    (a shape the warm-up did not see runs one eager step first), the second in the first's memory pool, with the
+    optimizer made capturable (its lr a tensor), the MLM generator registered, no gradient left; each later batch
+    copied into its shape's buffers and its graph replayed. Every step's loss is the eager loop's; what a step returns
+    holds no autograd graph and is a copy of the graph's outputs. Fails where the batch is not copied into the buffers
+    (the losses of a stale batch), where a short batch is replayed through the full batch's graph (or the full one
+    through the short one's), where a stream does not wait, where gradients are left for the capture."""
+    graph.release()  # what earlier tests in this process left
     cuda = FakeCuda(monkeypatch)
     train_step, optimizer, seen = linear_step()
     generator = torch.Generator()
     step = graph.StepGraph(train_step, optimizer, enabled=True, generators=[None, generator])
-    sizes = [8, 8, 3, 3, 8, 8, 3, 8]  # warm-up, warm-up, warm-up (short), short, capture, replay, short, replay
+    # warm-up x3 (a short one among them), short (captured), full (captured), full, short, full, 5 (new: eager), 5
+    sizes = [8, 8, 3, 3, 8, 8, 3, 8, 5, 5, 3, 8]
     torch.manual_seed(1)
     outputs = [step({"x": torch.randn(n, 4)}) for n in sizes]
     assert [float(out[0]) for out in outputs] == [float(loss) for loss in eager_losses(sizes)]
-    assert cuda.replays == 3 and cuda.registered == [generator]
+    assert cuda.replays == 8 and len(step.graphs) == 3 and cuda.registered == [generator] * 3
+    first_pool = next(iter(step.graphs.values()))[0].pool()
+    assert cuda.pools == [None, first_pool, first_pool]  # one memory pool for the graphs
     assert cuda.log[:5] == ["side waits for current", "on side", "off", "current waits for side",
-                            "side waits for current"] and cuda.log.count("current waits for side") == graph.WARMUP
+                            "side waits for current"] and cuda.log.count("current waits for side") == graph.WARMUP + 1
     assert optimizer.param_groups[0]["capturable"] and torch.is_tensor(optimizer.param_groups[0]["lr"])
     assert all(t.grad_fn is None for out in outputs for t in out)
-    assert outputs[5][0] is not step.static_outputs[0]  # a replay's outputs are copies of the graph's
+    assert outputs[5][0] is not step.graphs[(((("x", (8, 4)),)), ())][2][0]  # a replay's outputs are copies
+    assert graph.release() == 3 and step.graphs == {}
+
+
+def test_a_corpus_whose_every_other_batch_is_short_replays_both_from_graphs(monkeypatch):
+    """An epoch of a batch of 8 and one of 3, over and over (a few-shot corpus): after the warm-up every step is a
+    replay, none eager, and the losses are the eager loop's bit for bit. Fails where a short batch runs eagerly
+    after a note (replays short of the steps) or is replayed through the full batch's graph."""
+    cuda = FakeCuda(monkeypatch)
+    train_step, optimizer, _ = linear_step()
+    step = graph.StepGraph(train_step, optimizer, enabled=True)
+    sizes = [8, 3] * 8
+    torch.manual_seed(1)
+    losses = [float(step({"x": torch.randn(n, 4)})[0]) for n in sizes]
+    assert losses == [float(loss) for loss in eager_losses(sizes)]
+    assert cuda.replays == len(sizes) - graph.WARMUP and len(step.graphs) == 2
 
 
 def test_a_replay_reads_the_same_values_it_was_captured_with_or_runs_eagerly(monkeypatch):
@@ -282,7 +321,7 @@ def test_a_step_that_cannot_be_captured_goes_on_eagerly_after_one_line(monkeypat
     out = capsys.readouterr().out
     assert out.count("note: --cuda_graph: this step cannot be captured in a CUDA graph (operation not permitted when "
                      "stream is capturing); the run goes on eagerly") == 1
-    assert not step.enabled and step.graph is None and torch.is_autocast_cache_enabled()
+    assert not step.enabled and step.graphs == {} and torch.is_autocast_cache_enabled()
 
 
 def test_running_out_of_memory_in_the_capture_is_the_runs_own_out_of_memory_stop(monkeypatch):
@@ -296,14 +335,15 @@ def test_running_out_of_memory_in_the_capture_is_the_runs_own_out_of_memory_stop
 
 
 def test_release_frees_the_graphs_before_the_final_evaluation(monkeypatch):
+    graph.release()  # what earlier tests in this process left
     FakeCuda(monkeypatch)
     train_step, optimizer, _ = linear_step()
     step = graph.StepGraph(train_step, optimizer, enabled=True)
     for _ in range(graph.WARMUP + 2):
         step({"x": torch.randn(8, 4)})
-    assert step.graph is not None
-    graph.release()
-    assert step.graph is None and step.static_batch is None and not step.enabled
+    assert len(step.graphs) == 1
+    assert graph.release() == 1  # the run's record: how many graphs were captured
+    assert step.graphs == {} and step.pool is None and not step.enabled
 
 
 CASES = {"simcse": ("simcse", []), "simcse-sup-mlm": ("simcse", ["--supervised", "--do_mlm"]),
@@ -328,15 +368,21 @@ def test_each_methods_step_replayed_from_the_faked_graph_trains_what_it_trains_e
                                                                                         senteval_dir, tmp_path,
                                                                                         monkeypatch):
     """Every method file hands its flat step to StepGraph; with the graph faked on CPU (FakeCuda: the capture runs
-    nothing, a replay reruns the recorded step on the captured buffers), 8 steps train what the same run trains
-    eagerly, padded alike: the same losses and gradient norms bit for bit, 5 replays. A generator the step draws from
-    that StepGraph does not register (WhitenedCSE's shuffles, AMI's samples, the MLM's masks) would be advanced by
-    the capture and part the runs; so would a step whose fixed values (the global batch's rows) did not reach it."""
+    nothing, a replay reruns the recorded step on the captured buffers), 8 steps on a corpus of 12 examples (batches
+    of 8 and 4 in turn, as a few-shot subset gives) train what the same run trains eagerly, padded alike: the same
+    losses and gradient norms bit for bit, 5 replays from 2 graphs, which the record counts. A generator the step
+    draws from that StepGraph does not register (WhitenedCSE's shuffles, AMI's samples, the MLM's masks) would be
+    advanced by the capture and part the runs; so would a step whose fixed values (the global batch's rows) did not
+    reach it, or a short batch replayed through the full batch's graph."""
     import importlib
     import json
     from conftest import write_nli
     script, flags = CASES[case]
-    data = write_nli(tmp_path / "nli.csv", 64) if "--supervised" in flags else corpus
+    if "--supervised" in flags:
+        data = write_nli(tmp_path / "nli.csv", 12)
+    else:
+        data = tmp_path / "twelve.txt"
+        data.write_text("\n".join(Path(corpus).read_text().splitlines()[:12]) + "\n")
     real_check = options.check_cuda_graph
     monkeypatch.setattr(options, "check_cuda_graph", lambda args, device: real_check(args, torch.device("cuda")))
     cuda = FakeCuda(monkeypatch)
@@ -355,6 +401,7 @@ def test_each_methods_step_replayed_from_the_faked_graph_trains_what_it_trains_e
         results[mode] = json.loads((out / "results.json").read_text())
     eager, graphed = results["--no_cuda_graph"], results["--cuda_graph"]
     assert graphed["args"]["cuda_graph"] is True and eager["args"]["cuda_graph"] is False
-    assert cuda.replays == 8 - graph.WARMUP  # steps 4 (captured, then replayed) to 8
+    assert cuda.replays == 8 - graph.WARMUP  # steps 4 and 5 (each captured, then replayed) to 8
+    assert graphed["cuda_graphs"] == 2 and "cuda_graphs" not in eager
     assert graphed["train_loss"] == eager["train_loss"] and graphed["grad_norm"] == eager["grad_norm"]
     assert graphed.get("train_terms") == eager.get("train_terms")  # miCSE's, SimCSE++'s and --do_mlm's: replayed too

@@ -117,6 +117,50 @@ def test_ami_samples_and_scales_as_the_released_code(num_samples):
     assert got.item() == pytest.approx(released_ami(attn1, attn2, 0, 4, num_samples, keys), rel=1e-9)
 
 
+def padded_wider(attn, width, seed):
+    """(N, K, H, n, n) attention as the CUDA graph's padding to `width` gives it: the batch's n x n entries as they
+    are, the padded keys 0 (masked), the padded queries' rows not 0 (a padding token attends to the real ones)."""
+    n = attn.shape[-1]
+    wider = torch.zeros(*attn.shape[:3], width, width, dtype=attn.dtype)
+    wider[..., :n, :n] = attn
+    junk = torch.rand(*attn.shape[:3], width - n, n, generator=torch.Generator().manual_seed(seed), dtype=attn.dtype)
+    wider[..., n:, :n] = junk / junk.sum(-1, keepdim=True)
+    return wider
+
+
+def test_ami_of_a_batch_padded_to_max_seq_length_is_its_ami_padded_to_its_longest_row_bit_for_bit():
+    """The graph pads every batch to --max_seq_length (12 here), eager to the batch's longest row: for every longest
+    row from 1 to 12, the two give the same loss and the same gradient bit for bit (the entries beyond the longest row
+    left out, the sample drawn in --max_seq_length's layout by both). Fails where the valid share is read from the
+    padded width, where the padded queries' rows count, or where the two paths draw their samples in different
+    layouts (each its own width)."""
+    layout = 12
+    for longest in range(1, layout + 1):
+        lengths = [longest] + [min(longest, max(2, n)) for n in (longest - 3, longest // 2)]  # the first the longest
+        eager1 = random_attention(length=longest, seed=30 + longest, padded_keys=lengths)
+        eager2 = random_attention(length=longest, seed=60 + longest, padded_keys=lengths)
+        graph1, graph2 = padded_wider(eager1, layout, 1), padded_wider(eager2, layout, 2)
+        values, grads = [], []
+        for a1, a2 in ((eager1, eager2), (graph1, graph2)):
+            a1 = a1[:, 0:4].clone().requires_grad_(True)
+            loss = micse.ami_loss(a1, a2[:, 0:4], 20, torch.Generator().manual_seed(longest),
+                                  torch.tensor(longest), layout)
+            loss.backward()
+            values.append(loss)
+            grads.append(a1.grad[..., :longest, :longest])
+        assert torch.equal(values[0], values[1]) and torch.equal(grads[0], grads[1]), longest
+        # rows of one length, every entry taken (no sampling): the graph's batch gives the reference's value
+        full1, full2 = (random_attention(length=longest, seed=seed + longest) for seed in (90, 120))
+        every = micse.ami_loss(padded_wider(full1, layout, 3)[:, 0:4], padded_wider(full2, layout, 4)[:, 0:4],
+                               10_000, None, torch.tensor(longest), layout)
+        assert longest == 1 or float(every) == pytest.approx(reference_ami(full1, full2, 0, 4), rel=1e-9), longest
+        assert float(values[0].detach()) < 0 or longest == 1  # a term that says something (one entry a row: no correlation)
+        if longest < layout:  # and the mistakes part them: the padded width's share, its rows, each its own layout
+            wrong = [micse.ami_loss(graph1[:, 0:4], graph2[:, 0:4], 20, torch.Generator().manual_seed(longest)),
+                     micse.ami_loss(eager1[:, 0:4], eager2[:, 0:4], 20, torch.Generator().manual_seed(longest))]
+            assert all(not torch.equal(w, values[0]) for w in wrong if longest > 1), longest
+
+
 def test_identical_views_give_large_finite_mi():
     attn = random_attention(seed=9)
     loss = micse.ami_loss(attn[:, 0:4], attn.clone()[:, 0:4], num_samples=10_000)

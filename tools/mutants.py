@@ -21,6 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = "tests/test_flags.py"
+AMI_PADDING = ("tests/test_micse.py::test_ami_of_a_batch_padded_to_max_seq_length_is_its_ami_padded_to_its_longest_"
+               "row_bit_for_bit")
 SLURM_STOPS = "tests/test_slurm.py::test_every_way_slurm_stops_a_job"
 SLURM_STATES = "tests/test_slurm.py::test_status_asks_squeue_and_sacct_and_says_lost_where_neither_knows"
 SLURM_MISTAKES = "tests/test_slurm.py::test_mistakes_are_one_line_before_anything_is_queued"
@@ -78,6 +80,14 @@ MUTANTS = {
     "graph-grads-left-for-capture": ("plumbing/graph.py", "        self.optimizer.zero_grad(set_to_none=True)  # the "
                                      "graph's backward", "        pass  # the graph's backward",
                                      ["tests/test_graph.py"]),
+    # miCSE under the graph's padding (#74): AMI's share, its rows, its sample's layout; a short batch's own graph
+    "ami-share-of-padded-width": ("micse.py", "valid.shape[1] if inside is None else inside.sum()))",
+                                  "valid.shape[1]))", [AMI_PADDING]),
+    "ami-padded-rows-counted": ("micse.py", "< (n if longest is None else longest)", "< n + pad", [AMI_PADDING]),
+    "ami-layout-own-width": ("micse.py", "pad = max((layout or 0) - n, 0)", "pad = 0", [AMI_PADDING]),
+    "graph-short-batch-through-full": ("plumbing/graph.py", "shape = (tuple((k, tuple(v.shape)) for k, v in "
+                                       "batch.items()), same)", "shape = (tuple(batch), ())",
+                                       ["tests/test_graph.py"]),
     "tracking-held-default-ignored": ("plumbing/tracking.py", "if held is None or step > held[k]}",
                                       "if held is None or step > held.get(k, -1)}",
                                       ["tests/test_ecosystem.py::test_each_step_is_tracked_once_across_a_kill_between_"
