@@ -572,6 +572,7 @@ COMPARE_ROWS = {  # --rows: what each row of the comparison is
     "suite": "`simcse.py` (eager, the default)",
     "suite-compile": "`simcse.py --compile` (inductor's default mode)",
     "suite-graph": "`simcse.py --cuda_graph` (the step replayed from one CUDA graph)",
+    "suite-graph-compile": "`simcse.py --cuda_graph --compile` (inductor's kernels captured in the graph)",
     "bare": "a bare eager step (the batch on the device, fused AdamW, SDPA, autocast)",
     "bare-graph": "the bare step in one `torch.cuda.CUDAGraph`, replayed (AdamW capturable, lr a tensor)",
     "sentence-transformers": "sentence-transformers' trainer (MultipleNegativesRankingLoss, scale 20, CLS)",
@@ -634,6 +635,8 @@ def compare_steps(args) -> dict:
                 "suite-compile": lambda: suite_step(args, model, workdir, ["--compile"]),
                 "suite-graph": lambda: suite_step(args, model, workdir, ["--cuda_graph"]) if device.type == "cuda"
                 else "needs CUDA (simcse.py --cuda_graph)",
+                "suite-graph-compile": lambda: suite_step(args, model, workdir, ["--cuda_graph", "--compile"])
+                if device.type == "cuda" else "needs CUDA (simcse.py --cuda_graph)",
                 "bare": lambda: bare_eager(args, model, batches, device, precision),
                 "bare-graph": lambda: bare_graph(args, model, batches, device, precision),
                 "sentence-transformers": lambda: sentence_transformers_trainer(args, model, device, precision,

@@ -33,6 +33,13 @@
 #   bench          each method as a user runs it, BERT-base-sized, batch 64 x 32 (tools/bench.py)      bench.txt
 #   saves          what writing best/ and last/ costs (tools/bench.py --save_cost)                     saves.txt
 #   recipes_micse  miCSE's few-shot recipe (the sixth row) alone, with and without the graph  recipes_micse_*.txt
+#   traces         the capture of a tiny random MPNet's and DeBERTa-v2's training step as the suite runs it (the
+#                  families the graph falls back on), the whole traceback: the line that touches the host  traces.txt
+#   fewshot        the few-shot protocol's three scripts (simcse.py, micse.py --queue_size 0, micse.py) at its
+#                  precision (fp32), 40 steps with a gate every 20, the graph on: its step, gate and final
+#                  evaluation times, from which docs/cluster.md prices the protocol            fewshot_*.txt
+#   graph_compile  SimCSE's step with the graph and with the graph around the compiled encoder (--compile),
+#                  timed as `compare` times it, and their losses side by side (dropout 0, 30 steps)  graph_compile.txt
 #   runs_per_gpu   K copies of SimCSE's recipe (--recipe_minutes, the graph) at once on the GPU, each a process as
 #                  `report.py run --runs_per_gpu K` starts them: K = 1, 4, then 4 under NVIDIA MPS where the machine
 #                  has it (RPG_SETTINGS="1:off 2:off 4:on" and the like; RPG_STEPS, RPG_GATE: 500 steps, a gate
@@ -41,10 +48,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 declare -A LIMIT=([machine]=15 [compare]=170 [recipes_base]=200 [flags]=45 [recipes_large]=240 [test_cuda]=240
                   [bench]=170 [saves]=60 [graph]=180 [recipes_graph]=240 [families]=60 [gate]=40
-                  [recipes_micse]=130 [runs_per_gpu]=260)
+                  [recipes_micse]=130 [runs_per_gpu]=260 [traces]=45 [fewshot]=120 [graph_compile]=150)
 DEFAULT="machine graph recipes_graph families gate"
 ORDER="machine graph recipes_graph families gate compare recipes_base flags recipes_large test_cuda bench saves
-       recipes_micse runs_per_gpu"
+       recipes_micse runs_per_gpu traces fewshot graph_compile"
 for stage in $ORDER; do  # COMPARE_S=200 and the like
     override="${stage^^}_S"
     LIMIT[$stage]=${!override:-${LIMIT[$stage]}}
@@ -185,6 +192,80 @@ stage_runs_per_gpu() {  # K processes at once, as the local executor places K ru
         if [ "$mps" = on ]; then echo quit | nvidia-cuda-mps-control; trap - EXIT; fi
     done
     rm -rf "$tmp"
+}
+
+stage_traces() {
+    limit traces python3 - <<'EOF' > "$OUT/traces.txt" 2>&1
+import sys, tempfile, traceback
+from pathlib import Path
+sys.path[:0] = [".", "tests"]
+import torch
+import common, families
+from plumbing import hub
+for family in ("mpnet", "deberta-v2"):  # as the suite calls them: through BackboneWithHeads, the 4-D mask prebuilt
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer, model = hub.load_pretrained(str(families.write_model(Path(tmp) / "m", family)))
+        model = common.BackboneWithHeads(model.cuda().train())
+        batch = {"input_ids": torch.randint(5, 40, (8, 16), device="cuda"),
+                 "attention_mask": torch.ones(8, 16, dtype=torch.long, device="cuda")}
+        def step():
+            model.zero_grad(set_to_none=True)
+            model(**batch).last_hidden_state.float().pow(2).mean().backward()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        print(f"== {family}", flush=True)
+        try:
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+                step()
+            print("captured", flush=True)
+        except Exception:
+            traceback.print_exc(file=sys.stdout)
+EOF
+    echo "exit $?" >> "$OUT/traces.txt"
+}
+
+stage_fewshot() {  # the protocol's rows at its precision, each script's graph step, gates and final evaluation
+    LIMIT[third]=$((LIMIT[fewshot] / 3))
+    recipes bert-base 40 20 fewshot_simcse.txt third --recipes simcse --precision fp32
+    recipes bert-base 40 20 fewshot_ami.txt third --recipes micse-fewshot --precision fp32 \
+        --method_args micse:--queue_size=0
+    recipes bert-base 40 20 fewshot_micse.txt third --recipes micse-fewshot --precision fp32
+}
+
+stage_graph_compile() {
+    LIMIT[half]=$((LIMIT[graph_compile] / 2))
+    limit half python3 tools/bench.py --compare_steps --size bert-base --model_name_or_path $DATA/tokenizer $RUNS \
+        --batch_size 64 --max_seq_length 32 --steps 100 --warmup 10 --rows suite-graph suite-graph-compile \
+        > "$OUT/graph_compile.txt" 2>&1
+    echo "exit $?" >> "$OUT/graph_compile.txt"
+    limit half python3 - >> "$OUT/graph_compile.txt" 2>&1 <<'EOF'
+import contextlib, io, json, sys, tempfile
+sys.path[:0] = [".", "tools"]
+import torch
+import bench, simcse
+from types import SimpleNamespace
+with tempfile.TemporaryDirectory() as tmp:
+    model = bench.encoder_folder(SimpleNamespace(model_name_or_path=".gpu_data/tokenizer", size="bert-base"), tmp)
+    losses = {}
+    for name, flags in (("graph", ["--cuda_graph"]), ("graph+compile", ["--cuda_graph", "--compile"])):
+        with contextlib.redirect_stdout(io.StringIO()):
+            simcse.main(["--model_name_or_path", model, "--train_file", ".gpu_data/wiki1m_head.txt", "--senteval_dir",
+                         ".gpu_data/senteval", "--device", "cuda", "--max_steps", "30", "--eval_steps", "30",
+                         "--logging_steps", "1", "--dropout", "0", "--no_test_eval", "--no_align_uniform",
+                         "--output_dir", f"{tmp}/{name}", *flags])
+        losses[name] = json.loads(open(f"{tmp}/{name}/results.json").read())["train_loss"]
+        torch._dynamo.reset()
+    a, b = losses["graph"], losses["graph+compile"]
+    rel = [abs(x - y) / abs(x) for x, y in zip(a, b)]
+    print("losses, dropout 0, bf16 (graph | graph+compile):", [(round(x, 5), round(y, 5)) for x, y in zip(a, b)])
+    print(f"relative difference: step 1 {rel[0]:.2e}, max {max(rel):.2e}, last {rel[-1]:.2e} (bf16's unit "
+          f"roundoff 3.9e-3)")
+EOF
+    echo "exit $?" >> "$OUT/graph_compile.txt"
 }
 
 stage_flags() {
