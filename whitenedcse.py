@@ -97,11 +97,25 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
 def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
     """C^-1/2 of each 2 x 2 covariance [[a, b], [b, c]] (G, 2, 2): with s = sqrt(det C) and t =
     sqrt(a + c + 2 s), C^1/2 = (C + s I) / t, so C^-1/2 = [[c + s, -b], [-b, a + s]] / (s t): the
-    ZCA matrix U diag(lambda^-1/2) U^T that eigh gives, to rounding (tests/test_whitenedcse.py)."""
+    ZCA matrix U diag(lambda^-1/2) U^T that eigh gives, to rounding (tests/test_whitenedcse.py).
+    Below eigh's floor (an eigenvalue < 1e-12: a singular group), eigh's clamped matrix: W = f(l1)
+    u u^T + f(l2) w w^T, f(l) = max(l, 1e-12)^-1/2, u the eigenvector of l1 >= l2, w its normal."""
     a, b, c = covariance[:, 0, 0], covariance[:, 0, 1], covariance[:, 1, 1]
-    s = (a * c - b * b).clamp_min(1e-24).sqrt()  # eigh's clamp: lambda >= 1e-12
+    s = (a * c - b * b).clamp_min(1e-24).sqrt()
     t = (a + c + 2 * s).sqrt()
-    return torch.stack([c + s, -b, -b, a + s], dim=-1).view(-1, 2, 2) / (s * t)[:, None, None]
+    closed = torch.stack([c + s, -b, -b, a + s], dim=-1).view(-1, 2, 2) / (s * t)[:, None, None]
+    half_gap = torch.hypot((a - c) / 2, b)  # the eigenvalues: (a + c) / 2 +- half_gap
+    high, low = (a + c) / 2 + half_gap, (a + c) / 2 - half_gap
+    # u ~ (high - c, b) or (b, high - a), whichever has no cancellation; (1, 0) where l1 = l2
+    u = torch.where((a >= c)[:, None], torch.stack([(a - c) / 2 + half_gap, b], -1),
+                    torch.stack([b, (c - a) / 2 + half_gap], -1))
+    u = torch.where((half_gap > 0)[:, None], u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30),
+                    torch.stack([torch.ones_like(b), torch.zeros_like(b)], -1))  # no host copy
+    w = torch.stack([-u[:, 1], u[:, 0]], -1)
+    clamped = sum(f.clamp_min(1e-12).rsqrt()[:, None, None] * v[:, :, None] * v[:, None, :]
+                  for f, v in ((high, u), (low, w)))
+    floored = (low < 1e-12) | (a * c - b * b < 1e-24)  # eigh's clamp: lambda >= 1e-12
+    return torch.where(floored[:, None, None], clamped, closed)
 
 
 def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:

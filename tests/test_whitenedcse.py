@@ -102,6 +102,35 @@ def test_closed_form_2x2_is_the_eigh_zca_matrix_to_its_condition_times_fp32_roun
     np.testing.assert_allclose(sgw(x, 6, torch.arange(12)).numpy(), numpy_group_whitening(x.numpy(), 6), atol=1e-12)
 
 
+def test_closed_form_2x2_clamps_each_eigenvalue_at_eighs_floor():
+    """A group whose covariance is singular or nearly so (channel 2 = 2 x channel 1, or that plus noise of 1e-7:
+    smallest eigenvalue far below 1e-12) whitens as eigh's path does, each eigenvalue clamped at 1e-12: the same
+    matrix (norm 1e6, not the 1.5e12 of a clamp on the determinant) to float64's rounding, and to fp32's rounding of
+    the norm from fp32 entries; a well-conditioned group keeps the plain closed form bit for bit. Fails where the
+    clamp is on det C (the 1e-24 floor) instead of on each eigenvalue."""
+    def eigh_path(covariance):  # shuffled_group_whitening's eigh branch
+        values, vectors = torch.linalg.eigh(covariance.double())
+        return vectors @ torch.diag_embed(values.clamp_min(1e-12).rsqrt()) @ vectors.transpose(1, 2)
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 1, generator=g, dtype=torch.float64)
+    near = 2 * x + 1e-7 * torch.randn(8, 1, generator=g, dtype=torch.float64)
+    groups = {"rank-deficient": torch.cat([x, 2 * x], 1), "nearly singular": torch.cat([x, near], 1),
+              "zero": torch.zeros(8, 2, dtype=torch.float64)}
+    for name, columns in groups.items():
+        for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
+            centred = (columns - columns.mean(0)).to(dtype)
+            covariance = (centred.T @ centred / 8)[None]
+            reference, got = eigh_path(covariance), whitenedcse.inverse_sqrt_2x2(covariance).double()
+            assert reference.norm() > 9e5, name  # the floor is reached
+            assert (got - reference).norm() <= tolerance * reference.norm(), (name, dtype, got, reference)
+    covariance = torch.tensor([[[2.0, 0.3], [0.3, 0.5]]])  # well-conditioned: the closed form as it was
+    a, b, c = covariance[:, 0, 0], covariance[:, 0, 1], covariance[:, 1, 1]
+    s = (a * c - b * b).clamp_min(1e-24).sqrt()  # the form before the per-eigenvalue clamp, as it was
+    plain = torch.stack([c + s, -b, -b, a + s], dim=-1).view(-1, 2, 2) / (s * (a + c + 2 * s).sqrt())[:, None, None]
+    assert torch.equal(whitenedcse.inverse_sqrt_2x2(covariance), plain)
+
+
 def test_eigendecomposition_runs_in_fp32_under_autocast():
     x = random_x(d=8).float()
     with torch.autocast("cpu", dtype=torch.bfloat16):
