@@ -518,17 +518,20 @@ def fit(args, config, device, world_size: int = 1, saved_args: dict | None = Non
     if peak(found) <= usable(free):
         return None, record
     short = f"memory: --fit_memory: this run needs about {gib(peak(found))} and the GPU has {gib(usable(free))} usable"
-    if getattr(args, "cuda_graph", False) or (args.gradient_checkpointing and args.micro_batch_size):
-        return f"{short}, and it runs both memory flags already or --cuda_graph, which takes neither: going on", record
+    if args.gradient_checkpointing and args.micro_batch_size:
+        return f"{short}, and it runs both memory flags already: going on", record
     setting, fitted = first_fit(args, config, usable(free), world_size, found)
     if setting is None:
         return (f"{short}; no setting of --gradient_checkpointing and --micro_batch_size fits: going on (a smaller "
                 "--batch_size or --max_seq_length, or more GPUs, would)"), record
-    for name, value in setting.items():
-        setattr(args, name, value)
-    record.update(chose=describe(setting), fitted_gib=round(peak(fitted) / 2**30, 2))
-    return (f"memory: --fit_memory switched on {describe(setting)}: the same objective in about {gib(peak(fitted))} "
-            f"instead of {gib(peak(found))}, of the {gib(usable(free))} this GPU has usable"), record
+    graph_off = ", and the CUDA graph off (it takes neither memory flag)" if getattr(args, "cuda_graph", False) else ""
+    for name, value in {**setting, **({"cuda_graph": False} if graph_off else {})}.items():
+        setattr(args, name, value)  # the graph's padding to --max_seq_length stays: the estimate's
+    record.update(chose=describe(setting), fitted_gib=round(peak(fitted) / 2**30, 2), **(
+        {"cuda_graph": False} if graph_off else {}))
+    return (f"memory: --fit_memory switched on {describe(setting)}{graph_off}: the same objective in about "
+            f"{gib(peak(fitted))} instead of {gib(peak(found))}, of the {gib(usable(free))} this GPU has usable"), \
+        record
 
 
 def check_device(args, config, device, world_size: int = 1) -> str | None:
