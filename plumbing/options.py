@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import plumbing
-from plumbing import backbones, hub, resume, tracking
+from plumbing import backbones, distributed, hub, resume, tracking
 
 
 def add_run_flags(parser) -> None:
@@ -230,6 +230,12 @@ def check_cuda_graph(args, device: torch.device) -> None:
     shape a graph replays."""
     if not hasattr(args, "cuda_graph"):  # the ablation scripts
         return
+    cannot = {"the device": device.type != "cuda" and f"a CUDA graph needs a CUDA GPU, not {device.type}",
+              "torchrun": int(os.environ.get("WORLD_SIZE", "1")) > 1 and "DDP's all-reduce hooks are not captured: "
+                                                                           "one process",
+              "--micro_batch_size": args.micro_batch_size and "GradCache reads and sets the RNG's state on the host",
+              "--gradient_checkpointing": args.gradient_checkpointing and "the recomputation reads the RNG's state "
+                                                                          "on the host"}
     started = resume.started_args(args.output_dir) if args.resume or args.auto_resume else None
     if started is not None and "cuda_graph" in started:  # the run's own choice, and so its batches' padding
         if args.cuda_graph is not None and args.cuda_graph != bool(started["cuda_graph"]):
@@ -237,18 +243,16 @@ def check_cuda_graph(args, device: torch.device) -> None:
             raise plumbing.UsageError(f"--{'auto_' if args.auto_resume else ''}resume: the run in {args.output_dir} "
                                       f"started {how}; resume it as it started: leave out --cuda_graph and "
                                       "--no_cuda_graph")
-        args.cuda_graph = bool(started["cuda_graph"])
+        given, args.cuda_graph = args.cuda_graph, bool(started["cuda_graph"])
         args.pad_to_max_length = args.pad_to_max_length or args.cuda_graph
-        return
-    cannot = {"the device": device.type != "cuda" and f"a CUDA graph needs a CUDA GPU, not {device.type}",
-              "torchrun": int(os.environ.get("WORLD_SIZE", "1")) > 1 and "DDP's all-reduce hooks are not captured: "
-                                                                           "one process",
-              "--micro_batch_size": args.micro_batch_size and "GradCache reads and sets the RNG's state on the host",
-              "--gradient_checkpointing": args.gradient_checkpointing and "the recomputation reads the RNG's state "
-                                                                          "on the host"}
+        what = next((what for what, why in cannot.items() if why), None)
+        if args.cuda_graph and what is not None and not given:  # the same steps eagerly, padded as they were
+            args.cuda_graph = False
+            distributed.log(f"note: the run started with the CUDA graph; {what} here ({cannot[what]}): it goes on "
+                            "eagerly, its batches padded to --max_seq_length as they were (the same steps)")
     if args.cuda_graph is None:  # the default (--compile: compiled eagerly, unless --cuda_graph is given too)
         args.cuda_graph = args.method in AUTO_GRAPHED and not any(cannot.values()) and not args.compile
-    elif args.cuda_graph:
+    elif args.cuda_graph:  # given, or a resumed graph's: refused as a fresh command is
         for what, why in cannot.items():
             if why:
                 raise plumbing.UsageError(f"--cuda_graph with {what}: {why}; leave --cuda_graph out to run "

@@ -405,3 +405,73 @@ def test_each_methods_step_replayed_from_the_faked_graph_trains_what_it_trains_e
     assert graphed["cuda_graphs"] == 2 and "cuda_graphs" not in eager
     assert graphed["train_loss"] == eager["train_loss"] and graphed["grad_norm"] == eager["grad_norm"]
     assert graphed.get("train_terms") == eager.get("train_terms")  # miCSE's, SimCSE++'s and --do_mlm's: replayed too
+
+
+@pytest.mark.parametrize("script", ["simcse", "micse"])
+def test_a_graph_run_stopped_and_resumed_is_the_straight_graph_run_bit_for_bit(script, tiny_model, corpus,
+                                                                                senteval_dir, tmp_path, monkeypatch):
+    """The default path on one GPU (the graph, faked on CPU as above): 12 steps straight, and the same command stopped
+    by SIGTERM after step 5 (last/ saved at the stop) then resumed: the same losses, gradient norms and best/ weights
+    bit for bit, the resumed part warmed up, captured again and replayed (9 replays straight, 2 + 4 stopped and
+    resumed). Fails where a resume replays a graph with stale
+    state, or where the resumed run leaves the graph (its padding then changes)."""
+    import json
+    import test_resume
+    real_check = options.check_cuda_graph
+    monkeypatch.setattr(options, "check_cuda_graph", lambda args, device: real_check(args, torch.device("cuda")))
+    cuda = FakeCuda(monkeypatch)
+    capture = graph.StepGraph._capture
+
+    def capturing(step, *given):
+        cuda.tensors = tensors_of(step.train_step)
+        return capture(step, *given)
+    monkeypatch.setattr(graph.StepGraph, "_capture", capturing)
+    flags = ["--max_steps", 12, "--eval_steps", 4, "--no_test_eval", "--no_align_uniform", "--max_seq_length", 16]
+    flags += ["--queue_size", 16] if script == "micse" else []
+    outs = {}
+    for name in ("straight", "resumed"):
+        out = tmp_path / name
+        argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, *flags)]
+        cuda.replays = 0
+        if name == "straight":
+            test_resume.run(script, argv, monkeypatch)
+        else:
+            test_resume.run(script, argv, monkeypatch, stop_at=5)
+            test_resume.run(script, argv + ["--resume"], monkeypatch)
+        assert cuda.replays == {"straight": 9, "resumed": 6}[name], (name, cuda.replays)
+        outs[name] = test_resume.outcome(out)
+    (straight, straight_weights), (resumed, resumed_weights) = outs["straight"], outs["resumed"]
+    assert resumed["args"]["cuda_graph"] is True and resumed["resumptions"] == [5]
+    assert resumed["train_loss"] == straight["train_loss"] and resumed["grad_norm"] == straight["grad_norm"]
+    assert resumed.get("train_terms") == straight.get("train_terms")
+    assert all(torch.equal(straight_weights[f][k], resumed_weights[f][k]) for f in straight_weights
+               for k in straight_weights[f])
+
+
+def test_a_resumed_graph_run_gets_a_fresh_commands_refusals_or_goes_on_eagerly_in_one_line(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """A run started with the graph, resumed where a graph cannot run (no CUDA GPU, torchrun, a memory flag added,
+    as the out-of-memory line advises): eagerly, its batches padded as they were, after one line; with --cuda_graph
+    named too, refused as a fresh command is. Fails where a resume skips the refusals (then a traceback on a
+    machine without CUDA)."""
+    import json
+    (tmp_path / "started.json").write_text(json.dumps({"args": {"cuda_graph": True, "pad_to_max_length": True}}))
+    for device, given, env in ((torch.device("cpu"), {}, "1"), (torch.device("cuda"), {"gradient_checkpointing": True},
+                                                                "1"),
+                               (torch.device("cuda"), {"micro_batch_size": 4}, "1"), (torch.device("cuda"), {}, "2")):
+        monkeypatch.setenv("WORLD_SIZE", env)
+        args = cuda_graph_args(cuda_graph=None, resume=True, output_dir=str(tmp_path), **given)
+        options.check_cuda_graph(args, device)
+        assert args.cuda_graph is False and args.pad_to_max_length is True, (device, given, env)
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("note: the run started with the CUDA graph; ") and \
+            lines[0].endswith("it goes on eagerly, its batches padded to --max_seq_length as they were (the same "
+                              "steps)"), lines
+        with pytest.raises(options.plumbing.UsageError, match="^--cuda_graph with .*; leave --cuda_graph out to run "
+                                                              "eagerly$"):
+            options.check_cuda_graph(cuda_graph_args(cuda_graph=True, resume=True, output_dir=str(tmp_path),
+                                                     **given), device)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    args = cuda_graph_args(cuda_graph=None, resume=True, output_dir=str(tmp_path))  # where it can: the graph
+    options.check_cuda_graph(args, torch.device("cuda"))
+    assert args.cuda_graph is True and capsys.readouterr().out == ""
