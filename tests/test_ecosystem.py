@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,30 +55,29 @@ def test_a_hub_base_model_and_the_authors_data_are_named_with_the_license():
         assert data.library_name == "transformers" and data.eval_results is None
 
 
+def python_blocks(markdown: Path) -> list[str]:
+    """The ```python blocks of a page, in order."""
+    import re
+    return re.findall(r"```python\n(.*?)```", markdown.read_text(), re.S)
+
+
 def test_the_trained_model_in_use_as_docs_show_it(finished_run):
-    """docs/using.md's code on a tiny best/: sentence-transformers' encode, similarity and semantic_search (what the
-    released simcse package's encode / similarity / search do), and transformers with the recorded pooler, which
-    gives sentence-transformers' embeddings."""
-    from sentence_transformers import SentenceTransformer, util
-    from transformers import AutoModel, AutoTokenizer
+    """docs/using.md's two Python blocks, run as they stand on a tiny best/ (its path in place of runs/simcse/best):
+    sentence-transformers' encode, similarity and semantic_search (what the released simcse package's encode /
+    similarity / search do), then transformers with the recorded pooler, which gives sentence-transformers'
+    embeddings. A renamed function, flag or file in the page fails it."""
+    blocks = python_blocks(ROOT / "docs" / "using.md")[:2]
+    assert all("runs/simcse/best" in block for block in blocks)
     best = str(finished_run / "best")
-    corpus = ["A man is playing a guitar.", "A woman is slicing an onion.", "The cat sleeps on the sofa.",
-              "Someone plays an instrument."]
-    model = SentenceTransformer(best, device="cpu")
-    embeddings = model.encode(corpus, convert_to_tensor=True)
-    scores = model.similarity(embeddings[:1], embeddings)  # cosine similarity, as the suite scores STS
-    assert scores.shape == (1, 4) and scores[0, 0] == pytest.approx(1.0, abs=1e-5)
-    hits = util.semantic_search(model.encode(["A person plays music."], convert_to_tensor=True), embeddings, top_k=2)
-    assert len(hits[0]) == 2 and hits[0][0]["score"] >= hits[0][1]["score"]
-    # transformers alone: the pooler best/eval_pooler.json records
+    page = {}
+    exec(blocks[0].replace("runs/simcse/best", best), page)
+    assert page["scores"].shape == (1, 3) and page["scores"][0, 0] == pytest.approx(1.0, abs=1e-5)
+    assert len(page["hits"][0]) == 2 and page["hits"][0][0]["score"] >= page["hits"][0][1]["score"]
+    by_sentence_transformers = page["embeddings"].numpy()
+    exec(blocks[1].replace("runs/simcse/best", best), page)
     pooler = json.loads((finished_run / "best" / "eval_pooler.json").read_text())["pooler"]
-    tokenizer, encoder = AutoTokenizer.from_pretrained(best), AutoModel.from_pretrained(best).eval()
-    batch = tokenizer(corpus, padding=True, truncation=True, return_tensors="pt")
-    with torch.no_grad():
-        hidden = encoder(**batch).last_hidden_state
-    assert pooler == "cls_before_pooler"  # SimCSE unsupervised: [CLS] without the MLP head
-    vectors = hidden[:, 0]
-    np.testing.assert_allclose(vectors.numpy(), embeddings.numpy(), atol=1e-5)
+    assert pooler == "cls_before_pooler"  # SimCSE unsupervised: [CLS] without the MLP head, as the block takes it
+    np.testing.assert_allclose(page["embeddings"].numpy(), by_sentence_transformers, atol=1e-5)
 
 
 def test_fit_memory_switches_on_the_first_exact_setting_that_fits_and_a_resume_keeps_it(
@@ -109,6 +109,37 @@ def test_fit_memory_switches_on_the_first_exact_setting_that_fits_and_a_resume_k
     assert results["fit_memory"] == {"chose": "--micro_batch_size 32", "at": "the run's start"}
     assert results["resumptions"] == [2] and results["steps"] == 4
     assert "--micro_batch_size 32 (GradCache" in json.dumps(results["summary"])  # the run's summary says it
+
+
+def test_fit_memory_fits_the_graph_a_gpu_runs_by_default(tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """On one GPU the CUDA graph is on by default; --fit_memory fits that run as it will run. Where the graph's run
+    fits, nothing changes (the graph stays on); where only a memory flag fits, the flag is switched on and the graph
+    off (it takes neither) in the one line and the record; where nothing fits, the run goes on as given. Fails where
+    --fit_memory declines any run with the graph on (it then runs out of memory)."""
+    import transformers
+    from plumbing import memory
+    argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "run", "--batch_size", 64,
+                                       "--fit_memory")]
+    config = transformers.AutoConfig.from_pretrained(str(tiny_model))
+
+    def graph_args():  # as options.check_cuda_graph leaves them on one CUDA GPU
+        args = simcse.parse_args(argv)
+        args.precision, args.cuda_graph, args.pad_to_max_length = "fp32", True, True
+        return args
+    step = memory.estimate(graph_args(), config)["step"]
+    for capacity, chose in ((2 * step, None), (int(0.6 * step), "--micro_batch_size 32"), (1, None)):
+        monkeypatch.setattr(memory, "device_free", lambda device: memory.CONTEXT + int(
+            capacity / (1 - memory.FRAGMENTATION)) + 1)
+        args = graph_args()
+        line, record = memory.fit(args, config, torch.device("cuda"))
+        assert record["chose"] == chose, (capacity, line, record)
+        if chose:
+            assert line.startswith("memory: --fit_memory switched on --micro_batch_size 32, and the CUDA graph off "
+                                   "(it takes neither memory flag): the same objective"), line
+            assert args.micro_batch_size == 32 and args.cuda_graph is False and record["cuda_graph"] is False
+        else:
+            assert args.cuda_graph is True and not args.micro_batch_size and not args.gradient_checkpointing
+            assert line is None if capacity > step else "no setting of" in line
 
 
 from plumbing.tracking import wandb_records  # noqa: E402  (the reader of W&B's offline run files)

@@ -85,6 +85,14 @@ MUTANTS = {
                                   "valid.shape[1]))", [AMI_PADDING]),
     "ami-padded-rows-counted": ("micse.py", "< (n if longest is None else longest)", "< n + pad", [AMI_PADDING]),
     "ami-layout-own-width": ("micse.py", "pad = max((layout or 0) - n, 0)", "pad = 0", [AMI_PADDING]),
+    "whitening-det-clamp": ("whitenedcse.py", "    return torch.where(floored[:, None, None], clamped, closed)",
+                            "    return closed", ["tests/test_whitenedcse.py"]),
+    "fit-declines-the-graph": ("plumbing/memory.py", "    if args.gradient_checkpointing and args.micro_batch_size:",
+                               '    if getattr(args, "cuda_graph", False) or (args.gradient_checkpointing and '
+                               'args.micro_batch_size):',
+                               ["tests/test_ecosystem.py::test_fit_memory_fits_the_graph_a_gpu_runs_by_default"]),
+    "resume-skips-graph-refusals": ("plumbing/options.py", "        if args.cuda_graph and what is not None and not "
+                                    "given:", "        if False:", ["tests/test_graph.py"]),
     "graph-short-batch-through-full": ("plumbing/graph.py", "shape = (tuple((k, tuple(v.shape)) for k, v in "
                                        "batch.items()), same)", "shape = (tuple(batch), ())",
                                        ["tests/test_graph.py"]),
