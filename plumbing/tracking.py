@@ -12,7 +12,8 @@ steps after its last save bit for bit, and logs a metric at a step only where it
 - tensorboard: event files under <output_dir>/tb; a resumed run drops the events written after its last save.
 - wandb: project $WANDB_PROJECT (default "sentence-embeddings"), files under <output_dir>/wandb; WANDB_MODE=offline
   keeps them there, a part for each start of the run, which one `wandb sync PART ...` uploads in order (the run's
-  last line prints it). $WANDB_NAME, $WANDB_TAGS and $WANDB_RUN_GROUP win over --run_name, --run_tags, --run_group.
+  last line prints it). Online, a resumed run logs after the step where wandb's resume says the server's history
+  ends. $WANDB_NAME, $WANDB_TAGS and $WANDB_RUN_GROUP win over --run_name, --run_tags, --run_group.
 - mlflow: the tracking server or store of $MLFLOW_TRACKING_URI (MLflow's default otherwise), experiment
   $MLFLOW_EXPERIMENT_NAME (default "sentence-embeddings"); --run_tags and --run_group as its run's tags.
 --log_model: at the end, best/ and results.json as a W&B artifact and MLflow artifacts.
@@ -76,9 +77,9 @@ class Trackers:
             if folder.exists() and new:
                 files.write(f"removing the previous run's TensorBoard events in {folder}")
                 shutil.rmtree(folder)
+            if not new:  # what its events hold before the resumed step (the later ones are purged)
+                self.held["tensorboard"] = collections.defaultdict(lambda: -1, tensorboard_held(folder, resume_at))
             self.tensorboard = SummaryWriter(str(folder), flush_secs=10, purge_step=resume_at)
-            if not new:  # its events before the resumed step stay, the later ones are purged
-                self.held["tensorboard"] = collections.defaultdict(lambda: resume_at - 1)
         if "wandb" in self.names:
             import wandb
             (out / "wandb").mkdir(parents=True, exist_ok=True)
@@ -92,6 +93,9 @@ class Trackers:
                                         tags=None if "WANDB_TAGS" in os.environ else tags or None,
                                         group=os.environ.get("WANDB_RUN_GROUP", group))
             self.ids["wandb"] = self.wandb.id
+            if not new and self.wandb.settings.mode not in ("offline", "dryrun") and self.wandb.resumed:
+                first = self.wandb.starting_step  # online: the server's history ends before it (wandb's resume)
+                self.held["wandb"] = collections.defaultdict(lambda: first - 1)
         if "mlflow" in self.names:
             with refused("mlflow", "check MLFLOW_TRACKING_URI (docs/using.md)"):
                 self._start_mlflow(config, new, name, tags, group)
@@ -206,6 +210,17 @@ def run_names(args) -> tuple[str, list, str | None]:
     --run_tags, --run_group."""
     name = getattr(args, "run_name", None) or f"{args.method} {Path(args.output_dir).name}"
     return name, list(getattr(args, "run_tags", None) or []), getattr(args, "run_group", None)
+
+
+def tensorboard_held(folder: Path, before: int) -> dict:
+    """{tag: the last step} of the scalars that the events in `folder` hold before step `before`, as TensorBoard's
+    own reader reads them: what a killed writer never flushed, and the test scores of a run stopped in its final
+    evaluation, are not there, so the resumed run writes them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    steps = {tag: [e.step for e in events.Scalars(tag) if e.step < before] for tag in events.Tags()["scalars"]}
+    return {tag: max(held) for tag, held in steps.items() if held}
 
 
 def wandb_held(out: Path, run_id: str) -> dict:

@@ -211,6 +211,44 @@ SPREAD_FLAGS = ["--pooler", "avg", "--lr", "1e-3"]
 DEVICE_SCORE_TOLERANCE = 0.02
 
 
+TRACKED = ["--report_to", "tensorboard", "mlflow", "wandb", "--logging_steps", "1"]  # every tracker, every step
+
+
+def tracker_env(monkeypatch, store: Path) -> None:
+    """W&B offline (its files in the run's wandb/), MLflow on a local file store at `store`."""
+    for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": store.as_uri(),
+                       "MLFLOW_ALLOW_FILE_STORE": "true"}.items():
+        monkeypatch.setenv(key, value)
+
+
+def tracked(out: Path) -> dict:
+    """What each tracker holds of a run, read back by its own reader, as lists: {tracker: {metric: [(step, value),
+    ...]}}, every value written (a step written twice appears twice). TensorBoard: its EventAccumulator (which drops
+    what a resumed run purged); MLflow: the metric histories of the run's store, by step; W&B offline: the history
+    records of the run's parts in order, as `wandb sync` uploads them."""
+    import mlflow
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from plumbing.tracking import wandb_records
+    ids = json.loads((out / "results.json").read_text())["tracking"]
+    found = {"tensorboard": {}, "mlflow": {}, "wandb": {}}
+    events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    for tag in events.Tags()["scalars"]:
+        found["tensorboard"][tag] = [(e.step, e.value) for e in events.Scalars(tag)]
+    client = mlflow.MlflowClient()
+    for key in client.get_run(ids["mlflow"]).data.metrics:
+        history = client.get_metric_history(ids["mlflow"], key)
+        found["mlflow"][key] = sorted((m.step, m.value) for m in history)
+    for part in sorted(out.glob(f"wandb/offline-run-*-{ids['wandb']}")):  # the time its part began, in the name
+        for record in wandb_records(part / f"run-{ids['wandb']}.wandb"):
+            if record.WhichOneof("record_type") == "history":
+                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
+                for key, value in items.items():
+                    if not key.startswith("_"):
+                        found["wandb"].setdefault(key, []).append((items["_step"], value))
+    return found
+
+
 def smoke_args(tiny_model, corpus, senteval_dir, out, *extra):
     return ["--model_name_or_path", tiny_model, "--train_file", corpus, "--senteval_dir", senteval_dir,
             "--max_steps", 4, "--eval_steps", 2, "--batch_size", 8, "--output_dir", out, "--device", "cpu", *extra]

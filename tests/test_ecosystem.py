@@ -171,6 +171,12 @@ def test_wandb_and_mlflow_track_the_run_and_a_resume_continues_the_same_tracked_
     gates = {row["step"]: row["stsb_dev"] for row in results["trajectory"] if row.get("gate")}
     test = {f"test/{task}": score for task, score in results["test"].items()}
     assert results["resumptions"] == [2]
+    from conftest import tracked
+    found = tracked(out)  # as lists: a step logged twice, or one missing, fails
+    for tracker, metrics in found.items():
+        assert [step for step, _ in metrics["train/loss"]] == list(losses), tracker
+        assert [step for step, _ in metrics["dev/stsb_dev"]] == list(gates), tracker
+        assert all([step for step, _ in metrics[key]] == [4] for key in test), tracker
     # W&B: two offline parts of one run id, the second a resume of the first
     parts = sorted(out.glob("wandb/offline-run-*"))
     assert len(parts) == 2 and all(p.name.endswith(results["tracking"]["wandb"]) or
@@ -238,8 +244,8 @@ def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpu
     once too. A resumed run that logged its replayed steps again would give MLflow two values at a step, W&B a
     second part that starts at an old step, and TensorBoard steps 1 and 2 twice (a held step read as -1 did so)."""
     import random
-    import mlflow
     import test_resume
+    from conftest import tracked
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),
            "MLFLOW_ALLOW_FILE_STORE": "true"}
     for key, value in env.items():
@@ -260,29 +266,15 @@ def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpu
     assert results["resumptions"] == [3] and results["steps"] == 8
     parts = sorted(out.glob(f"wandb/offline-run-*-{results['tracking']['wandb']}"))
     assert len(parts) == 2
-    seen = {}
-    for part in parts:
-        for record in wandb_records(part / f"run-{results['tracking']['wandb']}.wandb"):
-            if record.WhichOneof("record_type") == "history":
-                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-                for key in ("train/loss", "train/grad_norm"):
-                    if key in items:
-                        seen.setdefault(key, []).append((items["_step"], items[key]))
-    client = mlflow.MlflowClient()
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    events = EventAccumulator(str(out / "tb"))
-    events.Reload()
-    for key, want in (("train/loss", results["train_loss"]), ("train/grad_norm", results["grad_norm"])):
-        steps = list(range(1, 9))
-        assert sorted(step for step, _ in seen[key]) == steps, (key, seen[key])  # W&B: each step once
-        assert dict(seen[key]) == pytest.approx(dict(zip(steps, want))), key
-        history = client.get_metric_history(results["tracking"]["mlflow"], key)
-        assert sorted(m.step for m in history) == steps, key  # MLflow: each step once
-        assert {m.step: m.value for m in history} == pytest.approx(dict(zip(steps, want))), key
-        # TensorBoard, as its own reader reads the events (the resumed part purges what the first wrote from step 3):
-        # a list, so that a step written twice fails it
-        scalars = events.Scalars(key)
-        assert [e.step for e in scalars] == steps and [e.value for e in scalars] == pytest.approx(want), key
+    found = tracked(out)  # each tracker as its own reader reads it, as lists: a step written twice fails
+    want = {"train/loss": results["train_loss"], "train/grad_norm": results["grad_norm"]}
+    for tracker in ("tensorboard", "mlflow", "wandb"):
+        for key, values in want.items():
+            assert [step for step, _ in found[tracker][key]] == list(range(1, 9)), (tracker, key)
+            assert [value for _, value in found[tracker][key]] == pytest.approx(values, rel=1e-6), (tracker, key)
+        for key in ("train/lr", "dev/stsb_dev"):  # at the gates and log points, once each
+            points = [row["step"] for row in results["trajectory"] if key.split("/")[1] in row]
+            assert [step for step, _ in found[tracker][key]] == points, (tracker, key)
     assert f"`wandb sync {' '.join(map(str, parts))}` uploads this run, all its 2 part(s)" in capsys.readouterr().out
     dry = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", *map(str, parts)],  # the CLI's own
                          capture_output=True, text=True, env=dict(os.environ, **env), timeout=120)
@@ -540,19 +532,27 @@ def test_log_model_without_a_tracker_that_keeps_artifacts_is_one_line(tiny_model
 @pytest.mark.skipif(not importlib.util.find_spec("mlflow"), reason="mlflow-skinny is a test requirement; not here")
 def test_a_tracker_added_when_the_run_resumes_gets_the_runs_params(tiny_model, corpus, senteval_dir, tmp_path,
                                                                    monkeypatch):
-    """Started with TensorBoard alone, stopped at step 2 and resumed with MLflow too: MLflow's new run gets the run's
-    arguments as its params (a resumed tracked run already has them; a new one would have none) and every step."""
+    """miCSE started with TensorBoard alone, stopped at step 2 and resumed with MLflow and W&B too: MLflow's new run
+    gets the run's arguments as its params (a resumed tracked run already has them; a new one would have none), and
+    both new trackers every metric (the loss's terms and test/* included) at every step once, as TensorBoard holds
+    them (read back as lists: the steps before the resume replayed from the record, none twice)."""
     import mlflow
     import test_resume
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    from conftest import tracked, tracker_env
+    tracker_env(monkeypatch, tmp_path / "mlruns")
     out = tmp_path / "run"
-    argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--logging_steps", 1, "--no_test_eval",
-                                       "--no_align_uniform", "--report_to", "tensorboard")]
-    test_resume.run("simcse", argv, monkeypatch, stop_at=2)
-    test_resume.run("simcse", argv[:-1] + ["tensorboard", "mlflow", "--resume"], monkeypatch)
+    argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--logging_steps", 1, "--queue_size",
+                                       16, "--no_align_uniform", "--report_to", "tensorboard")]
+    test_resume.run("micse", argv, monkeypatch, stop_at=2)  # miCSE: its loss's two terms tracked too
+    test_resume.run("micse", argv[:-1] + ["tensorboard", "mlflow", "wandb", "--resume"], monkeypatch)
     results = json.loads((out / "results.json").read_text())
     run = mlflow.MlflowClient().get_run(results["tracking"]["mlflow"])
     assert run.data.params["args.lr"] == "3e-05" and run.data.params["args.seed"] == "42"
-    history = mlflow.MlflowClient().get_metric_history(run.info.run_id, "train/loss")
-    assert {m.step: m.value for m in history} == pytest.approx(dict(enumerate(results["train_loss"], start=1)))
+    found = tracked(out)
+    assert [step for step, _ in found["tensorboard"]["train/loss"]] == [1, 2, 3, 4]
+    assert [step for step, _ in found["tensorboard"]["train/ami"]] == [1, 2, 3, 4] and "test/avg" in found["wandb"]
+    for tracker in ("mlflow", "wandb"):
+        assert found[tracker].keys() == found["tensorboard"].keys(), tracker
+        for metric, want in found["tensorboard"].items():  # TensorBoard keeps float32
+            assert [step for step, _ in found[tracker][metric]] == [step for step, _ in want], (tracker, metric)
+            assert [value for _, value in found[tracker][metric]] == pytest.approx([v for _, v in want], rel=1e-6)

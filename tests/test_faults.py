@@ -21,7 +21,8 @@ import eval_sts
 import simcse
 from plumbing import checkpoint, distributed, lock, outdir, resume
 from plumbing import run as run_module
-from conftest import ROOT, cli_in_process, gates, smoke_args, write_tiny_model
+from conftest import (ROOT, TRACKED, cli_in_process, gates, smoke_args, tracked, tracker_env,
+                      write_tiny_model)
 
 
 def argv_of(tiny_model, corpus, senteval_dir, out, *extra):
@@ -52,14 +53,17 @@ def signal_at(monkeypatch, target, name, nth, signum=signal.SIGTERM, when=lambda
 
 @pytest.fixture(scope="module")
 def straight(tiny_model, corpus, senteval_dir, tmp_path_factory):
-    """The recipe run once without a stop: its results.json and best/ weights."""
+    """The recipe run once without a stop, every tracker on: its results.json, best/ weights and what the trackers
+    hold (conftest.tracked)."""
     out = tmp_path_factory.mktemp("straight") / "run"
-    simcse.main(argv_of(tiny_model, corpus, senteval_dir, out))
-    return json.loads((out / "results.json").read_text()), weights(out)
+    with pytest.MonkeyPatch.context() as patch:
+        tracker_env(patch, out.parent / "mlruns")
+        simcse.main(argv_of(tiny_model, corpus, senteval_dir, out, *TRACKED))
+        return json.loads((out / "results.json").read_text()), weights(out), tracked(out)
 
 
 def assert_like_straight(out, straight):
-    results, want_weights = straight
+    results, want_weights = straight[:2]
     got = json.loads((out / "results.json").read_text())
     assert got["interrupted"] is False and "interrupted_during" not in got
     for key in ("train_loss", "grad_norm", "best_step", "best_dev_stsb", "test", "align_uniform"):
@@ -86,11 +90,14 @@ MOMENTS = {  # where the SIGTERM comes: (module, function, which call, a filter 
 def test_the_slurm_recipe_survives_a_sigterm_at_any_moment(moment, straight, tiny_model, corpus, senteval_dir,
                                                            tmp_path, monkeypatch, capsys):
     """SIGTERM (`--signal=TERM@120`, a pre-emption) at each moment: exit 143, then the same --auto_resume command
-    (the requeued job) ends as the uninterrupted run: the same losses, dev curve, best step, best/ and test scores.
-    The stop's last line and a plain rerun of the command (no --auto_resume) name --auto_resume first, and what is
-    left."""
+    (the requeued job) ends as the uninterrupted run: the same losses, dev curve, best step, best/ and test scores,
+    and each tracker (TensorBoard, MLflow, W&B offline, each read back by its own reader as lists) holds every
+    metric at each step once, with the uninterrupted run's value, test/* and the lr included. The stop's last line
+    and a plain rerun of the command (no --auto_resume) name --auto_resume first, and what is left. Fails where a
+    resume logs again what a tracker holds (a duplicate), or skips what it lacks (a gap)."""
     out = tmp_path / "run"
-    argv = argv_of(tiny_model, corpus, senteval_dir, out)
+    tracker_env(monkeypatch, tmp_path / "mlruns")
+    argv = argv_of(tiny_model, corpus, senteval_dir, out, *TRACKED)
     target, name, nth, when = MOMENTS[moment]
     with monkeypatch.context() as patch:
         signal_at(patch, target, name, nth, when=when or (lambda *a, **k: True))
@@ -122,6 +129,11 @@ def test_the_slurm_recipe_survives_a_sigterm_at_any_moment(moment, straight, tin
         (out / "results.json").write_text(json.dumps(first))
     simcse.main(argv)
     got = assert_like_straight(out, straight)
+    found = tracked(out)
+    for tracker, metrics in straight[2].items():  # every tracker, every metric: the same (step, value) list
+        assert found[tracker].keys() == metrics.keys(), tracker
+        for metric, want in metrics.items():
+            assert found[tracker][metric] == want, (tracker, metric)
     if training_done:
         assert {key: got[key] for key in trained} == trained and "2 process(es) on a GPU" in \
             (out / "best" / "README.md").read_text()

@@ -96,10 +96,9 @@ MUTANTS = {
     "graph-short-batch-through-full": ("plumbing/graph.py", "shape = (tuple((k, tuple(v.shape)) for k, v in "
                                        "batch.items()), same)", "shape = (tuple(batch), ())",
                                        ["tests/test_graph.py"]),
-    "tracking-held-default-ignored": ("plumbing/tracking.py", "if held is None or step > held[k]}",
-                                      "if held is None or step > held.get(k, -1)}",
-                                      ["tests/test_ecosystem.py::test_each_step_is_tracked_once_across_a_kill_between_"
-                                       "saves"]),
+    "tensorboard-held-assumed": ("plumbing/tracking.py", "collections.defaultdict(lambda: -1, tensorboard_held("
+                                 "folder, resume_at))", "collections.defaultdict(lambda: resume_at - 1)",
+                                 ["tests/test_faults.py::test_the_slurm_recipe_survives_a_sigterm_at_any_moment"]),
     # the cluster path, against a real Slurm (tests/test_slurm.py: skipped where tools/local_slurm.sh's is not up)
     "slurm-sigterm-is-failure": ("tools/cluster.py", "            if self.terminated and code != 0:  # Slurm",
                                  "            if False:  # Slurm", [SLURM_STOPS]),
