@@ -26,6 +26,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -165,7 +166,7 @@ class Trackers:
         if self.wandb is not None:
             offline = self.wandb.settings.mode in ("offline", "dryrun")
             self.wandb.finish(exit_code=0 if ended else 1)
-            parts = sorted(self.out.glob(f"wandb/offline-run-*-{self.ids['wandb']}"), key=lambda p: p.name)
+            parts = wandb_parts(self.out, self.ids["wandb"])
             if offline and parts:  # the parts in the order they were written (their names begin with the time)
                 files.write(f"W&B, offline: `wandb sync {' '.join(map(str, parts))}` uploads this run, all its "
                             f"{len(parts)} part(s) in order")
@@ -227,13 +228,21 @@ def wandb_held(out: Path, run_id: str) -> dict:
     """{metric: the last step} of the history that this run's offline parts in <out>/wandb hold (a record cut short
     by a kill ends the reading)."""
     held = {}
-    for part in sorted(out.glob(f"wandb/offline-run-*-{run_id}")):
+    for part in wandb_parts(out, run_id):
         for record in wandb_records(part / f"run-{run_id}.wandb"):
             if record.WhichOneof("record_type") == "history":
                 items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
                 step = int(json.loads(items.get("_step", "-1")))
                 held.update({key: max(step, held.get(key, -1)) for key in items if not key.startswith("_")})
     return held
+
+
+def wandb_parts(out: Path, run_id: str) -> list[Path]:
+    """The offline parts of the W&B run `run_id` in <out>/wandb, in the order they were written: offline-run-<the
+    second it began>-<id>, and -<id>-1, -2, ... where parts began in the same second."""
+    pattern = re.compile(rf"offline-run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    parts = [(pattern.fullmatch(p.name), p) for p in out.glob(f"wandb/offline-run-*-{run_id}*")]
+    return [p for *_, p in sorted((m.group(1), int(m.group(2) or 0), p) for m, p in parts if m)]
 
 
 def wandb_records(path: Path):

@@ -221,6 +221,15 @@ def tracker_env(monkeypatch, store: Path) -> None:
         monkeypatch.setenv(key, value)
 
 
+def next_second() -> None:
+    """Wait for the clock's next second: TensorBoard orders a folder's event files by name, whose first field is the
+    second the writer opened it (then the process and a counter compared as text), and W&B names an offline part by
+    its second too. A resumed job starts seconds after its stop; an in-process test's resume must not share its
+    stop's second."""
+    import time
+    time.sleep(1.02 - time.time() % 1)
+
+
 def tracked(out: Path) -> dict:
     """What each tracker holds of a run, read back by its own reader, as lists: {tracker: {metric: [(step, value),
     ...]}}, every value written (a step written twice appears twice). TensorBoard: its EventAccumulator (which drops
@@ -228,7 +237,7 @@ def tracked(out: Path) -> dict:
     records of the run's parts in order, as `wandb sync` uploads them."""
     import mlflow
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from plumbing.tracking import wandb_records
+    from plumbing.tracking import wandb_parts, wandb_records
     ids = json.loads((out / "results.json").read_text())["tracking"]
     found = {"tensorboard": {}, "mlflow": {}, "wandb": {}}
     events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
@@ -239,7 +248,7 @@ def tracked(out: Path) -> dict:
     for key in client.get_run(ids["mlflow"]).data.metrics:
         history = client.get_metric_history(ids["mlflow"], key)
         found["mlflow"][key] = sorted((m.step, m.value) for m in history)
-    for part in sorted(out.glob(f"wandb/offline-run-*-{ids['wandb']}")):  # the time its part began, in the name
+    for part in wandb_parts(out, ids["wandb"]):  # in the order they were written
         for record in wandb_records(part / f"run-{ids['wandb']}.wandb"):
             if record.WhichOneof("record_type") == "history":
                 items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import simcse
-from conftest import ROOT, SHARED, needs_shared, smoke_args
+from conftest import ROOT, SHARED, needs_shared, next_second, smoke_args
 from plumbing import provenance
 
 
@@ -142,7 +142,7 @@ def test_fit_memory_fits_the_graph_a_gpu_runs_by_default(tiny_model, corpus, sen
             assert line is None if capacity > step else "no setting of" in line
 
 
-from plumbing.tracking import wandb_records  # noqa: E402  (the reader of W&B's offline run files)
+from plumbing.tracking import wandb_parts, wandb_records  # noqa: E402  (the reader of W&B's offline run files)
 
 
 @pytest.mark.skipif(not (importlib.util.find_spec("wandb") and importlib.util.find_spec("mlflow")),
@@ -165,6 +165,7 @@ def test_wandb_and_mlflow_track_the_run_and_a_resume_continues_the_same_tracked_
                                        "--no_align_uniform", "--report_to", "wandb", "mlflow", "tensorboard",
                                        "--log_model")]
     test_resume.run("simcse", argv, monkeypatch, stop_at=2)
+    next_second()  # as a resumed job starts (conftest.next_second)
     test_resume.run("simcse", argv + ["--resume"], monkeypatch)
     results = json.loads((out / "results.json").read_text())
     losses = dict(enumerate(results["train_loss"], start=1))
@@ -264,7 +265,7 @@ def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpu
     test_resume.run("simcse", argv + ["--resume"], monkeypatch)
     results = json.loads((out / "results.json").read_text())
     assert results["resumptions"] == [3] and results["steps"] == 8
-    parts = sorted(out.glob(f"wandb/offline-run-*-{results['tracking']['wandb']}"))
+    parts = wandb_parts(out, results["tracking"]["wandb"])
     assert len(parts) == 2
     found = tracked(out)  # each tracker as its own reader reads it, as lists: a step written twice fails
     want = {"train/loss": results["train_loss"], "train/grad_norm": results["grad_norm"]}
@@ -544,6 +545,7 @@ def test_a_tracker_added_when_the_run_resumes_gets_the_runs_params(tiny_model, c
     argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--logging_steps", 1, "--queue_size",
                                        16, "--no_align_uniform", "--report_to", "tensorboard")]
     test_resume.run("micse", argv, monkeypatch, stop_at=2)  # miCSE: its loss's two terms tracked too
+    next_second()
     test_resume.run("micse", argv[:-1] + ["tensorboard", "mlflow", "wandb", "--resume"], monkeypatch)
     results = json.loads((out / "results.json").read_text())
     run = mlflow.MlflowClient().get_run(results["tracking"]["mlflow"])

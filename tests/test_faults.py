@@ -21,7 +21,7 @@ import eval_sts
 import simcse
 from plumbing import checkpoint, distributed, lock, outdir, resume
 from plumbing import run as run_module
-from conftest import (ROOT, TRACKED, cli_in_process, gates, smoke_args, tracked, tracker_env,
+from conftest import (ROOT, TRACKED, cli_in_process, gates, next_second, smoke_args, tracked, tracker_env,
                       write_tiny_model)
 
 
@@ -127,6 +127,7 @@ def test_the_slurm_recipe_survives_a_sigterm_at_any_moment(moment, straight, tin
     if training_done:  # as if two GPU processes had trained it: the evaluation alone on CPU keeps their record
         first.update(trained, provenance={**first["provenance"], "processes": 2, "device_name": "a GPU"})
         (out / "results.json").write_text(json.dumps(first))
+    next_second()  # as a requeued job starts (conftest.next_second)
     simcse.main(argv)
     got = assert_like_straight(out, straight)
     found = tracked(out)
