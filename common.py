@@ -156,32 +156,6 @@ class Encoder:
         return self.on_device(self.tokenize(sentences)).cpu().numpy()
 
 
-# --------------------------------------------------------------------------------------------- loss
-def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """All-pairs cosine similarity, (N, D) x (M, D) -> (N, M)."""
-    return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
-
-
-def info_nce(z1, z2, temp: float = 0.05, z3=None,
-             hard_negative_weight: float = 0.0) -> torch.Tensor:
-    """SimCSE InfoNCE with in-batch negatives (Eq. 1, 4); with hard negatives `z3` Eq. 5, Eq. 8's
-    alpha as the authors add it (`hard_negative_weight` on anchor i's own, row i of each block of
-    N in `z3`: Table 7's contradictions, then neutrals). Inputs in fp32 (after autocast)."""
-    logits = cos_sim(z1, z2) / temp
-    if z3 is not None:
-        hard = cos_sim(z1, z3) / temp
-        own = torch.eye(len(z1), device=hard.device, dtype=hard.dtype)
-        hard = hard + hard_negative_weight * own.repeat(1, len(z3) // len(z1))
-        logits = torch.cat([logits, hard], dim=1)
-    return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
-
-
-def positive_only_loss(z1, z2, temp: float = 0.05) -> torch.Tensor:
-    """InfoNCE's positive term alone, -cos(z1_i, z2_i) / temp (miCSE Table 4's "w/o negatives"; no
-    formula is given: Eq. 1 without its denominator)."""
-    return -(F.cosine_similarity(z1, z2, dim=-1) / temp).mean()
-
-
 # ---------------------------------------------------------------------------------------- training
 def autocast(device: torch.device, precision: str):
     """Mixed precision for the encoder's forward pass only; fp32 is no autocast at all."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +72,21 @@ def parse_args(argv=None):
     if args.no_negatives and args.queue_size:
         parser.error("--no_negatives keeps no negatives to queue: add --queue_size 0")
     return args
+
+
+# --- the objective: copy this block; it needs only torch ---
+from typing import NamedTuple  # (the standard library's)
+
+
+def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """All-pairs cosine similarity, (N, D) x (M, D) -> (N, M)."""
+    return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
+
+
+def positive_only_loss(z1, z2, temp: float = 0.05) -> torch.Tensor:
+    """InfoNCE's positive term alone, -cos(z1_i, z2_i) / temp (miCSE Table 4's "w/o negatives"; no
+    formula is given: Eq. 1 without its denominator)."""
+    return -(F.cosine_similarity(z1, z2, dim=-1) / temp).mean()
 
 
 def ami_loss(attn1, attn2, num_samples: int = 150, generator: torch.Generator | None = None,
@@ -152,7 +166,7 @@ def moco_info_nce(z1, z2, queue, temp: float = 0.05, own_keys=None) -> torch.Ten
     """InfoNCE with in-batch and queued negatives (Eq. 2): CE over [s(z1, z2) | s(z1, queue)],
     target i; an empty queue: SimCSE's InfoNCE. `own_keys` (N, Q): True where a queued key is
     anchor i's own sentence from an earlier step, left out (this suite's: micse_objective)."""
-    logits = torch.cat([common.cos_sim(z1, z2), common.cos_sim(z1, queue)], dim=1) / temp
+    logits = torch.cat([cos_sim(z1, z2), cos_sim(z1, queue)], dim=1) / temp
     if own_keys is not None:  # none in the in-batch block
         logits = logits.masked_fill(F.pad(own_keys, (len(z2), 0)), -torch.inf)
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
@@ -164,12 +178,13 @@ def micse_loss(z1, z2, attn1, attn2, queue, temp=0.05, ami_lambda=2.5e-3, ami_sa
     """miCSE's objective: InfoNCE over the batch and `queue`'s negatives (Eq. 2) + ami_lambda x AMI
     (Eq. 4, `longest` and `layout` its); `positives_only`: Table 4's positive pairs alone, with AMI;
     a dict given as `terms` gets the two terms ("info_nce", "ami") for the log. Every input fp32."""
-    contrastive = common.positive_only_loss(z1, z2, temp) if positives_only else \
+    contrastive = positive_only_loss(z1, z2, temp) if positives_only else \
         moco_info_nce(z1, z2, queue, temp, own_keys)
     ami = ami_lambda * ami_loss(attn1, attn2, ami_samples, generator, longest, layout)
     if terms is not None:
         terms.update(info_nce=contrastive.detach(), ami=ami.detach())
     return contrastive + ami
+# --- end of the objective ---
 
 
 @torch.no_grad()
@@ -252,14 +267,14 @@ def train_step(ddp_model, backbone, head, momentum_model, queue, generator, para
                                 generator=generator, global_rows=global_rows, terms=terms,
                                 longest=inputs["attention_mask"].sum(1).max())  # AMI's rows
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-    if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
-        loss = common.grad_cache(functools.partial(embeddings, inputs, ddp_model, head, args),
-                                 loss_of, len(inputs["input_ids"]), args.micro_batch_size,
-                                 scaler.scale, ddp_model)
-    else:
+    if not args.micro_batch_size:  # the paper's step: the views' pass, the loss, backward
         z1, z2, attn1, attn2 = embeddings(inputs, ddp_model, head, args)
         loss = loss_of(z1, z2, attn1, attn2)
         scaler.scale(loss).backward()
+    else:  # GradCache: the same loss and gradients, K sentences at once
+        loss = common.grad_cache(functools.partial(embeddings, inputs, ddp_model, head, args),
+                                 loss_of, len(inputs["input_ids"]), args.micro_batch_size,
+                                 scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
@@ -283,6 +298,7 @@ def main(argv=None):
     run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
+    # The data
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
         # the encoder checked (one line if it gives no attention): the mask, what it switches on
@@ -296,6 +312,7 @@ def main(argv=None):
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
+    # The model
     backbone.to(device).train()  # and the head: the MLP on [CLS], kept at evaluation or not
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
@@ -303,6 +320,7 @@ def main(argv=None):
     model = common.BackboneWithHeads(backbone, head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
     ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    # The optimiser
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     generator = torch.Generator(device=device).manual_seed(args.seed)  # AMI's samples
@@ -319,6 +337,7 @@ def main(argv=None):
     eval_pooler = common.eval_pooler(args)
     eval_encoder = common.Encoder(model, head, tokenizer, eval_pooler, device)
 
+    # The loop
     run.start(loader, total_steps, eval_encoder, [backbone, head], train_file, subset,
               backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
               scaler=scaler, ami_generator=generator, momentum_backbone=momentum_backbone,

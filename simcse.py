@@ -68,7 +68,7 @@ def parse_args(argv=None):
                         "only (Table 4's entailment pairs; as a CSV without hard_neg trains)")
     g.add_argument("--no_negatives", action="store_true",
                    help="unsupervised: the positive pairs alone, no in-batch negatives (miCSE "
-                        "Table 4's 'SimCSE w/o negatives'; common.positive_only_loss)")
+                        "Table 4's 'SimCSE w/o negatives'; positive_only_loss)")
     g.add_argument("--hard_negative_weight", type=float, default=0.0,
                    help="Eq. 8: added to an anchor's own hard negative's logit (alpha = e^weight)")
     g.add_argument("--neutral_hard_negatives", action="store_true",
@@ -104,6 +104,32 @@ def parse_args(argv=None):
     return options.parse(parser, argv, PRESETS, rows)
 
 
+# --- the objective: copy this block; it needs only torch ---
+def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """All-pairs cosine similarity, (N, D) x (M, D) -> (N, M)."""
+    return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
+
+
+def info_nce(z1, z2, temp: float = 0.05, z3=None,
+             hard_negative_weight: float = 0.0) -> torch.Tensor:
+    """SimCSE InfoNCE with in-batch negatives (Eq. 1, 4); with hard negatives `z3` Eq. 5, Eq. 8's
+    alpha as the authors add it (`hard_negative_weight` on anchor i's own, row i of each block of
+    N in `z3`: Table 7's contradictions, then neutrals). Inputs in fp32 (after autocast)."""
+    logits = cos_sim(z1, z2) / temp
+    if z3 is not None:
+        hard = cos_sim(z1, z3) / temp
+        own = torch.eye(len(z1), device=hard.device, dtype=hard.dtype)
+        hard = hard + hard_negative_weight * own.repeat(1, len(z3) // len(z1))
+        logits = torch.cat([logits, hard], dim=1)
+    return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
+
+
+def positive_only_loss(z1, z2, temp: float = 0.05) -> torch.Tensor:
+    """InfoNCE's positive term alone, -cos(z1_i, z2_i) / temp (miCSE Table 4's "w/o negatives"; no
+    formula is given: Eq. 1 without its denominator)."""
+    return -(F.cosine_similarity(z1, z2, dim=-1) / temp).mean()
+
+
 def masked_lm_loss(prediction_scores, labels, num_masked=None) -> torch.Tensor:
     """The auxiliary MLM term of Appendix D.2 (l + lambda * l_mlm): mean cross-entropy of the
     vocabulary scores (..., V) at the masked positions; label -100 marks a position that is not
@@ -113,6 +139,7 @@ def masked_lm_loss(prediction_scores, labels, num_masked=None) -> torch.Tensor:
                             labels.reshape(-1), ignore_index=-100, reduction="sum")
     count = (labels != -100).sum() if num_masked is None else num_masked
     return total / count.clamp_min(1)  # no host sync
+# --- end of the objective ---
 
 
 def keep_first_layers(backbone, k: int) -> None:
@@ -189,10 +216,10 @@ def contrastive_loss(z1, z2, *hard, global_rows: int, args) -> torch.Tensor:
     """InfoNCE over the global batch (its `global_rows` rows gathered from every process)."""
     z1, z2 = distributed.gather(z1, global_rows), distributed.gather(z2, global_rows)
     if args.no_negatives:  # miCSE Table 4
-        return common.positive_only_loss(z1, z2, args.temp)
+        return positive_only_loss(z1, z2, args.temp)
     # contradictions (then neutrals with --neutral_hard_negatives: Table 7)
     hard = torch.cat([distributed.gather(h, global_rows) for h in hard]) if hard else None
-    return common.info_nce(z1, z2, args.temp, hard, args.hard_negative_weight)
+    return info_nce(z1, z2, args.temp, hard, args.hard_negative_weight)
 
 
 def mlm_loss(masked: dict, ddp_model, lm_head, blocks: int, args, part=None,
@@ -226,19 +253,19 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
         blocks = len(input_ids) // len(batch["input_ids"]) * columns  # NLI's columns, or the views
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     terms = {}  # --do_mlm's term, logged beside the loss
-    if args.micro_batch_size:  # GradCache: the same loss and gradients, K examples at once
+    if not args.micro_batch_size:  # the paper's step: the views' pass, the loss, backward
+        z1, z2, *hard = embeddings(batch, ddp_model, head, columns, args)
+        loss = contrastive_loss(z1, z2, *hard, global_rows=global_rows, args=args)
+        if mlm is not None:
+            loss = loss + mlm_loss(masked, ddp_model, lm_head, blocks, args, terms=terms)
+        scaler.scale(loss).backward()
+    else:  # GradCache: the same loss and gradients, K examples at once
         loss = common.grad_cache(
             functools.partial(embeddings, batch, ddp_model, head, columns, args),
             functools.partial(contrastive_loss, global_rows=global_rows, args=args),
             len(batch["input_ids"]) // columns, args.micro_batch_size, scaler.scale, ddp_model,
             mlm and functools.partial(mlm_loss, masked, ddp_model, lm_head, blocks, args,
                                       terms=terms))
-    else:
-        z1, z2, *hard = embeddings(batch, ddp_model, head, columns, args)
-        loss = contrastive_loss(z1, z2, *hard, global_rows=global_rows, args=args)
-        if mlm is not None:
-            loss = loss + mlm_loss(masked, ddp_model, lm_head, blocks, args, terms=terms)
-        scaler.scale(loss).backward()
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
@@ -255,6 +282,7 @@ def main(argv=None):
     # Data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard
     # negatives), tokenised once; a batch is then only gathered and padded to its longest row.
     default_file = "nli_for_simcse.csv" if args.supervised else "wiki1m_for_simcse.txt"
+    # The data
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
@@ -272,6 +300,7 @@ def main(argv=None):
     # Encoder and head: the MLP on [CLS] ("cls"), evaluated before it unless --no-mlp_only_train
     if args.num_layers:  # SSCL Table 1: SimCSE on a shallower encoder
         keep_first_layers(backbone, args.num_layers)
+    # The model
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (Table 3); None: the checkpoint's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
@@ -285,11 +314,13 @@ def main(argv=None):
     model = common.BackboneWithHeads(backbone, head, lm_head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
     ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    # The optimiser
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     eval_pooler = common.eval_pooler(args)
     eval_encoder = common.Encoder(model, head, tokenizer, eval_pooler, device)
 
+    # The loop
     run.start(loader, total_steps, eval_encoder, [backbone, head], train_file, subset,
               backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
               scaler=scaler, lm_head=lm_head, mlm_generator=mlm_generator)  # what last/ saves

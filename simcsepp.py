@@ -70,21 +70,27 @@ def parse_args(argv=None):
     return args
 
 
+# --- the objective: copy this block; it needs only torch ---
+def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """All-pairs cosine similarity, (N, D) x (M, D) -> (N, M)."""
+    return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
+
+
 def off_dropout_info_nce(z1, z2, z_dropout_off, temp: float = 0.05, m: float = 0.9) -> torch.Tensor:
     """Off-dropout InfoNCE (Eq. 3 as the authors implemented it).
 
     loss_i = -m s(z1_i, z2_i) + log(e^{m s(z1_i, z2_i)} + sum_{j != i} e^{s(z0_i, z0_j)}), s = cos /
     temp, where z0 = `z_dropout_off` is the batch encoded with dropout off.
     """
-    return m_positive_cross_entropy(common.cos_sim(z1, z2) / temp,
-                                    common.cos_sim(z_dropout_off, z_dropout_off) / temp, m)
+    return m_positive_cross_entropy(cos_sim(z1, z2) / temp,
+                                    cos_sim(z_dropout_off, z_dropout_off) / temp, m)
 
 
 def view_negatives_info_nce(z1, z2, temp: float = 0.05, m: float = 0.9) -> torch.Tensor:
     """The ablation without the dropout-off pass (--no_off_dropout; with m = 1 Table 3's "+DCL"):
     the negatives are the dropout views', s(z1_i, z2_j), and m still scales the positive; with
     m = 1 this is SimCSE's InfoNCE exactly."""
-    cross = common.cos_sim(z1, z2) / temp
+    cross = cos_sim(z1, z2) / temp
     return m_positive_cross_entropy(cross, cross, m)
 
 
@@ -108,6 +114,7 @@ def dcl_loss(z1, z2, temp: float = 5.0) -> torch.Tensor:
     # Code over paper: mean over dimensions and C divided by N; Eq. 5 sums over c and has no 1/N.
     correlation = standardise(z1).T @ standardise(z2) / (len(z1) * temp)
     return F.cross_entropy(correlation, torch.arange(correlation.shape[0], device=z1.device))
+# --- end of the objective ---
 
 
 @contextlib.contextmanager
@@ -181,16 +188,16 @@ def train_step(ddp_model, backbone, head, params, optimizer, scaler, args, batch
     backward, unscale and clip, the optimizer step; (loss, gradient norm, {term: value})."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     terms = {}  # the loss's two terms, logged beside it
-    if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
-        loss = common.grad_cache(
-            functools.partial(embeddings, batch, ddp_model, backbone, head, args),
-            functools.partial(simcsepp_loss, global_rows=global_rows, args=args, terms=terms),
-            len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
-    else:
+    if not args.micro_batch_size:  # the paper's step: the views' pass, the loss, backward
         z1, z2, *z_dropout_off = embeddings(batch, ddp_model, backbone, head, args)
         loss = simcsepp_loss(z1, z2, *z_dropout_off, global_rows=global_rows, args=args,
                              terms=terms)
         scaler.scale(loss).backward()  # through both views' pass and the dropout-off one
+    else:  # GradCache: the same loss and gradients, K sentences at once
+        loss = common.grad_cache(
+            functools.partial(embeddings, batch, ddp_model, backbone, head, args),
+            functools.partial(simcsepp_loss, global_rows=global_rows, args=args, terms=terms),
+            len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
@@ -204,6 +211,7 @@ def main(argv=None):
     run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
+    # The data
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
@@ -216,6 +224,7 @@ def main(argv=None):
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # Encoder and head: the MLP on [CLS] ("cls"), evaluated before it unless --no-mlp_only_train
+    # The model
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
@@ -223,11 +232,13 @@ def main(argv=None):
     model = common.BackboneWithHeads(backbone, head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
     ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    # The optimiser
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     eval_pooler = common.eval_pooler(args)
     eval_encoder = common.Encoder(model, head, tokenizer, eval_pooler, device)
 
+    # The loop
     run.start(loader, total_steps, eval_encoder, [backbone, head], train_file, subset,
               backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
               scaler=scaler)  # what last/ saves

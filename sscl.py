@@ -68,6 +68,12 @@ def parse_args(argv=None):
     return args
 
 
+# --- the objective: copy this block; it needs only torch ---
+def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """All-pairs cosine similarity, (N, D) x (M, D) -> (N, M)."""
+    return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
+
+
 def sscl_loss(z1, z2, layer_negatives, temp: float = 0.05) -> torch.Tensor:
     """SSCL's contrastive loss with intermediate-layer negatives (Eq. 4).
 
@@ -75,12 +81,13 @@ def sscl_loss(z1, z2, layer_negatives, temp: float = 0.05) -> torch.Tensor:
     row i; `layer_negatives` is a list of tuples, one a layer: that layer's representations of the
     two dropout views (n1, n2), or of the anchor's view only (n1,).
     """
-    in_batch = common.cos_sim(z1, z2) / temp
-    negatives = [common.cos_sim(z1, n) / temp for pair in layer_negatives for n in pair]
+    in_batch = cos_sim(z1, z2) / temp
+    negatives = [cos_sim(z1, n) / temp for pair in layer_negatives for n in pair]
     logits = torch.cat([in_batch] + negatives, dim=1)
     labels = torch.arange(len(z1), device=z1.device)
     # Code over paper: the authors average this with SimCSE's plain loss; Eq. 4 has only the first.
     return (F.cross_entropy(logits, labels) + F.cross_entropy(in_batch, labels)) / 2
+# --- end of the objective ---
 
 
 def negative_layers(num_layers: int, k: int, index: int | None = None) -> list[int]:
@@ -169,15 +176,15 @@ def train_step(ddp_model, head, projection, neg_layers, params, optimizer, scale
     """One optimizer step on this process's rows of the global batch: the views' pass, the loss,
     backward, unscale and clip, the optimizer step; (loss, gradient norm) on the device."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-    if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
+    if not args.micro_batch_size:  # the paper's step: the views' pass, the loss, backward
+        z1, z2, *negatives = embeddings(batch, ddp_model, head, projection, neg_layers, args)
+        loss = sscl_objective(z1, z2, *negatives, global_rows=global_rows, args=args)
+        scaler.scale(loss).backward()  # into the last layer and the negatives' layers
+    else:  # GradCache: the same loss and gradients, K sentences at once
         loss = common.grad_cache(
             functools.partial(embeddings, batch, ddp_model, head, projection, neg_layers, args),
             functools.partial(sscl_objective, global_rows=global_rows, args=args),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
-    else:
-        z1, z2, *negatives = embeddings(batch, ddp_model, head, projection, neg_layers, args)
-        loss = sscl_objective(z1, z2, *negatives, global_rows=global_rows, args=args)
-        scaler.scale(loss).backward()  # into the last layer and the negatives' layers
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
@@ -191,6 +198,7 @@ def main(argv=None):
     run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
+    # The data
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
@@ -203,6 +211,7 @@ def main(argv=None):
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # Encoder, head (the MLP on [CLS] with --pooler cls) and Table 5's projection
+    # The model
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
@@ -215,11 +224,13 @@ def main(argv=None):
     eval_encoder = common.Encoder(model, head, tokenizer, eval_pooler, device, projection)
     params = [p for p in model.parameters() if p.requires_grad]
     ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    # The optimiser
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     neg_layers = negative_layers(backbone.config.num_hidden_layers, args.neg_layers,
                                  args.neg_layer_index)
 
+    # The loop
     run.start(loader, total_steps, eval_encoder, [backbone, head], train_file, subset,
               backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
               scaler=scaler, projection=projection)  # what last/ saves

@@ -62,6 +62,12 @@ def parse_args(argv=None):
     return args
 
 
+# --- the objective: copy this block; it needs only torch ---
+def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """All-pairs cosine similarity, (N, D) x (M, D) -> (N, M)."""
+    return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T
+
+
 def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tensor,
                              eps: float = 0.0) -> torch.Tensor:
     """Shuffled group whitening (Section 3.2; ZCA per group, W = U diag(lambda^-1/2) U^T): the
@@ -123,7 +129,8 @@ def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
     cos / temp."""
     anchor = views[0]
     labels = torch.arange(len(anchor), device=anchor.device)
-    return sum(F.cross_entropy(common.cos_sim(anchor, z) / temp, labels) for z in views[1:])
+    return sum(F.cross_entropy(cos_sim(anchor, z) / temp, labels) for z in views[1:])
+# --- end of the objective ---
 
 
 def group_width(hidden: int, num_groups: int) -> int:
@@ -181,16 +188,16 @@ def train_step(ddp_model, head, generator, params, optimizer, scaler, args, batc
     """One optimizer step on this process's rows of the global batch: the views' pass, whitening,
     the loss, backward, unscale and clip, the optimizer step; (loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-    if args.micro_batch_size:  # GradCache: the same loss and gradients, K sentences at once
+    if not args.micro_batch_size:  # the paper's step: the views' pass, the loss, backward
+        loss = whitened_loss(*cls_views(batch, ddp_model, args), head=head, generator=generator,
+                             global_rows=global_rows, args=args)
+        scaler.scale(loss).backward()  # through the whitening (not its covariance)
+    else:  # GradCache: the same loss and gradients, K sentences at once
         loss = common.grad_cache(
             functools.partial(cls_views, batch, ddp_model, args),
             functools.partial(whitened_loss, head=head, generator=generator,
                               global_rows=global_rows, args=args),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
-    else:
-        loss = whitened_loss(*cls_views(batch, ddp_model, args), head=head, generator=generator,
-                             global_rows=global_rows, args=args)
-        scaler.scale(loss).backward()  # through the whitening (not its covariance)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
@@ -204,6 +211,7 @@ def main(argv=None):
     run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
+    # The data
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
@@ -225,6 +233,7 @@ def main(argv=None):
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # Encoder and head: SGW -> Linear -> Tanh on [CLS], training only; evaluation reads [CLS].
+    # The model
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = WhitenedHead(hidden, args.num_groups, backbone.config.initializer_range).to(device)
@@ -232,12 +241,14 @@ def main(argv=None):
     model = common.BackboneWithHeads(backbone, head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
     ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
+    # The optimiser
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     generator = torch.Generator(device).manual_seed(args.seed)  # the shuffles, alike everywhere
     eval_pooler = "cls_before_pooler"
     eval_encoder = common.Encoder(model, None, tokenizer, eval_pooler, device)
 
+    # The loop
     run.start(loader, total_steps, eval_encoder, [backbone, head], train_file, subset,
               backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
               scaler=scaler, shuffle_generator=generator)  # what last/ saves

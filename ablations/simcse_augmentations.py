@@ -246,7 +246,7 @@ def main(argv=None):
                 else:  # one pass: anchors and positives, each with its own dropout mask
                     hidden1, hidden2 = model(**batch).last_hidden_state.chunk(2)
             z1, z2 = head(hidden1[:, 0].float()), positive_head(hidden2[:, 0].float())
-            loss = common.info_nce(z1, z2, args.temp)  # Eq. 1 with in-batch negatives
+            loss = simcse.info_nce(z1, z2, args.temp)  # Eq. 1 with in-batch negatives
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)

@@ -82,7 +82,7 @@ def noisy_info_nce(pos1, pos2, neg1, neg2, temp: float = 0.05) -> torch.Tensor:
     embeddings (Table 1's study): loss_i = -s(p1_i, p2_i) + log(e^{s(p1_i, p2_i)} + sum_{j != i}
     e^{s(n1_i, n2_j)}), s = cos / temp."""
     positives = F.cosine_similarity(pos1, pos2, dim=-1) / temp
-    negatives = common.cos_sim(neg1, neg2) / temp
+    negatives = simcse.cos_sim(neg1, neg2) / temp
     logits = torch.where(torch.eye(len(pos1), dtype=torch.bool, device=pos1.device),
                          positives.unsqueeze(1).expand_as(negatives), negatives)
     return F.cross_entropy(logits, torch.arange(len(pos1), device=pos1.device))
@@ -150,7 +150,7 @@ def main(argv=None):
             if args.barlow:  # Table 2: SimCSE + BarlowTwins on the padded batch
                 padding = torch.randn(args.barlow_padding, z1.shape[1], generator=generator,
                                       device=device) if args.barlow_padding else None
-                loss = common.info_nce(z1, z2, args.temp) + args.barlow_weight * \
+                loss = simcse.info_nce(z1, z2, args.temp) + args.barlow_weight * \
                     barlow_twins_loss(z1, z2, args.barlow_lambda, padding)
             else:  # Table 1: noise added to, or averaged out of, the positive or negative pairs
                 # Eq.: z^- = mean of K dropout passes, each side

@@ -250,7 +250,9 @@ def training_step(args, layout: dict, model, head, lm_head, momentum_model, opti
 
     def loss_of(*reps):  # InfoNCE over the embeddings; AMI's maps read
         z = [r for r in reps if r.dim() == 2]
-        loss = common.info_nce(z[0], z[1] if len(z) > 1 else z[0], 0.05)
+        a, b = z[0], z[1] if len(z) > 1 else z[0]  # InfoNCE's cost (simcse.info_nce)
+        loss = F.cross_entropy(F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T / 0.05,
+                               torch.arange(len(a), device=a.device))
         return loss + sum(r.float().square().mean() for r in reps if r.dim() > 2)
 
     def mlm_term(part):  # the masked copies of the encoded rows through the encoder and the MLM head

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import common
+import simcse
 from conftest import ROOT, SHARED, WORDS
 
 sys.path.insert(0, str(ROOT / "ablations"))
@@ -49,7 +50,7 @@ def test_info_nce_with_contradictions_and_neutrals_as_hard_negatives():
         for hard in (contradiction, neutral):
             terms += [cos(z1[i], hard[j]) / temp + (weight if i == j else 0.0) for j in range(n)]
         expected += -(terms[i] - torch.logsumexp(torch.stack(terms), 0))
-    got = common.info_nce(z1, z2, temp, torch.cat([contradiction, neutral]), weight)
+    got = simcse.info_nce(z1, z2, temp, torch.cat([contradiction, neutral]), weight)
     assert got.item() == pytest.approx(expected.item() / n, rel=1e-5)
 
 
@@ -62,7 +63,7 @@ def test_noisy_info_nce_takes_the_positive_and_the_negatives_from_their_own_embe
                    for i in range(5)) / 5
     assert noise.noisy_info_nce(p1, p2, n1, n2).item() == pytest.approx(expected.item(), rel=1e-5)
     # with the same embeddings on both sides it is SimCSE's InfoNCE
-    assert noise.noisy_info_nce(p1, p2, p1, p2).item() == pytest.approx(common.info_nce(p1, p2).item(), rel=1e-6)
+    assert noise.noisy_info_nce(p1, p2, p1, p2).item() == pytest.approx(simcse.info_nce(p1, p2).item(), rel=1e-6)
 
 
 def test_gaussian_noise_has_the_variance_and_comes_from_the_generator():
@@ -316,7 +317,7 @@ def test_every_command_here_is_in_the_ablation_table():
 # What a run must show beyond finishing: (module, function spied on, check of its calls' arguments)
 SPIES = {
     "simcse.py --supervised --train_file nli_neutral.csv --neutral_hard_negatives":
-        ("common", "info_nce", lambda calls: all(len(a[3]) == 2 * len(a[0]) for a in calls)),
+        ("simcse", "info_nce", lambda calls: all(len(a[3]) == 2 * len(a[0]) for a in calls)),
     "simcse.py --do_mlm": ("simcse", "masked_lm_loss", lambda calls: len(calls) == 2),
     "simcse.py --supervised --do_mlm": ("simcse", "masked_lm_loss", lambda calls: len(calls) == 2),
     "simcsepp.py --dcl_only": ("simcsepp", "off_dropout_info_nce", lambda calls: not calls),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common
+import simcse
 import eval_sts
 import plumbing
 from plumbing import resume
@@ -34,14 +35,14 @@ def loop_info_nce(z1, z2, temp, z3=None, weight=0.0):
 def test_info_nce_matches_loop(temp):
     g = torch.Generator().manual_seed(0)
     z1, z2 = torch.randn(6, 5, generator=g), torch.randn(6, 5, generator=g)
-    assert common.info_nce(z1, z2, temp).item() == pytest.approx(loop_info_nce(z1, z2, temp), rel=1e-5)
+    assert simcse.info_nce(z1, z2, temp).item() == pytest.approx(loop_info_nce(z1, z2, temp), rel=1e-5)
 
 
 @pytest.mark.parametrize("weight", [0.0, 1.0, -0.5])
 def test_info_nce_hard_negatives_match_loop(weight):
     g = torch.Generator().manual_seed(1)
     z1, z2, z3 = (torch.randn(5, 4, generator=g) for _ in range(3))
-    got = common.info_nce(z1, z2, 0.1, z3=z3, hard_negative_weight=weight).item()
+    got = simcse.info_nce(z1, z2, 0.1, z3=z3, hard_negative_weight=weight).item()
     assert got == pytest.approx(loop_info_nce(z1, z2, 0.1, z3, weight), rel=1e-5)
 
 
@@ -49,14 +50,14 @@ def test_info_nce_hand_checked_case():
     # Orthogonal unit vectors, positives identical: logit 1/temp on the diagonal, 0 elsewhere.
     z = torch.eye(3)
     expected = -math.log(math.exp(1 / 0.5) / (math.exp(1 / 0.5) + 2))
-    assert common.info_nce(z, z, 0.5).item() == pytest.approx(expected, rel=1e-6)
+    assert simcse.info_nce(z, z, 0.5).item() == pytest.approx(expected, rel=1e-6)
 
 
 def test_info_nce_gradcheck():
     g = torch.Generator().manual_seed(2)
     z1, z2, z3 = (torch.randn(4, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    assert torch.autograd.gradcheck(lambda a, b: common.info_nce(a, b, 0.1), (z1, z2))
-    assert torch.autograd.gradcheck(lambda a, b, c: common.info_nce(a, b, 0.1, c, 0.7), (z1, z2, z3))
+    assert torch.autograd.gradcheck(lambda a, b: simcse.info_nce(a, b, 0.1), (z1, z2))
+    assert torch.autograd.gradcheck(lambda a, b, c: simcse.info_nce(a, b, 0.1, c, 0.7), (z1, z2, z3))
 
 
 def test_poolers_on_hand_built_hidden_states():
@@ -421,11 +422,11 @@ def test_positive_only_loss_matches_a_loop_and_ignores_the_other_rows():
     z1, z2 = torch.randn(4, 5, generator=g, requires_grad=True), torch.randn(4, 5, generator=g)
     expected = -sum(float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b))) / 0.05
                     for a, b in zip(z1.detach().numpy(), z2.numpy())) / 4
-    loss = common.positive_only_loss(z1, z2, 0.05)
+    loss = simcse.positive_only_loss(z1, z2, 0.05)
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     loss.backward()  # row i's gradient depends on its own pair only
     z1b = z1.detach().clone().requires_grad_(True)
     other = z2.clone()
     other[1:] = torch.randn(3, 5, generator=g)
-    common.positive_only_loss(z1b, other, 0.05).backward()
+    simcse.positive_only_loss(z1b, other, 0.05).backward()
     torch.testing.assert_close(z1b.grad[0], z1.grad[0])

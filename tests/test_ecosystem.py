@@ -445,14 +445,14 @@ def test_a_run_that_stops_itself_closes_its_tracked_run_and_an_evaluation_alone_
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = mlflow.MlflowClient()
     out = tmp_path / "diverged"
-    real_info_nce, calls = common.info_nce, []
+    real_info_nce, calls = simcse.info_nce, []
 
     def diverging(*args, **kwargs):
         calls.append(1)
         loss = real_info_nce(*args, **kwargs)
         return loss * math.nan if len(calls) == 3 else loss
     with monkeypatch.context() as patch:
-        patch.setattr(common, "info_nce", diverging)
+        patch.setattr(simcse, "info_nce", diverging)
         with pytest.raises(SystemExit):
             import plumbing
             plumbing.cli(lambda: simcse.main([str(a) for a in smoke_args(

@@ -79,7 +79,7 @@ def assert_like_straight(out, straight):
 
 
 MOMENTS = {  # where the SIGTERM comes: (module, function, which call, a filter on its arguments)
-    "training": (common, "info_nce", 2, None),  # during step 3's loss: between two dev gates
+    "training": (simcse, "info_nce", 2, None),  # during step 3's loss: between two dev gates
     "dev gate": (run_module, "dev_measures", 2, None),  # the gate at step 4
     "writing best/": (checkpoint.BestCopy, "write", 0, None),  # the end's write (no save before it: 10 minutes)
     "final evaluation": (eval_sts, "evaluate", 0, lambda *a, mode="test", **k: mode == "test"),
@@ -198,7 +198,7 @@ def test_overwrite_output_dir_clears_the_old_run_before_the_new_one_trains(tiny_
     simcse.main(argv + ["--keep_last"])
     (out / "notes.txt").write_text("mine")
     with monkeypatch.context() as patch:
-        kill_at(patch, common, "info_nce", 1)  # killed in step 2, before any save of the new run
+        kill_at(patch, simcse, "info_nce", 1)  # killed in step 2, before any save of the new run
         with pytest.raises(Killed):
             simcse.main(argv + ["--seed", "7", "--overwrite_output_dir"])
     assert sorted(p.name for p in out.iterdir()) == [".lock", "notes.txt", "started.json"]
@@ -247,7 +247,7 @@ def test_a_resumed_run_that_finds_no_new_best_writes_its_test_scores_into_the_ca
     monkeypatch.setattr(run_module, "dev_measures",
                         lambda *a: {"stsb_dev": next(scores), "align": 0.0, "uniform": 0.0})
     with monkeypatch.context() as patch:
-        signal_at(patch, common, "info_nce", 2)
+        signal_at(patch, simcse, "info_nce", 2)
         with pytest.raises(SystemExit):
             simcse.main(argv)
     card = (out / "best" / "README.md").read_text()
@@ -295,14 +295,14 @@ def test_an_out_of_memory_stop_keeps_the_best_found_since_the_last_write(tiny_mo
     scores = iter([10.0, 20.0])
     with monkeypatch.context() as patch:
         patch.setattr(run_module, "dev_measures", lambda *a: {"stsb_dev": next(scores), "align": 0.0, "uniform": 0.0})
-        real, calls = common.info_nce, itertools.count()
+        real, calls = simcse.info_nce, itertools.count()
 
         def out_of_memory(*args, **kwargs):
             if next(calls) == 2:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total "
                                              "capacity of 23.65 GiB of which 11.06 MiB is free.\nmore lines")
             return real(*args, **kwargs)
-        patch.setattr(common, "info_nce", out_of_memory)
+        patch.setattr(simcse, "info_nce", out_of_memory)
         code, err = cli_in_process(simcse, *argv)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith(
@@ -342,8 +342,8 @@ def test_an_out_of_memory_stop_in_a_dev_gate_names_the_step_it_came_after(tiny_m
 
 
 def nan_from(monkeypatch, call):
-    real, calls = common.info_nce, itertools.count()
-    monkeypatch.setattr(common, "info_nce", lambda *a, **k: real(*a, **k) * (
+    real, calls = simcse.info_nce, itertools.count()
+    monkeypatch.setattr(simcse, "info_nce", lambda *a, **k: real(*a, **k) * (
         float("nan") if next(calls) >= call else 1.0))
 
 
@@ -374,7 +374,7 @@ def test_a_resumed_run_that_diverges_before_a_new_best_records_its_own_eval_pool
     out = tmp_path / "run"
     argv = argv_of(tiny_model, corpus, senteval_dir, out, "--pooler", "avg", "--no_test_eval")
     with monkeypatch.context() as patch:
-        signal_at(patch, common, "info_nce", 2)
+        signal_at(patch, simcse, "info_nce", 2)
         with pytest.raises(SystemExit):
             simcse.main(argv)
     nan_from(monkeypatch, 0)
@@ -443,8 +443,8 @@ def test_a_disk_that_fills_during_the_run_keeps_the_last_complete_saves(straight
         out = disk / "run"
         argv = argv_of(tiny_model, corpus, senteval_dir, out, "--save_steps", 2)
         with monkeypatch.context() as patch:
-            real, calls = common.info_nce, itertools.count()
-            patch.setattr(common, "info_nce", lambda *a, **k: (next(calls) == 2 and fill(disk)) or real(*a, **k))
+            real, calls = simcse.info_nce, itertools.count()
+            patch.setattr(simcse, "info_nce", lambda *a, **k: (next(calls) == 2 and fill(disk)) or real(*a, **k))
             code, err = cli_in_process(simcse, *argv)
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert "failed (No space left on device)" in err and ("as it was" in err or "last complete save" in err), err
@@ -582,7 +582,7 @@ def at_event(module, name):  # a SIGKILL (no handler runs) at the kill_at-th eve
             os.kill(os.getpid(), signal.SIGKILL)
         return real(*args, **kwargs)
     setattr(module, name, wrapped)
-for module, name in ((common, "info_nce"), (run, "dev_measures"), (checkpoint, "save"), (resume, "save"),
+for module, name in ((simcse, "info_nce"), (run, "dev_measures"), (checkpoint, "save"), (resume, "save"),
                      (files, "swap_in"), (files, "write_text"), (eval_sts, "evaluate"), (eval_sts, "align_uniform")):
     at_event(module, name)
 plumbing.cli(lambda: simcse.main(argv))

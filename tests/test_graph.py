@@ -38,7 +38,7 @@ def simcse_steps(tiny_model, switch_at=None, steps=20, overflow_at=6, device="cp
         optimizer.zero_grad(set_to_none=True)
         views = common.repeat_views(batch, 2)
         hidden = backbone(**views).last_hidden_state
-        loss = common.info_nce(*head(hidden[:, 0]).chunk(2), 0.05)
+        loss = simcse.info_nce(*head(hidden[:, 0]).chunk(2), 0.05)
         if step == overflow_at:
             loss = loss * float("inf")
         scaler.scale(loss).backward()

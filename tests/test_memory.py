@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import common
+import simcse
 import data
 import plumbing
 from conftest import cli_in_process, smoke_args, write_nli, write_tiny_model
@@ -414,7 +415,7 @@ def test_a_gpu_with_too_little_free_memory_is_one_line_before_training_naming_wh
 
 def test_running_out_of_gpu_memory_is_one_line(tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
     import simcse
-    monkeypatch.setattr(common, "info_nce", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(simcse, "info_nce", lambda *a, **k: (_ for _ in ()).throw(
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")))
     code, err = cli_in_process(simcse, *smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "run"))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--micro_batch_size" in err, err
@@ -436,8 +437,8 @@ READS_A_VALUE = "its step reads a tensor's value on the host (aten._local_scalar
 def reading_a_value(monkeypatch):
     """Injected: a step that reads a tensor's value on the host (as ModernBERT's initialiser did), which a trace on
     fake tensors cannot; a real step runs it."""
-    info_nce = common.info_nce
-    monkeypatch.setattr(common, "info_nce", lambda *a, **k: info_nce(*a, **k) + 0 * a[0].sum().item())
+    embed = common.embed
+    monkeypatch.setattr(common, "embed", lambda *a, **k: embed(*a, **k) + 0 * a[1].sum().item())
 
 
 def test_a_model_the_estimate_cannot_trace_is_one_line_and_still_trains(tiny_model, corpus, senteval_dir, tmp_path,

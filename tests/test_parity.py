@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common
+import simcse
 import parity
 from conftest import cli_in_process
 
@@ -22,8 +23,8 @@ def test_the_suite_against_itself_through_the_machinery_is_exactly_zero():
 
 
 def test_a_planted_change_to_the_suites_loss_is_reported(monkeypatch, capsys):
-    real = common.info_nce
-    monkeypatch.setattr(common, "info_nce", lambda z1, z2, temp=0.05, *rest: real(z1, z2, temp * 1.01, *rest))
+    real = simcse.info_nce
+    monkeypatch.setattr(simcse, "info_nce", lambda z1, z2, temp=0.05, *rest: real(z1, z2, temp * 1.01, *rest))
     assert parity.main(["--self"]) == 1
     out = capsys.readouterr().out
     assert out.count("| DIFFERS |") == 2 and "2 differ beyond the tolerance" in out

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import common
+import simcse
 import plumbing
 from plumbing import hub
 from conftest import ROOT, smoke_args, watch_widths_and_graphs
@@ -19,21 +20,21 @@ sys.path.insert(0, str(ROOT / "ablations"))
 
 # Every loss a loop calls, by the module attribute the loop looks it up through.
 LOSSES = {
-    "simcse": [(common, "info_nce")],
-    "simcse_sup": [(common, "info_nce")],
+    "simcse": [(simcse, "info_nce")],
+    "simcse_sup": [(simcse, "info_nce")],
     "simcsepp": [("simcsepp", "off_dropout_info_nce"), ("simcsepp", "dcl_loss")],
     "sscl": [("sscl", "sscl_loss")],
     "whitenedcse": [("whitenedcse", "shuffled_group_whitening"), ("whitenedcse", "multi_positive_info_nce")],
     "micse": [("micse", "moco_info_nce"), ("micse", "ami_loss")],
     # the ablations (#30)
-    "simcse_mlm": [("simcse", "masked_lm_loss"), (common, "info_nce")],
+    "simcse_mlm": [("simcse", "masked_lm_loss"), (simcse, "info_nce")],
     "sscl_projection": [("sscl", "sscl_loss")],
-    "augmentations": [(common, "info_nce")],
+    "augmentations": [(simcse, "info_nce")],
     "noise": [("simcsepp_noise_barlow", "noisy_info_nce")],
-    "barlow": [("simcsepp_noise_barlow", "barlow_twins_loss"), (common, "info_nce")],
+    "barlow": [("simcsepp_noise_barlow", "barlow_twins_loss"), (simcse, "info_nce")],
     "whitening": [("whitenedcse_whitening", "full_whitening"), ("whitenedcse", "multi_positive_info_nce")],
     # GradCache and recomputed layers (#53): the losses see the cached fp32 embeddings
-    "simcse_mlm_micro": [("simcse", "masked_lm_loss"), (common, "info_nce")],
+    "simcse_mlm_micro": [("simcse", "masked_lm_loss"), (simcse, "info_nce")],
     "micse_micro": [("micse", "moco_info_nce"), ("micse", "ami_loss")],
 }
 FLAGS = {"simcse_sup": ["--supervised"], "sscl": ["--neg_layers", "1"], "whitenedcse": ["--num_groups", "16"],

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import common
+import simcse
 import data
 import eval_sts
 import plumbing
@@ -186,13 +187,13 @@ def test_a_fixed_dropout_mask_gives_both_views_the_same_embeddings(tiny_model, c
     import torch
     import simcse
     pairs = []
-    info_nce = common.info_nce
+    info_nce = simcse.info_nce
 
     def recording(z1, z2, *rest, **kw):
         pairs.append((z1.detach().clone(), z2.detach().clone()))
         return info_nce(z1, z2, *rest, **kw)
 
-    monkeypatch.setattr(common, "info_nce", recording)
+    monkeypatch.setattr(simcse, "info_nce", recording)
     args = smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "fixed", "--no_test_eval")
     simcse.main([str(a) for a in args + ["--fixed_dropout_mask"]])
     assert len(pairs) == 4 and all(torch.equal(z1, z2) for z1, z2 in pairs)

@@ -397,13 +397,14 @@ def bare_loss(backbone, head, batch: dict, precision: str, cache: bool = True):
     host check of the mask), the encoder under autocast, [CLS] through the head and InfoNCE (tau 0.05) in fp32.
     `cache`: autocast's cache of each weight's cast, which a CUDA graph's capture cannot keep."""
     import common
+    import simcse
     views = {k: v.repeat(2, 1) for k, v in batch.items()}
     mask = common.attention_mask_4d(views.pop("attention_mask"), "sdpa")
     device_type = batch["input_ids"].device.type
     with torch.autocast(device_type, dtype=HALF.get(precision), enabled=precision in HALF, cache_enabled=cache):
         hidden = backbone(attention_mask=mask, **views).last_hidden_state
     z1, z2 = head(hidden[:, 0].float()).chunk(2)
-    return common.info_nce(z1, z2, TEMP)
+    return simcse.info_nce(z1, z2, TEMP)
 
 
 def timed(step, args, device) -> float:

@@ -40,7 +40,7 @@ MUTANTS = {
                  [FLAGS]),
     "simcsepp-dcl-sign": ("simcsepp.py", "        loss = loss + dcl\n", "        loss = loss - dcl\n", [FLAGS]),
     # the losses
-    "info-nce-no-temperature": ("common.py", "logits = cos_sim(z1, z2) / temp", "logits = cos_sim(z1, z2)",
+    "info-nce-no-temperature": ("simcse.py", "logits = cos_sim(z1, z2) / temp", "logits = cos_sim(z1, z2)",
                                 ["tests/test_common.py"]),
     "sscl-plain-term-dropped": ("sscl.py", "return (F.cross_entropy(logits, labels) + F.cross_entropy(in_batch, "
                                 "labels)) / 2", "return F.cross_entropy(logits, labels)", ["tests/test_sscl.py"]),

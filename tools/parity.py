@@ -52,6 +52,7 @@ import common  # noqa: E402
 import eval_sts  # noqa: E402
 import micse  # noqa: E402
 import plumbing  # noqa: E402
+import simcse  # noqa: E402
 import simcsepp  # noqa: E402
 import sscl  # noqa: E402
 import whitenedcse  # noqa: E402
@@ -343,7 +344,7 @@ def simcse_rows(clone: Path) -> list[dict]:
                 z = common.embed(out.hidden_states, stacked["attention_mask"], pooler, head)
                 parts = z.chunk(views)
                 hard = torch.cat(parts[2:]) if supervised else None
-                return common.info_nce(parts[0], parts[1], 0.05, hard, 0.5 * supervised)
+                return simcse.info_nce(parts[0], parts[1], 0.05, hard, 0.5 * supervised)
             loss_s = suite_step(backbone, [view_major(N, views)], step)
             rows.append(row(f"simcse {kind}: step, {label}", loss_r, loss_s, grads_r,
                             suite_gradients(kind, backbone, **{"mlp.dense": head and head[0]})))
@@ -356,7 +357,7 @@ def simcse_rows(clone: Path) -> list[dict]:
     loss_r = module.cl_forward(released, FakeEncoder(outputs(flat)), input_ids=mask, attention_mask=mask).loss
     grad_r, = torch.autograd.grad(loss_r, z)
     cls_tokens = z[:, 0].view(N, 3, 8)
-    loss_s = common.info_nce(cls_tokens[:, 0], cls_tokens[:, 1], 0.05, cls_tokens[:, 2], 0.5)
+    loss_s = simcse.info_nce(cls_tokens[:, 0], cls_tokens[:, 1], 0.05, cls_tokens[:, 2], 0.5)
     grad_s, = torch.autograd.grad(loss_s, z)
     rows.append(row("simcse: loss alone, hard negatives weighted", loss_r, loss_s, {"z": grad_r}, {"z": grad_s}))
     return rows
@@ -682,7 +683,7 @@ def evaluation_rows(repository: str, clone: Path, checkpoint: Path) -> list[dict
 
 
 # ---------------------------------------------------------------------------------- the machinery's own check
-REFERENCE_INFO_NCE = common.info_nce  # the suite's loss as this module was imported: the self-check's "released"
+REFERENCE_INFO_NCE = simcse.info_nce  # the suite's loss as this module was imported: the self-check's "released"
 
 
 class SuiteInReleasedLayout(nn.Module):
@@ -727,7 +728,7 @@ def self_rows() -> list[dict]:
             views = common.repeat_views(batch, 2)
             out = model(**views, output_hidden_states=True)
             z1, z2 = common.embed(out.hidden_states, views["attention_mask"], "cls", head).chunk(2)
-            return common.info_nce(z1, z2, 0.05)
+            return simcse.info_nce(z1, z2, 0.05)
         loss_s = suite_step(backbone, [view_major(N, 2)], step)
         rows.append(row(f"self {kind}: step, unsupervised SimCSE", loss_r, loss_s, grads_r,
                         suite_gradients(kind, backbone, **{"mlp.dense": head[0]})))
