@@ -1,7 +1,7 @@
 """What every method file shares: the training flags, SimCSE's poolers and MLP head, the encoder,
-the embeddings, InfoNCE, mixed precision, the optimiser and GradCache's backward. It imports nothing
-of the suite, so a copy works on its own. Each method file runs its own loop; data.py holds the
-data, eval_sts.py the STS metric of the dev gate, plumbing/ what a first reading skips."""
+the embeddings, mixed precision, the optimiser, GradCache's backward (each loss is its file's own).
+It imports nothing of the suite, so a copy works on its own. Each method file runs its own loop;
+data.py the data, eval_sts.py the dev gate's STS metric, plumbing/ what a first reading skips."""
 from __future__ import annotations
 
 import contextlib

@@ -115,6 +115,7 @@ def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
     # u ~ (high - c, b) or (b, high - a), whichever has no cancellation; (1, 0) where l1 = l2
     u = torch.where((a >= c)[:, None], torch.stack([(a - c) / 2 + half_gap, b], -1),
                     torch.stack([b, (c - a) / 2 + half_gap], -1))
+    u = u / u.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(u.dtype).tiny)  # no underflow
     u = torch.where((half_gap > 0)[:, None], u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30),
                     torch.stack([torch.ones_like(b), torch.zeros_like(b)], -1))  # no host copy
     w = torch.stack([-u[:, 1], u[:, 0]], -1)

@@ -41,6 +41,7 @@ class StepGraph:
         self.train_step, self.optimizer, self.enabled = train_step, optimizer, enabled
         self.generators, self.calls = [g for g in generators if g is not None], 0
         self.graphs, self.warmed, self.pool = {}, set(), None  # {shape: (graph, input buffers, outputs)}
+        self.captured = 0  # graphs captured, for the run's record
 
     def __call__(self, batch: dict, *same):  # -> what train_step returns, detached
         if not self.enabled:
@@ -93,15 +94,15 @@ class StepGraph:
         finally:
             torch.set_autocast_cache_enabled(cache)
         self.graphs[shape], self.pool = (cuda_graph, buffers, outputs), self.pool or cuda_graph.pool()
+        self.captured += 1
         _LIVE.add(self)
         return True
 
-    def release(self) -> int:
-        """The graphs, their buffers and their memory pool given back; how many there were."""
-        count, self.graphs, self.pool = len(self.graphs), {}, None
+    def release(self) -> None:
+        """The graphs, their buffers and their memory pool given back."""
+        self.graphs, self.pool = {}, None
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-        return count
 
 
 def release() -> int:
@@ -109,8 +110,10 @@ def release() -> int:
     how many graphs were captured (the run's record says so)."""
     count = 0
     for step_graph in list(_LIVE):
-        count += step_graph.release()
+        count += step_graph.captured
+        step_graph.release()
         step_graph.enabled = False
+        _LIVE.discard(step_graph)  # counted once
     return count
 
 

@@ -243,8 +243,9 @@ def check_cuda_graph(args, device: torch.device) -> None:
             raise plumbing.UsageError(f"--{'auto_' if args.auto_resume else ''}resume: the run in {args.output_dir} "
                                       f"started {how}; resume it as it started: leave out --cuda_graph and "
                                       "--no_cuda_graph")
-        given, args.cuda_graph = args.cuda_graph, bool(started["cuda_graph"])
-        args.pad_to_max_length = args.pad_to_max_length or args.cuda_graph
+        given, args.cuda_graph = args.cuda_graph, bool(started["cuda_graph"])  # and its padding (--fit_memory may
+        args.pad_to_max_length = args.pad_to_max_length or args.cuda_graph or bool(  # have turned the graph off)
+            started.get("pad_to_max_length"))
         what = next((what for what, why in cannot.items() if why), None)
         if args.cuda_graph and what is not None and not given:  # the same steps eagerly, padded as they were
             args.cuda_graph = False

@@ -218,6 +218,8 @@ def tensorboard_held(folder: Path, before: int) -> dict:
     own reader reads them: what a killed writer never flushed, and the test scores of a run stopped in its final
     evaluation, are not there, so the resumed run writes them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    if not folder.is_dir():  # TensorBoard added when the run resumes: it holds nothing yet
+        return {}
     events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
     events.Reload()
     steps = {tag: [e.step for e in events.Scalars(tag) if e.step < before] for tag in events.Tags()["scalars"]}

@@ -1,4 +1,4 @@
-"""common.py: info_nce, poolers, data and subsets, the batch sampler, dropout control, presets, the schedule."""
+"""common.py (and simcse.py's info_nce): info_nce, poolers, data and subsets, the batch sampler, dropout control, presets, the schedule."""
 import math
 import types
 

@@ -533,28 +533,28 @@ def test_log_model_without_a_tracker_that_keeps_artifacts_is_one_line(tiny_model
 @pytest.mark.skipif(not importlib.util.find_spec("mlflow"), reason="mlflow-skinny is a test requirement; not here")
 def test_a_tracker_added_when_the_run_resumes_gets_the_runs_params(tiny_model, corpus, senteval_dir, tmp_path,
                                                                    monkeypatch):
-    """miCSE started with TensorBoard alone, stopped at step 2 and resumed with MLflow and W&B too: MLflow's new run
-    gets the run's arguments as its params (a resumed tracked run already has them; a new one would have none), and
-    both new trackers every metric (the loss's terms and test/* included) at every step once, as TensorBoard holds
-    them (read back as lists: the steps before the resume replayed from the record, none twice)."""
+    """miCSE started with MLflow alone, stopped at step 2 and resumed with TensorBoard and W&B too: the resumed
+    MLflow run keeps its params, and both new trackers get every metric (the loss's terms and test/* included) at
+    every step once, as MLflow holds them (read back as lists: the steps before the resume replayed from the record,
+    none twice). A tracker added at a resume has no files yet: reading what it holds must not fail."""
     import mlflow
     import test_resume
     from conftest import tracked, tracker_env
     tracker_env(monkeypatch, tmp_path / "mlruns")
     out = tmp_path / "run"
     argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--logging_steps", 1, "--queue_size",
-                                       16, "--no_align_uniform", "--report_to", "tensorboard")]
+                                       16, "--no_align_uniform", "--report_to", "mlflow")]
     test_resume.run("micse", argv, monkeypatch, stop_at=2)  # miCSE: its loss's two terms tracked too
     next_second()
-    test_resume.run("micse", argv[:-1] + ["tensorboard", "mlflow", "wandb", "--resume"], monkeypatch)
+    test_resume.run("micse", argv[:-1] + ["mlflow", "tensorboard", "wandb", "--resume"], monkeypatch)
     results = json.loads((out / "results.json").read_text())
     run = mlflow.MlflowClient().get_run(results["tracking"]["mlflow"])
     assert run.data.params["args.lr"] == "3e-05" and run.data.params["args.seed"] == "42"
     found = tracked(out)
-    assert [step for step, _ in found["tensorboard"]["train/loss"]] == [1, 2, 3, 4]
-    assert [step for step, _ in found["tensorboard"]["train/ami"]] == [1, 2, 3, 4] and "test/avg" in found["wandb"]
-    for tracker in ("mlflow", "wandb"):
-        assert found[tracker].keys() == found["tensorboard"].keys(), tracker
-        for metric, want in found["tensorboard"].items():  # TensorBoard keeps float32
+    assert [step for step, _ in found["mlflow"]["train/loss"]] == [1, 2, 3, 4]
+    assert [step for step, _ in found["mlflow"]["train/ami"]] == [1, 2, 3, 4] and "test/avg" in found["mlflow"]
+    for tracker in ("tensorboard", "wandb"):
+        assert found[tracker].keys() == found["mlflow"].keys(), tracker
+        for metric, want in found["mlflow"].items():  # TensorBoard keeps float32
             assert [step for step, _ in found[tracker][metric]] == [step for step, _ in want], (tracker, metric)
             assert [value for _, value in found[tracker][metric]] == pytest.approx([v for _, v in want], rel=1e-6)

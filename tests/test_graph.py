@@ -475,3 +475,9 @@ def test_a_resumed_graph_run_gets_a_fresh_commands_refusals_or_goes_on_eagerly_i
     args = cuda_graph_args(cuda_graph=None, resume=True, output_dir=str(tmp_path))  # where it can: the graph
     options.check_cuda_graph(args, torch.device("cuda"))
     assert args.cuda_graph is True and capsys.readouterr().out == ""
+    # --fit_memory turned the graph off at the start and kept its padding: the resume keeps both (its last/ holds
+    # the padding, which a resume that dropped it would refuse in one line)
+    (tmp_path / "started.json").write_text(json.dumps({"args": {"cuda_graph": False, "pad_to_max_length": True}}))
+    args = cuda_graph_args(cuda_graph=None, resume=True, output_dir=str(tmp_path))
+    options.check_cuda_graph(args, torch.device("cuda"))
+    assert args.cuda_graph is False and args.pad_to_max_length is True

@@ -165,12 +165,12 @@ def test_padding_every_batch_to_max_seq_length_trains_what_padding_to_its_longes
     """--pad_to_max_length (one shape a step, as a CUDA graph needs) changes no loss and no gradient beyond fp32's
     rounding of sums in another order (rounding_bounds: the attention's sums run over the masked positions too, which
     add exact zeros, and every kernel has another shape), in fp32 with dropout off (the momentum encoder's too):
-    dropout and --do_mlm's masking draw over the padded shape. miCSE with AMI off: the released AMI scales by the valid
-    share of the padded tiles, so padding changes its weight (docs/arguments.md); its queue's keys are padded too, a
-    logit of the same kind. WhitenedCSE: kappa its covariances' condition (10 to 60 here). With dropout off its views
+    dropout and --do_mlm's masking draw over the padded shape. miCSE with AMI on: it reads its entries up to each
+    batch's longest row and draws its sample in --max_seq_length's layout (24 for both runs here), so padding leaves
+    its weight as it is; its queue's keys are padded too, a logit of the same kind. WhitenedCSE: kappa its covariances' condition (10 to 60 here). With dropout off its views
     coincide and its loss is near 0 (2e-4), below its loss bound: its gradient carries the check."""
     flags = ["--dropout", "0", "--lr", "1e-9"]
-    flags += ["--ami_lambda", "0", "--momentum_dropout", "0"] if name == "micse" else []
+    flags += ["--max_seq_length", "24", "--momentum_dropout", "0"] if name == "micse" else []
     dynamic, padded, widths, shapes, conditions = padded_and_dynamic(name, flags, well_conditioned_model, corpus,
                                                                      senteval_dir, tmp_path, monkeypatch)
     assert max(widths) < 24 and set(shapes) == {24}, (widths, shapes)

@@ -118,6 +118,8 @@ def test_closed_form_2x2_clamps_each_eigenvalue_at_eighs_floor():
     near = 2 * x + 1e-7 * torch.randn(8, 1, generator=g, dtype=torch.float64)
     groups = {"rank-deficient": torch.cat([x, 2 * x], 1), "nearly singular": torch.cat([x, near], 1),
               "zero": torch.zeros(8, 2, dtype=torch.float64)}
+    groups.update({f"variance {scale:g}": torch.randn(8, 2, generator=g, dtype=torch.float64) * scale
+                   for scale in (1e-14, 1e-16, 1e-17)})  # every eigenvalue below the floor: 1e6 I
     for name, columns in groups.items():
         for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, 1e-6)):
             centred = (columns - columns.mean(0)).to(dtype)
