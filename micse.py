@@ -103,7 +103,7 @@ def ami_loss(attn1, attn2, num_samples: int = 150, generator: torch.Generator | 
         raise ValueError(f"AMI needs an even number (>= 2) of layers, got {attn1.shape[1]}")
     n = attn1.shape[-1]
     pad = max((layout or 0) - n, 0)  # every padding in one layout: the same draws
-    attn1, attn2 = (F.pad(a, (0, pad, 0, pad)) for a in (attn1, attn2))  # zeros: never sampled
+    attn1, attn2 = (F.pad(a, (0, pad) * 2) if pad else a for a in (attn1, attn2))  # 0s: unsampled
     row = torch.arange(n + pad, device=attn1.device) < (n if longest is None else longest)
     inside = (row[:, None] & row).flatten().repeat(attn1.shape[1] // 2)  # not a padding's entry
     tiles1, tiles2 = attention_tiles(attn1), attention_tiles(attn2)  # 1.

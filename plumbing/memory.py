@@ -527,10 +527,11 @@ def fit(args, config, device, world_size: int = 1, saved_args: dict | None = Non
         return (f"{short}; no setting of --gradient_checkpointing and --micro_batch_size fits: going on (a smaller "
                 "--batch_size or --max_seq_length, or more GPUs, would)"), record
     graph_off = ", and the CUDA graph off (it takes neither memory flag)" if getattr(args, "cuda_graph", False) else ""
-    for name, value in {**setting, **({"cuda_graph": False} if graph_off else {})}.items():
-        setattr(args, name, value)  # the graph's padding to --max_seq_length stays: the estimate's
-    record.update(chose=describe(setting), fitted_gib=round(peak(fitted) / 2**30, 2), **(
-        {"cuda_graph": False} if graph_off else {}))
+    for name, value in setting.items():
+        setattr(args, name, value)
+    record.update(chose=describe(setting), fitted_gib=round(peak(fitted) / 2**30, 2))
+    if graph_off:  # the graph's padding to --max_seq_length stays: the estimate's
+        args.cuda_graph = record["cuda_graph"] = False
     return (f"memory: --fit_memory switched on {describe(setting)}{graph_off}: the same objective in about "
             f"{gib(peak(fitted))} instead of {gib(peak(found))}, of the {gib(usable(free))} this GPU has usable"), \
         record

@@ -132,7 +132,7 @@ class Trackers:
         values = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
 
         def new(tracker):  # what the tracked run does not hold yet (a resumed run's steps since its last save)
-            held = self.held.get(tracker)  # (read by [], which calls the default: TensorBoard's is every metric's)
+            held = self.held.get(tracker)  # (read by [], which calls the default: online W&B's is every metric's)
             return {k: v for k, v in values.items() if held is None or step > held[k]}
         if self.tensorboard is not None:
             for tag, value in new("tensorboard").items():

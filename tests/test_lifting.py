@@ -71,12 +71,11 @@ def inputs(name: str):
 def test_a_methods_objective_block_runs_on_torch_alone_and_gives_the_suites_value(name):
     args, kwargs = inputs(name)
     module = LIFTABLE[name]
-    ours, copy = getattr(module, name), getattr(lifted(module), name)
-    if name == "micse_loss":  # AMI's samples: the same draws from a generator of the same seed
-        kwargs = dict(kwargs, generator=torch.Generator().manual_seed(1))
-        ours, theirs = ours(*args, **kwargs), copy(*args, **dict(kwargs, generator=torch.Generator().manual_seed(1)))
-    else:
-        ours, theirs = ours(*args, **kwargs), copy(*args, **kwargs)
+
+    def drawn():  # AMI's samples: the same draws, each side from a generator of the same seed
+        return {"generator": torch.Generator().manual_seed(1)} if name == "micse_loss" else {}
+    ours = getattr(module, name)(*args, **kwargs, **drawn())
+    theirs = getattr(lifted(module), name)(*args, **kwargs, **drawn())
     assert torch.equal(ours, theirs), name
 
 
