@@ -138,7 +138,9 @@ def ami_sample(tiles1, tiles2, num_samples: int, generator=None, inside=None) ->
     """Which entries AMI reads, every shape fixed (no host sync): `used`, the tiles that count (the
     released code drops the rest); sampled without replacement: the k valid entries of largest
     random keys, topk-sorted (a tile's first k columns); `inside`: the batch's entries, else all."""
-    valid = (tiles1 > 0) & (tiles2 > 0) & (True if inside is None else inside)
+    # Not the released code's > 0: log's gradient 1/p overflows fp32 for the subnormal probabilities
+    # a real encoder's first layers give (MiniLM's layer 0: 2.8e-45); none above 1e-30 overflows
+    valid = (tiles1 > 1e-30) & (tiles2 > 1e-30) & (True if inside is None else inside)
     counts = valid.sum(dim=1)
     enough = counts >= num_samples
     some_enough = enough.any()

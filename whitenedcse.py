@@ -73,8 +73,10 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
     """Shuffled group whitening (Section 3.2; ZCA per group, W = U diag(lambda^-1/2) U^T): the
     channels x[:, perm] in `num_groups` consecutive groups, each centred over the batch and times
     the ZCA matrix of its covariance X^T X / N (+ eps I), then put back in their order. W comes from
-    the detached covariance, as the authors' code has it: gradients flow through X only. In fp32
-    (fp64 for fp64 input), also inside an autocast block."""
+    the detached covariance, as the authors' code has it: gradients flow through X only. Computed
+    in float64, also inside an autocast block, and returned in fp32 (fp64 for fp64 input): a real
+    encoder has channels that barely vary over a batch (variance 1e-10 beside 0.04, or dead ones),
+    and fp32's rounding of their covariance would decide their gain (19x off, losses of 18)."""
     n, d = x.shape
     if d % num_groups:
         raise ValueError(f"{d} channels cannot be split into {num_groups} equal groups")
@@ -82,13 +84,11 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
     if width > n - 1 and eps <= 0:
         raise ValueError(f"groups of {width} channels need a batch of more than {width} (got {n}): "
                          "the covariance is singular; use more groups, a larger batch or eps > 0")
-    # fp32 (or fp64) even inside an autocast block
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        x = x if x.dtype == torch.float64 else x.float()
-        groups = x[:, perm].reshape(n, num_groups, width).transpose(0, 1)  # (G, N, width)
+    with torch.autocast(device_type=x.device.type, enabled=False):  # a few kB: float64 is cheap
+        groups = x.double()[:, perm].reshape(n, num_groups, width).transpose(0, 1)  # (G, N, width)
         centred = groups - groups.mean(dim=1, keepdim=True)
         c = centred.detach()
-        identity = torch.eye(width, dtype=x.dtype, device=x.device)
+        identity = torch.eye(width, dtype=c.dtype, device=c.device)
         covariance = c.transpose(1, 2) @ c / n + eps * identity
         if width == 2:  # the recipes' groups: C^-1/2 in closed form, no host sync (CUDA graphs)
             whitening = inverse_sqrt_2x2(covariance)
@@ -97,21 +97,20 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
             inverse_sqrt = torch.diag_embed(eigenvalues.clamp_min(1e-12).rsqrt())
             whitening = eigenvectors @ inverse_sqrt @ eigenvectors.transpose(1, 2)
         whitened = centred @ whitening
+    whitened = whitened if x.dtype == torch.float64 else whitened.float()  # fp32 out
     return whitened.transpose(0, 1).reshape(n, d)[:, torch.argsort(perm)]
 
 
 def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
-    """C^-1/2 of each 2 x 2 covariance [[a, b], [b, c]] (G, 2, 2): with s = sqrt(det C) and t =
-    sqrt(a + c + 2 s), C^1/2 = (C + s I) / t, so C^-1/2 = [[c + s, -b], [-b, a + s]] / (s t): the
-    ZCA matrix U diag(lambda^-1/2) U^T that eigh gives, to rounding (tests/test_whitenedcse.py).
-    Below eigh's floor (an eigenvalue < 1e-12: a singular group), eigh's clamped matrix: W = f(l1)
-    u u^T + f(l2) w w^T, f(l) = max(l, 1e-12)^-1/2, u the eigenvector of l1 >= l2, w its normal."""
+    """C^-1/2 of each 2 x 2 covariance [[a, b], [b, c]] (G, 2, 2), the ZCA matrix eigh gives,
+    written out: W = f(l1) u u^T + f(l2) w w^T, f(l) = max(l, 1e-12)^-1/2 (eigh's floor), l1 >= l2
+    the eigenvalues, u the eigenvector of l1, w its normal. l1 = (a + c) / 2 + |((a - c) / 2, b)|
+    adds two positive numbers; l2 = det C / l1, not (a + c) / 2 - |...|, a difference that cancels
+    (to 0 in fp32 for l2 = 4e-10 beside l1 = 0.036). Call it in float64, as the whitening does."""
     a, b, c = covariance[:, 0, 0], covariance[:, 0, 1], covariance[:, 1, 1]
-    s = (a * c - b * b).clamp_min(1e-24).sqrt()
-    t = (a + c + 2 * s).sqrt()
-    closed = torch.stack([c + s, -b, -b, a + s], dim=-1).view(-1, 2, 2) / (s * t)[:, None, None]
-    half_gap = torch.hypot((a - c) / 2, b)  # the eigenvalues: (a + c) / 2 +- half_gap
-    high, low = (a + c) / 2 + half_gap, (a + c) / 2 - half_gap
+    half_gap = torch.hypot((a - c) / 2, b)
+    high = (a + c) / 2 + half_gap
+    low = (a * c - b * b) / high.clamp_min(torch.finfo(high.dtype).tiny)  # 0 / tiny for a 0 group
     # u ~ (high - c, b) or (b, high - a), whichever has no cancellation; (1, 0) where l1 = l2
     u = torch.where((a >= c)[:, None], torch.stack([(a - c) / 2 + half_gap, b], -1),
                     torch.stack([b, (c - a) / 2 + half_gap], -1))
@@ -119,10 +118,8 @@ def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
     u = torch.where((half_gap > 0)[:, None], u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30),
                     torch.stack([torch.ones_like(b), torch.zeros_like(b)], -1))  # no host copy
     w = torch.stack([-u[:, 1], u[:, 0]], -1)
-    clamped = sum(f.clamp_min(1e-12).rsqrt()[:, None, None] * v[:, :, None] * v[:, None, :]
-                  for f, v in ((high, u), (low, w)))
-    floored = (low < 1e-12) | (a * c - b * b < 1e-24)  # eigh's clamp: lambda >= 1e-12
-    return torch.where(floored[:, None, None], clamped, closed)
+    return sum(f.clamp_min(1e-12).rsqrt()[:, None, None] * v[:, :, None] * v[:, None, :]
+               for f, v in ((high, u), (low, w)))
 
 
 def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:

@@ -12,7 +12,7 @@ import eval_sts
 import micse
 import plumbing
 from plumbing import hub
-from conftest import in_process_scores, run_script, smoke_args
+from conftest import SHARED, in_process_scores, needs_shared, run_script, smoke_args
 
 
 def random_attention(n=3, layers=4, heads=2, length=4, seed=0, padded_keys=None):
@@ -49,6 +49,41 @@ def test_ami_matches_reference_without_padding(min_layer, max_layer):
     attn1, attn2 = random_attention(seed=1), random_attention(seed=2)
     got = micse.ami_loss(attn1[:, min_layer:max_layer], attn2[:, min_layer:max_layer], num_samples=10_000)
     assert got.item() == pytest.approx(reference_ami(attn1, attn2, min_layer, max_layer), rel=1e-9)
+
+
+def test_ami_leaves_out_probabilities_too_small_for_their_logs_gradient_under_fp16s_scale():
+    """A real encoder's first layers give subnormal attention probabilities (MiniLM's layer 0: down to 2.8e-45); the
+    log's gradient 1/p of those overflows fp32, and under fp16's GradScaler (65536 x lambda 2.5e-3) dL/dattn was inf
+    (the scaler then skips the step; inf - inf reaches softmax's backward as NaN). Entries below 1e-30 are left out as
+    dropout's zeros are: the gradient is finite. Fails where every entry above 0 counts (the released code's rule)."""
+    g = torch.Generator().manual_seed(0)
+    for seed in range(3):  # e^-100 and below: subnormal probabilities (and exact zeros)
+        attn = (torch.randn(8, 2, 2, 6, 6, generator=g) * 40).softmax(-1).requires_grad_()
+        assert ((attn > 0) & (attn < 1e-38)).any()
+        loss = micse.ami_loss(attn[:4], attn[4:], 20, torch.Generator().manual_seed(seed))
+        (loss * 2.5e-3 * 65536).backward()
+        assert torch.isfinite(attn.grad).all() and attn.grad.abs().max() > 0 and torch.isfinite(loss), seed
+
+
+@needs_shared
+def test_ami_on_minilms_first_layer_has_a_finite_gradient_under_fp16s_scale():
+    """The same on a real encoder's maps: MiniLM, --ami_min_layer 0 (layers 0 and 1), two dropout views of 16 wiki1m
+    sentences, 5 seeds; the loss scaled as fp16's GradScaler first scales it. Fails on the released code's > 0."""
+    tokenizer, model = hub.load_pretrained(str(SHARED / "models" / "all-MiniLM-L6-v2"), micse.ATTN_IMPLEMENTATION)
+    sentences = (SHARED / "data" / "wiki1m_head.txt").read_text().splitlines()[:16]
+    batch = tokenizer(sentences, padding=True, truncation=True, max_length=32, return_tensors="pt")
+    model.train()
+    smallest = 1.0
+    for seed in range(5):
+        torch.manual_seed(seed)
+        outputs = model(**{k: v.repeat(2, 1) for k, v in batch.items()}, output_attentions=True)
+        attn = torch.stack(outputs.attentions[0:2], 1).float()
+        attn.retain_grad()
+        smallest = min(smallest, attn[attn > 0].min().item())
+        loss = micse.ami_loss(*attn.chunk(2), 150, torch.Generator().manual_seed(seed))
+        (loss * 2.5e-3 * 65536).backward()
+        assert torch.isfinite(attn.grad).all(), seed
+    assert smallest < 1e-38  # the subnormal probabilities are there
 
 
 def test_ami_uses_only_valid_entries_with_padding():
