@@ -91,24 +91,26 @@ def data_parallel(model: torch.nn.Module, compile: bool = False):
     Several passes a step (SimCSE++'s dropout-off pass, --do_mlm's masked pass) all go through it before the one
     backward; every parameter that requires a gradient gets one in every step (common.BackboneWithHeads freezes the
     unused pooler), so DDP needs no search for unused parameters, and its default (dynamic) graph mode holds whatever
-    the passes are. The buffers (position ids) never change: not broadcast. No gradient accumulation: no no_sync."""
+    the passes are. The buffers (position ids) never change and are the same on every process: not broadcast at each
+    forward (torch 2.13's forward_sync_buffers, which replaces broadcast_buffers; DDP still broadcasts them once, when
+    it is made). No gradient accumulation: no no_sync."""
     if world_size() > 1:
         device = next(model.parameters()).device
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                        broadcast_buffers=False)
+                                        forward_sync_buffers=False)
     return torch.compile(model) if compile else model
 
 
-def any_process_next(flag: bool):
-    """Whether `flag` is true on any process, without waiting: the exchange starts now (on the host, gloo: it must
+def largest_next(value: float):
+    """The largest of the processes' `value`s, without waiting: the exchange starts now (on the host, gloo: it must
     not wait for the GPU) and the returned function reads the answer, the same on every process; read a step later,
     it has long arrived."""
-    t = torch.tensor([float(flag)])
-    work = dist.all_reduce(t, group=_HOST_GROUP, async_op=True)
+    t = torch.tensor([value], dtype=torch.float64)
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_HOST_GROUP, async_op=True)
 
-    def answer() -> bool:
+    def answer() -> float:
         work.wait()
-        return bool(t.item())
+        return t.item()
     return answer
 
 
@@ -123,11 +125,7 @@ def broadcast_float(value: float) -> float:
 
 def smallest(value: float) -> float:
     """The smallest of the processes' `value`s, on every process (--fit_memory: the GPU with least room decides)."""
-    if world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_HOST_GROUP)
-    return float(t.item())
+    return -largest_next(-value)() if world_size() > 1 else value
 
 
 class StopRequested(Exception):
@@ -135,9 +133,10 @@ class StopRequested(Exception):
 
 
 class StopSignal:
-    """Ctrl-C or SIGTERM asks the loop to stop at the end of the current step (a second one stops at once).
-    Inside `final_evaluation(results)` a signal stops the evaluation at once and is recorded in `results`;
-    after it, a signal lets results.json be written first. `exit_if_stopped()` then exits 130 / 143."""
+    """Ctrl-C or SIGTERM asks the loop to stop at the end of the current step (a second one to the same process stops
+    it at once); under torchrun every process stops at that step, and `settle` gives each the same stop (`signum`),
+    whichever got the signal. Inside `final_evaluation(results)` a signal stops the evaluation at once and is recorded
+    in `results`; after it, a signal lets results.json be written first. `exit_if_stopped()` then exits 130 / 143."""
 
     def __init__(self):
         self.signum, self.phase, self.answer = None, "training", None
@@ -145,9 +144,9 @@ class StopSignal:
             signal.signal(s, self._handle)
 
     def _handle(self, signum, frame):
-        if self.signum is not None:
-            raise KeyboardInterrupt
-        self.signum = signum
+        for s in STOP_SIGNALS:  # the next signal to this process raises KeyboardInterrupt, as Python's own Ctrl-C
+            signal.signal(s, signal.default_int_handler)
+        self.signum = self.signum or signum  # a stop agreed already stays the stop
         name = signal.Signals(signum).name
         if self.phase == "training":
             print(f"signal {name}: stopping at the end of this step", flush=True)
@@ -170,19 +169,25 @@ class StopSignal:
 
     def requested(self) -> bool:
         """Whether the run stops after this step (asked once a step). One process: at once. Several: each step every
-        process sends whether it was signalled and reads the answer of the step before, which has arrived meanwhile
-        (any_process_next: no wait for the GPU), so that all stop at the same step, the one after the signal's."""
+        process sends its signal's number (0: none) and reads the answer of the step before, which has arrived
+        meanwhile (largest_next: no wait for the GPU), so that all stop at the same step, the one after the signal's."""
         if world_size() == 1:
             return self.signum is not None
         agreed = self.answer() if self.answer else False
-        self.answer = any_process_next(self.signum is not None)
-        return agreed
+        self.answer = largest_next(self.signum or 0)
+        return bool(agreed)
 
     def settle(self) -> None:
-        """The training's end: the last step's exchange read, so that none is left in flight."""
+        """The training's end, after best/'s last write: one more exchange, waited for, gives every process the same
+        stop, the largest signal any got (in the last step too); a process stopped by another's signal says so."""
+        if world_size() == 1:
+            return
         if self.answer:
-            self.answer()
-            self.answer = None
+            self.answer()  # the last step's, in flight
+        own, self.answer = self.signum, None
+        self.signum = int(largest_next(own or 0)()) or self.signum  # (one that came meanwhile is kept)
+        if self.signum and not own:
+            print(f"signal {signal.Signals(self.signum).name} to another process: this one stops with it", flush=True)
 
     def exit_if_stopped(self) -> None:
         if self.signum is not None:

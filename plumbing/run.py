@@ -271,7 +271,6 @@ class Run:
             self.last_step = step
             if self._after(step):
                 break
-        self.stop.settle()
         self.bar.close()
 
     def record(self, loss: torch.Tensor, grad_norm: torch.Tensor, terms: dict | None = None) -> None:
@@ -396,6 +395,8 @@ class Run:
             self.saved_at = self.train_time
             self.checkpoint_time["last_writes"] += 1
             self.checkpoint_time["last_write_s"] += time.perf_counter() - start
+        if not self.resumable or due or stopping or every_save or kept:  # W&B and MLflow: what no resume trains again
+            self.history.trackers.release()
         distributed.log(message)
         losses = self.history.losses
         self.bar.set_postfix(loss=losses[-1] if losses else None, best_dev=self.best_dev)
@@ -414,6 +415,7 @@ class Run:
         processes."""
         self.stop.phase = "writing best/"  # a signal now lets best/ be written whole, then stops the run
         self.flush_best()
+        self.stop.settle()  # every process the same stop, whichever got the signal
         self._free_training_memory()
         self.best_copy = None
         distributed.shutdown()
@@ -427,6 +429,7 @@ class Run:
         # the training ended: if anything stops the evaluation, results.json says it is what remains
         results.update(interrupted=True, interrupted_during="final evaluation")
         self._write_results(results)
+        self.history.trackers.release()  # the training's record stands now
         with self.stop.final_evaluation(results):  # a signal now stops it; results.json records that
             if self.stop.signum is None:  # else it came while best/ was written
                 wanted = not (args.no_test_eval and args.no_align_uniform) or args.eval_transfer
@@ -514,7 +517,8 @@ class Run:
         if not evaluation:
             self._rewrite_card(untested=f"the run stopped itself at step {step} ({by})" if by in outdir.SELF_STOPS
                                else f"the run stopped at step {step} ({by})")
-        self.history.trackers.finish(results)  # its events flushed, its tracked runs marked stopped
+        # its tracked runs marked stopped; the steps since last/ sent unless a resume trains them again (out of memory)
+        self.history.trackers.finish(results, release=evaluation or by in outdir.SELF_STOPS)
         lock.release(self.args.output_dir)
 
     def write(self, results: dict | None) -> None:

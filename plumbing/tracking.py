@@ -5,9 +5,10 @@ and --align_uniform_steps, the final test scores once at the end; the run's argu
 config (W&B) and params (MLflow). Only process 0 tracks. A resumed run continues the same tracked run: W&B's and
 MLflow's run ids are kept in last/ and results.json (`ids`).
 
-Each step once in every tracker, across any stop (a signal, kill -9, a lost node): a resumed run recomputes the
-steps after its last save bit for bit, and logs a metric at a step only where its tracked run does not hold it yet
-(`held`: what the tracker's own record says it holds, read when the run resumes).
+Each step once in every tracker, with results.json's value, across any stop (a signal, kill -9, a lost node): a
+resumed run trains the steps after its last save again (not bit for bit on a GPU in bf16 or without --deterministic)
+and logs a metric at a step only where its tracked run does not hold it yet (`held`: what the tracker's own record
+says it holds, read when the run resumes); W&B and MLflow cannot drop a step, so they get one once last/ holds it.
 
 - tensorboard: event files under <output_dir>/tb; a resumed run drops the events written after its last save.
 - wandb: project $WANDB_PROJECT (default "sentence-embeddings"), files under <output_dir>/wandb; WANDB_MODE=offline
@@ -70,6 +71,7 @@ class Trackers:
         self.ids, self.tensorboard, self.wandb, self.mlflow = dict(ids or {}), None, None, None
         out, config, new = Path(args.output_dir), flat(config or {}), resume_at is None
         self.out, self.held = out, {}  # held: {tracker: defaultdict(metric: the last step its run holds)}
+        self.waiting = []  # W&B's and MLflow's scalars until last/ holds their steps: (step, values, time in ms)
         self.log_model = getattr(args, "log_model", False)
         name, tags, group = run_names(args)
         if "tensorboard" in self.names:
@@ -130,30 +132,38 @@ class Trackers:
     def scalars(self, step: int, values: dict) -> None:
         """The scalars at `step` ("train/loss", "dev/stsb_dev", ...); undefined values (None, NaN, inf) left out."""
         values = {k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)}
-
-        def new(tracker):  # what the tracked run does not hold yet (a resumed run's steps since its last save)
-            held = self.held.get(tracker)  # (read by [], which calls the default: online W&B's is every metric's)
-            return {k: v for k, v in values.items() if held is None or step > held[k]}
         if self.tensorboard is not None:
-            for tag, value in new("tensorboard").items():
+            for tag, value in self.new("tensorboard", step, values).items():
                 self.tensorboard.add_scalar(tag, value, step)
-        if self.wandb is not None and new("wandb"):
-            self.wandb.log(new("wandb"), step=step)
-        if self.mlflow is not None and new("mlflow"):
-            from mlflow.entities import Metric
-            now = int(time.time() * 1000)
-            metrics = [Metric(k, v, now, step) for k, v in new("mlflow").items()]
-            self.mlflow.log_batch(self.ids["mlflow"], metrics=metrics)
+        if self.wandb is not None or self.mlflow is not None:
+            self.waiting.append((step, values, int(time.time() * 1000)))
 
-    def finish(self, results: dict | None = None) -> None:
-        """The end of the run: the final test scores (and transfer tasks) at the last step, the trackers closed; a
-        run stopped before its end leaves its W&B and MLflow runs unfinished, to be resumed."""
+    def release(self) -> None:
+        """The waiting scalars sent to W&B and MLflow: last/ (or results.json) holds them, no resume trains them."""
+        for step, values, now in self.waiting:
+            if self.wandb is not None and (new := self.new("wandb", step, values)):
+                self.wandb.log(new, step=step)
+            if self.mlflow is not None and (new := self.new("mlflow", step, values)):
+                from mlflow.entities import Metric
+                self.mlflow.log_batch(self.ids["mlflow"], metrics=[Metric(k, v, now, step) for k, v in new.items()])
+        self.waiting.clear()
+
+    def new(self, tracker: str, step: int, values: dict) -> dict:
+        """What `tracker`'s run does not hold yet (held's [] calls its default: online W&B's is every metric's)."""
+        return {k: v for k, v in values.items() if tracker not in self.held or step > self.held[tracker][k]}
+
+    def finish(self, results: dict | None = None, release: bool = True) -> None:
+        """The end of the run: the final test scores (and transfer tasks) at the last step, the waiting scalars sent
+        unless a resume trains them again (`release`), the trackers closed; a run stopped before its end leaves its
+        W&B and MLflow runs unfinished, to be resumed."""
         if results is not None:
             step = results.get("steps", 0)
             scores = {f"test/{task}": value for task, value in (results.get("test") or {}).items()}
             scores.update({f"transfer/{task}": value for task, value in (results.get("transfer") or {}).items()
                            if isinstance(value, (int, float))})
             self.scalars(step, scores)
+        if release:
+            self.release()
         ended = results is not None and not results.get("interrupted")
         if ended and self.log_model:
             try:

@@ -6,14 +6,17 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import smoke_args, write_tiny_model
+from conftest import ROOT, smoke_args, write_tiny_model
 
 pytestmark = pytest.mark.skipif(not importlib.util.find_spec("submitit"), reason="submitit is a test requirement")
 
@@ -274,3 +277,105 @@ def test_a_misspelt_flag_or_a_wrong_field_is_one_line_before_anything_runs(proto
     refused("simcse_pp.py is not a script of this suite", script="simcse_pp.py")
     refused("its flags a list of strings, e.g. [\"--m\", \"0.9\"], not '--m 0.9'", flags="--m 0.9")
     refused("paper 'simcse++' is none of the page's", paper="simcse++")
+
+
+def test_a_local_job_has_ended_only_when_every_task_has(tmp_path):
+    """A two-task local job whose second task has written its outcome (submitit's <job>_1_result.pkl) while the
+    first still keeps the run's results is running: taking it as ended there made `run --wait` call the run failed
+    (test_one_run_across_two_tasks_trains_as_one_process, 1 time in 3). It has ended once both outcomes are
+    written, or once its controller (here this test's process, then one that has exited) is gone."""
+    import cluster
+    log = tmp_path / "job" / f"{os.getpid()}_0_log.out"
+    log.parent.mkdir()
+    note = {"job": str(os.getpid()), "executor": "local", "log": str(log), "tasks": 2}
+    assert cluster.local_alive(note)
+    (log.parent / f"{os.getpid()}_1_result.pkl").touch()
+    assert cluster.local_alive(note)
+    (log.parent / f"{os.getpid()}_0_result.pkl").touch()
+    assert not cluster.local_alive(note)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert not cluster.local_alive({**note, "job": str(gone.pid)})
+
+
+def test_slurm_time_limits_in_every_documented_form(tmp_path, monkeypatch):
+    """slurm.minutes reads each form of Slurm's time limits (minutes, minutes:seconds, hours:minutes:seconds,
+    days-hours, days-hours:minutes, days-hours:minutes:seconds), seconds rounded up; UNLIMITED and INFINITE (sinfo's
+    infinite) are no limit. Its caller, check_request, against an sinfo that prints one partition's limit (a fake:
+    no Slurm here): --timeout_min beyond 2-12 (3600 minutes, read as 2892 before) is one line, within it or under
+    an infinite limit nothing."""
+    import plumbing
+    import slurm
+    for limit, want in (("90", 90), ("90:30", 91), ("90:00", 90), ("2:30:00", 150), ("2:30:01", 151),
+                        ("2-12", 3600), ("2-12:30", 3630), ("2-12:30:01", 3631), ("0-0:0:1", 1),
+                        ("UNLIMITED", None), ("INFINITE", None), ("infinite", None)):
+        assert slurm.minutes(limit) == want, limit
+    fake_slurm(tmp_path, monkeypatch)
+    for limit, timeout, refused in (("2-12", 3600, False), ("2-12", 3601, True), ("infinite", 10 ** 6, False)):
+        (tmp_path / "bin" / "sinfo").write_text(f"#!/bin/sh\necho 'debug*|2|{limit}|(null)'\n")
+        if refused:
+            with pytest.raises(plumbing.UsageError, match=r"time limit is 2-12 \(3600 min\)"):
+                slurm.check_request(None, None, 0, 1, timeout)
+        else:
+            slurm.check_request(None, None, 0, 1, timeout)
+
+
+def test_two_run_commands_at_once_one_submits_and_the_other_names_the_holder(protocol_files, tmp_path, monkeypatch,
+                                                                             capsys):
+    """While another process holds the protocol's jobs folder (plumbing/lock.py's lock, as a second `run` holds it
+    from asking what is queued to submitting), `run --executor local` is one line naming that process and its host,
+    exit 2, and submits nothing; once the holder has ended, `run` submits the four runs. Submitting is faked (it
+    records what it is given, nothing runs): without the lock the refused command would reach it."""
+    import cluster
+    import report
+    submitted = []
+    monkeypatch.setattr(cluster, "submit", lambda todo, *args, **kwargs: submitted.append(todo) or [])
+    jobs = tmp_path / "results" / "tiny" / "jobs"
+    jobs.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); from plumbing "
+                               f"import lock; lock.hold({str(jobs)!r}, 'now'); print('held', flush=True); "
+                               "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(SystemExit) as stop:
+            report.main(["run", "--protocol", str(protocol_files), "--executor", "local"])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"is in use by process {holder.pid} on {socket.gethostname()}" in err and "report.py run" in err, err
+        assert submitted == []
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    report.main(["run", "--protocol", str(protocol_files), "--executor", "local"])
+    assert [len(todo) for todo in submitted] == [4] and not (jobs / ".lock").exists()
+
+
+def test_local_slurm_leaves_a_machines_own_slurm_conf_as_it_found_it(tmp_path):
+    """tools/local_slurm.sh's link of Slurm's default slurm.conf to its own, in a folder standing for /etc/slurm
+    (SUITE_SLURM_CLIENT_CONF; its start and stop call the same step, here alone: no Slurm, no root): made where the
+    machine has none, and removed by stop; a site's own file, its link elsewhere (even a dangling one) and a link
+    to ours it made itself are left as they were by start and stop. Replacing a site's link, or removing a link
+    start did not make, fails it."""
+    conf = tmp_path / "etc" / "slurm" / "slurm.conf"
+    conf.parent.mkdir(parents=True)
+    ours = tmp_path / "suite" / "etc" / "slurm.conf"
+    env = {**os.environ, "SUITE_SLURM_DIR": str(ours.parents[1]), "SUITE_SLURM_CLIENT_CONF": str(conf)}
+
+    def script(action):
+        subprocess.run(["bash", str(ROOT / "tools" / "local_slurm.sh"), action], env=env, check=True,
+                       capture_output=True)
+
+    def seen():
+        return ("link", os.readlink(conf)) if conf.is_symlink() else ("file", conf.read_text())
+    script("link_conf")
+    assert seen() == ("link", str(ours))
+    script("unlink_conf")
+    assert not conf.exists() and not conf.is_symlink()
+    for site in ("a file", "/site/slurm.conf", str(ours)):
+        conf.write_text("ClusterName=site\n") if site == "a file" else conf.symlink_to(site)
+        before = seen()
+        script("link_conf")
+        assert seen() == before, site
+        script("unlink_conf")
+        assert seen() == before, site
+        conf.unlink()

@@ -4,8 +4,9 @@ With dropout switched off both runs compute the same function, so after four ste
 1e-5: this is what proves the gathers (negatives over the global batch, DCL's and the whitening's batch
 statistics, miCSE's queue) and DistributedDataParallel's gradient averaging. The driver runs a method's own main()
 under torchrun and records, at every dev gate, the parameters it evaluates, and what crossed the processes: DDP's
-forward passes, and the stop flag's exchanges (one a step, read the next); the one-process reference runs the same
-main() in the test's own process with the same recording dev gate.
+forward passes, and the stop's exchanges (one a step, read the next, and one at the end); the one-process reference
+runs the same main() in the test's own process with the same recording dev gate. A run stopped by signals to either
+process and resumed ends as the straight two-process run.
 """
 import json
 import os
@@ -15,36 +16,46 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import ROOT, gates, smoke_args, write_nli, write_tiny_model
 
 DRIVER = '''
-import contextlib, importlib, json, os, sys, traceback
+import contextlib, importlib, json, os, shutil, signal, sys, time, traceback
 sys.path[:0] = [{root!r}, {tests!r}]
 import plumbing
-from plumbing import distributed, run
+from plumbing import distributed, outdir, run
 from test_distributed import recording_dev_measures
 rank = os.environ["RANK"]
-real_dev_measures, real_any_process_next = run.dev_measures, distributed.any_process_next
-seen = {{}}
+real_dev_measures, real_largest_next, real_record = run.dev_measures, distributed.largest_next, run.Run.record
+seen, signals = {{}}, {{}}
 
 class CountingDDP(distributed.DistributedDataParallel):
     def forward(self, *args, **kwargs):
         seen["ddp_forwards"] += 1
         return super().forward(*args, **kwargs)
 
-def any_process_next(flag):
+def largest_next(value):
     seen["stop_flag_exchanges"] += 1
-    return real_any_process_next(flag)
+    return real_largest_next(value)
 
-distributed.DistributedDataParallel, distributed.any_process_next = CountingDDP, any_process_next
-for i, (script, out, argv) in enumerate(json.load(open(sys.argv[1]))):  # one run after another
+def record(self, *args, **kwargs):  # a signal to this process alone during the step, as from outside
+    if signals.get(rank, {{}}).get(str(self.current_step)):
+        os.kill(os.getpid(), getattr(signal, signals[rank][str(self.current_step)]))
+    return real_record(self, *args, **kwargs)
+
+distributed.DistributedDataParallel, distributed.largest_next, run.Run.record = CountingDDP, largest_next, record
+runs = json.load(open(sys.argv[1]))
+for i, (script, out, argv, logs, signals) in enumerate(runs):  # one run after another
+    while i and not os.path.exists(f"{{runs[i - 1][3]}}/seen_rank{{1 - int(rank)}}.json"):
+        time.sleep(0.05)  # the run before ended on both processes: this one may resume it
     # each run's process group under keys of its own in torchrun's store, as a restarted attempt's
     # (plumbing/distributed.init): the last group's addresses, still there, would be read and tried
     os.environ["TORCHELASTIC_RESTART_COUNT"] = f"run{{i}}" if i else "0"
-    seen.update(ddp_forwards=0, stop_flag_exchanges=0, exit=0)
+    seen = dict(ddp_forwards=0, stop_flag_exchanges=0, exit=0)
     run.dev_measures = recording_dev_measures(real_dev_measures, out)
-    with open(f"{{out}}/stdout_rank{{rank}}.txt", "w") as stdout, open(f"{{out}}/stderr_rank{{rank}}.txt", "w") as err:
+    with open(f"{{logs}}/stdout_rank{{rank}}.txt", "w") as stdout, open(f"{{logs}}/stderr_rank{{rank}}.txt",
+                                                                      "w") as err:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(err):
             try:
                 plumbing.cli(lambda: importlib.import_module(script).main(argv))
@@ -53,7 +64,11 @@ for i, (script, out, argv) in enumerate(json.load(open(sys.argv[1]))):  # one ru
             except BaseException:
                 traceback.print_exc()
                 seen["exit"] = "traceback"
-    open(f"{{out}}/seen_rank{{rank}}.json", "w").write(json.dumps(seen))
+    if rank == "0" and logs != out:  # a part of a run: what it left, before the next part changes it
+        seen.update(state=outdir.state(out)[0], last=sorted(os.listdir(f"{{out}}/last")) if os.path.isdir(
+            f"{{out}}/last") else None)
+        shutil.copy(f"{{out}}/results.json", logs)
+    open(f"{{logs}}/seen_rank{{rank}}.json", "w").write(json.dumps(seen))
 '''
 
 
@@ -133,15 +148,21 @@ def launch(runs, workdir):
     """DRIVER under torchrun with two processes, once for several runs ([(script, args, out), ...]): the
     interpreters' start and imports (most of a tiny run's time) paid once. Each run's output folder gets what its
     processes printed (stdout_rank<r>.txt, stderr_rank<r>.txt) and saw (seen_rank<r>.json: the DDP passes, the stop
-    flag's exchanges, the exit status or "traceback")."""
+    flag's exchanges, the exit status or "traceback"). A part of a run that is stopped and resumed is (script, args,
+    out, logs, signals): args with --resume but for the first part, the files above in `logs` (with process 0's
+    results.json, the folder's state and last/'s files as the part left them), and `signals` {rank: {step: "SIGTERM"}}
+    sent to that process alone during that step."""
     workdir.mkdir(parents=True, exist_ok=True)
     driver = workdir / "driver.py"
     driver.write_text(DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests")))
-    for _, _, out in runs:
-        out.mkdir(parents=True)
-    (workdir / "runs.json").write_text(json.dumps([
-        [script, str(out), [*map(str, args), "--output_dir", str(out), "--overwrite_output_dir"]]
-        for script, args, out in runs]))
+    entries = []
+    for script, args, out, *part in runs:
+        logs, signals = part or (out, {})
+        logs.mkdir(parents=True)  # each run's or part's own
+        out.mkdir(exist_ok=True)  # a run's parts share it
+        fresh = [] if "--resume" in args else ["--overwrite_output_dir"]
+        entries.append([script, str(out), [*map(str, args), "--output_dir", str(out), *fresh], str(logs), signals])
+    (workdir / "runs.json").write_text(json.dumps(entries))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     return subprocess.run([*launcher, str(driver), str(workdir / "runs.json")], capture_output=True, text=True,
@@ -156,10 +177,17 @@ def case_args(case, no_dropout_model, well_conditioned_no_dropout_model, corpus,
                    "--no_test_eval", "--logging_steps", 2, "--precision", "fp32", *METHOD_FLAGS[case]]  # last wins
 
 
+STOPS = [{1: {1: "SIGINT"}, 0: {2: "SIGTERM"}},  # both, at different steps: the stop after step 2
+         {0: {3: "SIGTERM"}},  # process 0 alone: after step 4
+         {1: {6: "SIGTERM"}},  # process 1 alone, in the last step: no step after it; the final evaluation stops
+         {}]  # the evaluation alone
+
+
 @pytest.fixture(scope="module")
-def two_processes(no_dropout_model, well_conditioned_no_dropout_model, corpus, senteval_dir, tmp_path_factory):
-    """Every case of METHOD_FLAGS, and a global batch of 7, under one torchrun launch: {case: output folder},
-    "launch": the launcher's CompletedProcess."""
+def two_processes(tiny_model, no_dropout_model, well_conditioned_no_dropout_model, corpus, senteval_dir,
+                  tmp_path_factory):
+    """Every case of METHOD_FLAGS, a global batch of 7, and a run of 6 steps straight and in the parts of STOPS,
+    under one torchrun launch: {case: output folder}, "launch": the launcher's CompletedProcess."""
     workdir = tmp_path_factory.mktemp("two_processes")
     nli = write_nli(workdir / "nli.csv")
     runs = [(case.split("-")[0], case_args(case, no_dropout_model, well_conditioned_no_dropout_model, corpus,
@@ -167,8 +195,13 @@ def two_processes(no_dropout_model, well_conditioned_no_dropout_model, corpus, s
     indivisible = smoke_args(no_dropout_model, corpus, senteval_dir, "unused")[:-4] + ["--device", "cpu",
                                                                                          "--batch_size", 7]
     runs.append(("simcse", indivisible, workdir / "indivisible"))
+    six = smoke_args(tiny_model, corpus, senteval_dir, "unused")[:-4] + ["--device", "cpu", "--max_steps", 6,
+                                                                        "--no_test_eval", "--no_align_uniform"]
+    runs.append(("simcse", six, workdir / "straight"))
+    runs += [("simcse", six + (["--resume"] if i else []), workdir / "stopped", workdir / f"part{i}", signals)
+             for i, signals in enumerate(STOPS)]
     proc = launch(runs, workdir)
-    return {"launch": proc, **{out.name: out for _, _, out in runs}}
+    return {"launch": proc, **{run[2].name: run[2] for run in runs}}
 
 
 def two_process_run(two_processes, case) -> Path:
@@ -217,11 +250,11 @@ def test_two_processes_train_like_one(case, two_processes, no_dropout_model, wel
     assert r1["grad_norm"][0] == pytest.approx(r2["grad_norm"][0], rel=1e-2 if half else 1e-5)
     assert r1["train_loss"] == pytest.approx(r2["train_loss"], rel=1e-2 if half else 1e-3 if case in ADAM_NOISE
                                              else 1e-5, abs=1e-6)
-    # DistributedDataParallel ran every training pass; the processes exchanged the stop flag once after each of
-    # the 5 steps (0 to 4), without waiting for it (a signal stops them all at the next step)
+    # DistributedDataParallel ran every training pass; the processes exchanged the stop once after each of the 5
+    # steps (0 to 4), without waiting for it (a signal stops them all at the next step), and once at the end (settle)
     for rank in (0, 1):
         seen = json.loads((two_out / f"seen_rank{rank}.json").read_text())
-        assert seen == {"ddp_forwards": 4 * PASSES.get(case, 1), "stop_flag_exchanges": 5, "exit": 0}, seen
+        assert seen == {"ddp_forwards": 4 * PASSES.get(case, 1), "stop_flag_exchanges": 6, "exit": 0}, seen
     # written once, by process 0: one results.json, one checkpoint, one "wrote" line
     assert sorted(p.name for p in two_out.iterdir() if not p.name.startswith(("params", "seen", "std"))) == \
         ["best", "results.json", "started.json"]
@@ -237,6 +270,48 @@ def test_global_batch_must_divide_over_the_processes(two_processes):
         assert json.loads((out / f"seen_rank{rank}.json").read_text())["exit"] == 2
     assert "--batch_size 7 must be divisible by the 2 processes" in (out / "stderr_rank0.txt").read_text()
     assert not (out / "results.json").exists()
+
+
+def test_a_signal_to_any_process_stops_every_process_and_the_resumes_end_as_the_straight_run(two_processes):
+    """One run of 6 steps stopped three times (STOPS), each time by a signal to one process or to both at different
+    steps, then resumed, in the launch of the straight two-process run. Each stop: both processes exit 143 (Ctrl-C to
+    one and SIGTERM to the other: the largest, SIGTERM), results.json says interrupted with the stop, last/ stays whole
+    and the folder is resumable (or, stopped in the last step, its final evaluation is owed), and each process prints
+    one line: its own signal's, or the other's. The last resume ends with the straight run's losses, gradient norms,
+    dev curve, best/ and parameters, bit for bit. Where only the signalled process recorded the stop, process 0 wrote
+    a completed run (interrupted false, no test scores), deleted last/ and exited 0."""
+    launched, out, parts = two_processes["launch"], two_processes["stopped"], two_processes["stopped"].parent
+    assert launched.returncode == 0, launched.stderr[-3000:]
+
+    def seen(i, rank):
+        return json.loads((parts / f"part{i}" / f"seen_rank{rank}.json").read_text())
+
+    def printed(i, rank):
+        return (parts / f"part{i}" / f"stdout_rank{rank}.txt").read_text().strip().splitlines()
+    for i, (step, during) in enumerate([(2, "training"), (4, "training"), (6, "final evaluation")]):
+        assert [seen(i, rank)["exit"] for rank in (0, 1)] == [143, 143], (parts / f"part{i}" /
+                                                                           "stderr_rank1.txt").read_text()[-2000:]
+        record = json.loads((parts / f"part{i}" / "results.json").read_text())
+        assert record["interrupted"] is True and record["interrupted_during"] == during, (i, record["interrupted"])
+        assert record["stop"] == {"by": "SIGTERM", "step": step} and record["steps"] == step, record["stop"]
+        assert seen(i, 0)["state"] == ("resumable" if during == "training" else "evaluating")
+        assert seen(i, 0)["last"] == ["rng_rank0.pt", "rng_rank1.pt", "run.json", "state.pt"], seen(i, 0)
+    other = "signal SIGTERM to another process: this one stops with it"
+    assert printed(0, 1) == ["signal SIGINT: stopping at the end of this step"]
+    assert printed(1, 1) == [other] and "signal SIGTERM: stopping at the end of this step" in printed(1, 0)
+    assert printed(1, 0)[-1].startswith("stopped after step 4 of 6 (last/ holds it)"), printed(1, 0)
+    assert printed(2, 1) == ["signal SIGTERM: stopping at the end of this step"] and other in printed(2, 0)
+    assert printed(2, 0)[-1].startswith("stopped during the final evaluation"), printed(2, 0)
+    assert [seen(3, rank)["exit"] for rank in (0, 1)] == [0, 0]
+    got, want = (json.loads((o / "results.json").read_text()) for o in (out, two_processes["straight"]))
+    assert got["interrupted"] is False and got["resumptions"] == [2, 4, 6] and got["world_size"] == 2
+    for key in ("train_loss", "grad_norm", "best_step", "best_dev_stsb"):
+        assert got[key] == want[key], key  # floats compared exactly
+    assert gates(got) == gates(want)
+    for name in ("best/model.safetensors", "params_rank0.pt", "params_rank1.pt"):  # the last gate's: step 6's
+        a, b = (load_file(o / name) if name.endswith("safetensors") else torch.load(o / name)
+                for o in (out, two_processes["straight"]))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 SLOW_FINAL_EVALUATION_DRIVER = '''

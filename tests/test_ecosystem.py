@@ -225,11 +225,13 @@ def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpu
                                                                monkeypatch, capsys):
     """kill -9 at a step drawn between two saves (last/ every 3 steps, a log every step: the steps after the save,
     logged already, are trained again by the resumed run), then --resume: W&B's offline parts together and MLflow's
-    store hold the loss and gradient norm at each of the 8 steps once, each the value results.json has (the resumed
-    run's numbers are the straight run's bit for bit), and the run's last lines print the sync command for both
-    parts, which the installed wandb's CLI takes; TensorBoard's events, read by its EventAccumulator, hold each step
-    once too. A resumed run that logged its replayed steps again would give MLflow two values at a step, W&B a
-    second part that starts at an old step, and TensorBoard steps 1 and 2 twice (a held step read as -1 did so)."""
+    store hold the loss and gradient norm at each of the 8 steps once, each the value results.json has, and the
+    run's last lines print the sync command for both parts, which the installed wandb's CLI takes; TensorBoard's
+    events, read by its EventAccumulator, hold each step once too. The resumed run's losses are shifted by 1 (its
+    info_nce monkeypatched: the gradients stay), as a GPU's re-run in bf16 differs from the first try: a tracker that
+    kept the killed run's values of the steps trained again fails (W&B and MLflow did so, logging each step at once).
+    A resumed run that logged its replayed steps again would give MLflow two values at a step, W&B a second part that
+    starts at an old step, and TensorBoard steps 1 and 2 twice (a held step read as -1 did so)."""
     import random
     import test_resume
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),
@@ -247,9 +249,13 @@ def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpu
     killed = subprocess.run([sys.executable, str(driver), str(kill_at), *argv], capture_output=True, text=True,
                             cwd=ROOT, env=dict(own, HF_HUB_OFFLINE="1"), timeout=300)
     assert killed.returncode == -9, killed.stderr[-2000:]
+    import simcse
+    shifted = simcse.info_nce
+    monkeypatch.setattr(simcse, "info_nce", lambda *a, **k: shifted(*a, **k) + 1.0)  # the re-run differs
     test_resume.run("simcse", argv + ["--resume"], monkeypatch)
     results = json.loads((out / "results.json").read_text())
     assert results["resumptions"] == [3] and results["steps"] == 8
+    assert min(results["train_loss"][3:]) > max(results["train_loss"][:3]) + 0.5  # the shift is in the record
     parts = wandb_parts(out, results["tracking"]["wandb"])
     assert len(parts) == 2
     found = tracked(out)  # each tracker as its own reader reads it, as lists: a step written twice fails

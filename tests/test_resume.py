@@ -317,8 +317,8 @@ sys.exit(code)
 
 
 def test_resume_under_torchrun(tiny_model, corpus, senteval_dir, tmp_path):
-    """Two processes (gloo): process 0 gets the SIGTERM during step 3, both stop at the same step, the next log step
-    (4: they agree on the stop flag at log steps only), both resume (in the same processes, the interpreters' start
+    """Two processes (gloo): process 0 gets the SIGTERM during step 3, both stop at the same step (4: each step's
+    exchange is read a step later), both exit 143 and resume (in the same processes, the interpreters' start
     paid once). Then one command under torchrun --max_restarts 1 with --auto_resume: process 1 is SIGKILLed during
     step 3, torchrun restarts both, and they continue from last/ (step 2's gate) in new processes. The two runs,
     resumed after different steps, end with the same losses and gates (a straight run's: a resume that lost any state
@@ -336,7 +336,7 @@ def test_resume_under_torchrun(tiny_model, corpus, senteval_dir, tmp_path):
                               timeout=600)
     resumed = launch(tmp_path / "resumed", 3, then_resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for rank, code in ((0, 143), (1, 0)):  # the SIGTERMed process exits 143, the other stops with it
+    for rank, code in ((0, 143), (1, 143)):  # the SIGTERMed process exits 143, the other stops with it
         stopped = json.loads((tmp_path / f"resumed.stopped_rank{rank}.json").read_text())
         assert stopped == {"exit": code, "last": ["rng_rank0.pt", "rng_rank1.pt", "run.json", "state.pt"]}, stopped
     assert "stopped after step 4 of 6" in resumed.stdout

@@ -14,6 +14,7 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -325,9 +326,13 @@ def time_limit_keeps_coming(place: Place, setting: dict) -> None:
 
 def two_tasks(place: Place, setting: dict) -> None:
     """Item 4 and 8: one run as two tasks on one node (--tasks_per_node 2: two processes through Slurm's srun, gloo)
-    trains as one process does (dropout off: the same function; test_distributed.py's tolerance); the time limit's
-    warning, which reaches the first task's run alone, stops both at the next step (a dev gate is 200 steps away),
-    the job is requeued and the run ends as it would have."""
+    trains as one process does (dropout off: the same function; test_distributed.py's tolerance). #80: a SIGTERM to
+    the second task's run alone (a worker stopped by hand, the OOM-killer's) stops both processes at the next step;
+    process 0 records the run as interrupted and keeps last/, both exit 143, and since the job did not ask for the
+    stop, status says failed with that status (not done: before #80, process 0 wrote a completed run, deleted last/
+    and exited 0, and the truncated run was kept as done); a second `run` resumes it. Then the time limit's warning,
+    which reaches the first task's run alone, stops both at the next step (a dev gate is 200 steps away), the job is
+    requeued and the run ends as it would have."""
     model = write_tiny_model(place.folder / "model", dropout=0.0)
     args = setting["args"][:]
     args[args.index("--model_name_or_path") + 1] = str(model)
@@ -337,6 +342,14 @@ def two_tasks(place: Place, setting: dict) -> None:
     subprocess.run([sys.executable, "simcse.py", *args, "--seed", "1", "--output_dir", str(one)], cwd=ROOT,
                    check=True, capture_output=True)
     place.submit("--tasks_per_node", "2")
+    place.training()
+    folder = place.folder / "runs" / place.name / "simcse.seed1"
+    os.kill(run_process(folder, rank=1), signal.SIGTERM)
+    line = place.says("failed")
+    assert "(the run exited with status 143)" in line, line
+    stopped = json.loads((folder / "results.json").read_text())
+    assert stopped["interrupted"] and stopped["stop"]["by"] == "SIGTERM" and (folder / "last").is_dir(), stopped
+    place.submit("--tasks_per_node", "2")  # the failed run again (a new job): --auto_resume continues it from last/
     job, = place.job_ids()
     place.training()
     signalled = time.time()
@@ -347,8 +360,21 @@ def two_tasks(place: Place, setting: dict) -> None:
     two, want = place.kept("simcse"), json.loads((one / "results.json").read_text())
     assert two["world_size"] == 2 and want["world_size"] == 1
     assert two["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5, abs=1e-6)
-    stop, = two["resumptions"]  # where the warning stopped it: the step after the signal's, not the gate at 200
-    assert stop < 190 and stopped_in < 20, (stop, stopped_in)
+    first, stop = two["resumptions"]  # where the warning stopped it: the step after the signal's, not the gate at 200
+    assert first == stopped["steps"] and stop < 190 and stopped_in < 20, (first, stop, stopped_in)
+
+
+def run_process(folder: Path, rank: int) -> int:
+    """The process of `rank` of the run that writes `folder`: its command line names the folder and its environment
+    the rank (a DataLoader worker, a child of it, would match too: none here, --num_workers 0)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if str(folder) in (proc / "cmdline").read_text() and \
+                    f"\0RANK={rank}\0" in "\0" + (proc / "environ").read_text(errors="replace"):
+                return int(proc.name)
+        except (OSError, ValueError):
+            continue
+    raise AssertionError(f"no process of rank {rank} writes {folder}")
 
 
 SCENARIOS = {"two_tasks": (two_tasks, ["simcse"], []), "usr2": (usr2, ["simcse"], []),

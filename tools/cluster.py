@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import plumbing  # noqa: E402
-from plumbing import files  # noqa: E402
+from plumbing import files, lock, provenance  # noqa: E402
 import protocols  # noqa: E402
 import slurm  # noqa: E402
 
@@ -80,6 +80,8 @@ class Job:
             if code != 0:
                 self._note(run, first, state="failed", reason=f"the run exited with status {code}",
                            **self._spent(run))
+                if not first and code in (130, 143):  # stopped with the other tasks' run: the first reports it
+                    raise SystemExit(code)
                 raise RuntimeError(f"{protocols.command_line(run)} exited with status {code}")
             if first:
                 spent = self._spent(run)
@@ -217,7 +219,8 @@ def submit(todo: list[dict], folder: Path, executor: str, gpus: list[int] | None
         for run in group:  # the submission's note: this command's alone (the job writes progress_path)
             files.write_json(Path(run["status"]), {"job": str(job.job_id), "executor": executor,
                                                    "user": getpass.getuser(), "log": str(Path(job.paths.stdout)),
-                                                   "errors": str(Path(job.paths.stderr)), "time": time.time()})
+                                                   "errors": str(Path(job.paths.stderr)), "time": time.time(),
+                                                   "tasks": job.num_tasks})
     files.write_json(folder / "owner.json", {"user": getpass.getuser()})
     return jobs
 
@@ -268,6 +271,30 @@ def check_owner(folder: Path) -> None:
                                   "protocol JSON file), or ask them")
 
 
+@contextlib.contextmanager
+def holding(folder: Path):
+    """The protocol's jobs folder locked (plumbing/lock.py's lock, as a run's folder has) while this command asks
+    which runs are queued and submits the others: of two `run` commands at once one submits, the other is one line
+    naming the holder."""
+    check_owner(folder)  # (another user's folder: their lock file is not ours to write)
+    made = [path for path in (folder, folder.parent) if not path.exists()]  # removed again if left empty
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock.hold(folder, provenance.now())
+    except plumbing.UsageError:
+        raise plumbing.UsageError(f"{folder} is in use by {lock.holder(folder)}, another `report.py run` submitting "
+                                  "this protocol's runs: nothing was submitted; run again once it has") from None
+    except OSError as err:
+        raise plumbing.UsageError(f"{folder}: {err.strerror}; nothing was submitted") from None
+    try:
+        yield
+    finally:
+        lock.release(folder)
+        for path in made:  # a refused command leaves no empty jobs folder (which `status` would list)
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
 def status_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -284,9 +311,11 @@ def situations(runs: list[dict]) -> list[tuple[str, str]]:
     second `run` submits nothing for it); "failed" or "lost" (resubmitted by a second `run`); "not submitted"."""
     notes = [status_of(run) for run in runs]
     ids = [n["job"] for n in notes if n.get("executor") == "slurm" and "job" in n]
-    known = slurm.states(ids) if ids else {}  # before the kept files are looked at: a job ending now is done
+    # the jobs' states asked before the kept files are looked at, Slurm's and the local ones': a job ending now is done
+    known = slurm.states(ids) if ids else {}
+    alive = [bool(note) and note.get("executor") != "slurm" and local_alive(note) for note in notes]
     found = []
-    for run, note in zip(runs, notes):
+    for run, note, local in zip(runs, notes, alive):
         job, did = note.get("job"), progress_of(run)
         requeued = did.get("starts", 0) - 1  # this job's starts of the run: each after the first, a requeue
         again = f", requeued {requeued} time(s)" if requeued > 0 else ""
@@ -311,7 +340,7 @@ def situations(runs: list[dict]) -> list[tuple[str, str]]:
                 found.append(("lost", f"lost (job {job}: {state}{again}; its log: {note.get('log')})"))
             else:
                 found.append(("failed", failed_line(note, did, f"job {job}: {state}", again)))
-        elif local_alive(note):
+        elif local:
             found.append(("running", f"running (job {job}{again}): {latest_progress(run, note, did)}"))
         else:
             found.append(("failed", failed_line(note, did, f"job {job} ended", again)))
@@ -345,10 +374,13 @@ def latest_progress(run: dict, note: dict, did: dict) -> str:
 
 
 def local_alive(note: dict) -> bool:
-    """A local job: its controller process alive (not a zombie its submitting process has not reaped) and no outcome
-    of submitit's yet."""
-    if note.get("log") and list(Path(note["log"]).parent.glob("*_result.pkl")):
-        return False
+    """A local job: its controller process alive (not a zombie its submitting process has not reaped) and not every
+    task's outcome of submitit's written yet. A job ends with its last task: one task's outcome is not the job's (the
+    first task may still be keeping the run's results)."""
+    if note.get("log"):
+        folder = Path(note["log"]).parent
+        if all((folder / f"{note.get('job')}_{k}_result.pkl").is_file() for k in range(note.get("tasks", 1))):
+            return False
     try:
         stat = Path(f"/proc/{int(note['job'])}/stat")
         if stat.exists():

@@ -17,12 +17,33 @@ ACTION="${1:-start}"
 BASE="${SUITE_SLURM_DIR:-/var/lib/suite-slurm}"
 ETC="$BASE/etc"
 export SLURM_CONF="$ETC/slurm.conf"
+CLIENT_CONF="${SUITE_SLURM_CLIENT_CONF:-/etc/slurm/slurm.conf}"  # where Slurm's commands look without SLURM_CONF
 PACKAGES=(slurm-wlm slurmdbd munge mariadb-server)
 
 say() { echo "local_slurm: $*"; }
 need_root() { [ "$(id -u)" = 0 ] || { say "needs root (daemons, apt-get): sudo bash $0 $ACTION"; exit 2; }; }
 # a daemon of ours, by its pid file: running, not a zombie (a killed daemon may linger as one where no init reaps it)
 alive() { [ -s "$1" ] && [ -r "/proc/$(cat "$1")/stat" ] && [ "$(cut -d' ' -f3 "/proc/$(cat "$1")/stat")" != Z ]; }
+
+# Slurm's commands read $CLIENT_CONF where no SLURM_CONF is given: `start` makes it a link to ours where the machine
+# has none of its own (a site's file or link, even a dangling one, stays as it is; so does a machine without its
+# folder), and `stop` removes only a link that `start` made (its mark in $BASE): the machine is left as it was found.
+link_conf() {
+  [ "$(readlink "$CLIENT_CONF")" = "$SLURM_CONF" ] && return  # ours already, from an earlier start
+  if [ -e "$CLIENT_CONF" ] || [ -L "$CLIENT_CONF" ] || [ ! -d "$(dirname "$CLIENT_CONF")" ]; then
+    say "$CLIENT_CONF left as the machine has it: Slurm's commands here need SLURM_CONF=$SLURM_CONF"
+    return
+  fi
+  mkdir -p "$BASE"
+  ln -s "$SLURM_CONF" "$CLIENT_CONF"
+  touch "$BASE/made-client-conf"
+}
+unlink_conf() {
+  if [ -e "$BASE/made-client-conf" ] && [ "$(readlink "$CLIENT_CONF")" = "$SLURM_CONF" ]; then
+    rm -f "$CLIENT_CONF"
+  fi
+  rm -f "$BASE/made-client-conf"
+}
 
 install() {
   local missing=()
@@ -124,8 +145,7 @@ start() {
       scontrol update nodename="$node" state=resume 2>/dev/null || true
     done
     if [ "$(sinfo -h -N -p debug -o '%t' 2>/dev/null | grep -cE '^(idle|mix|alloc)')" = 2 ]; then
-      # the clients' default, so that a shell here needs no SLURM_CONF; a machine's own slurm.conf is left alone
-      [ -e /etc/slurm/slurm.conf ] && [ ! -L /etc/slurm/slurm.conf ] || ln -sfn "$SLURM_CONF" /etc/slurm/slurm.conf
+      link_conf
       say "up: $(sinfo -h -o '%P %D %t' | tr '\n' ' ')(SLURM_CONF=$SLURM_CONF)"
       return
     fi
@@ -147,7 +167,7 @@ stop() {
   for daemon in mariadbd munged; do  # only those this script started: a MariaDB of the machine's own stays
     [ -e "$BASE/started-$daemon" ] && { pkill -x "$daemon" 2>/dev/null || true; rm -f "$BASE/started-$daemon"; }
   done
-  [ "$(readlink /etc/slurm/slurm.conf 2>/dev/null)" = "$SLURM_CONF" ] && rm -f /etc/slurm/slurm.conf
+  unlink_conf
   if grep -q "# suite-slurm$" /etc/hosts; then  # in place: a container's /etc/hosts cannot be replaced
     grep -v "# suite-slurm$" /etc/hosts > "$BASE/hosts" && cat "$BASE/hosts" > /etc/hosts
   fi
@@ -157,6 +177,7 @@ stop() {
 case "$ACTION" in
   start) start ;;
   stop) stop ;;
+  link_conf|unlink_conf) "$ACTION" ;;  # that link alone, as start and stop make and remove it (for the tests)
   status) sinfo 2>/dev/null || { say "not running: bash $0 start"; exit 1; } ;;
   *) say "usage: bash $0 start|status|stop"; exit 2 ;;
 esac

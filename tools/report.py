@@ -605,19 +605,23 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs:
     protocols.check_commands(every)
     done = protocols.collect(protocol, RESULTS)
     todo = [run for run in every if run["seed"] not in done.get(run["row"], {})]
+
+    def plan(todo: list[dict]) -> None:  # what this command makes (with jobs: once it knows which are queued)
+        how = f"{jobs['executor']} jobs" if jobs else "one at a time"
+        print(f"protocol {protocol['name']}: {len(every)} runs, {len(every) - len(todo)} done"
+              f"{' or queued' if jobs else ''}, {len(todo)} to make ({how}); wall time: "
+              f"{protocols.estimate(todo, RESULTS)}", flush=True)
     if jobs:
         folder = RESULTS / protocol["name"] / "jobs"
-        todo = [cluster.attach(run, RESULTS / protocol["name"], folder) for run in todo]
-        queued = cluster.queued(todo)  # pending, requeued or running: a second `run` resubmits none of them
-        waiting = [run for run, is_queued in zip(todo, queued) if is_queued]
-        todo = [run for run, is_queued in zip(todo, queued) if not is_queued]
-    print(f"protocol {protocol['name']}: {len(every)} runs, {len(every) - len(todo)} done{' or queued' if jobs else ''}"
-          f", {len(todo)} to make ({jobs['executor'] + ' jobs' if jobs else 'one at a time'}); wall time: "
-          f"{protocols.estimate(todo, RESULTS)}", flush=True)
-    if jobs:
-        options = {k: v for k, v in jobs.items() if k not in ("executor", "runs_per_gpu", "wait")}
-        submitted = cluster.submit(todo, folder, jobs["executor"], gpus, jobs["runs_per_gpu"], **options) \
-            if todo else []
+        with cluster.holding(folder):  # what is queued, then the rest submitted: one `run` command at a time
+            todo = [cluster.attach(run, RESULTS / protocol["name"], folder) for run in todo]
+            queued = cluster.queued(todo)  # pending, requeued or running: a second `run` resubmits none of them
+            waiting = [run for run, is_queued in zip(todo, queued) if is_queued]
+            todo = [run for run, is_queued in zip(todo, queued) if not is_queued]
+            plan(todo)
+            options = {k: v for k, v in jobs.items() if k not in ("executor", "runs_per_gpu", "wait")}
+            submitted = cluster.submit(todo, folder, jobs["executor"], gpus, jobs["runs_per_gpu"], **options) \
+                if todo else []
         print(f"submitted {len(submitted)} job(s); their runs' states: python tools/report.py status --protocol "
               f"{protocol['name']}; logs under {folder}", flush=True)
         if not jobs["wait"]:
@@ -626,6 +630,7 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs:
         cluster.wait(ended)
         failed = [(run, said) for run, (state, said) in zip(ended, cluster.situations(ended)) if state != "done"]
     else:
+        plan(todo)
         failed = [(run, err) for run, err in ((run, failed_run(make_here)(run)) for run in todo) if err]
     for run, err in failed:
         print(f"== failed: {protocols.command_line(run)} ({err})", flush=True)

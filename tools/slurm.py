@@ -97,13 +97,15 @@ def check_request(partition: str | None, account: str | None, gpus_per_job: int,
 
 
 def minutes(limit: str) -> int | None:
-    """sinfo's time limit ([days-]hours:minutes:seconds, or minutes) in minutes; None for infinite or unknown."""
+    """A Slurm time limit in minutes, seconds rounded up, in each form Slurm documents: minutes, minutes:seconds,
+    hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds; None for UNLIMITED, INFINITE
+    (sinfo's "infinite") or anything else: no limit known."""
     match = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", limit.strip())
     if not match:
         return None
-    days, first, second, third = (int(g) if g else 0 for g in match.groups())
-    if match.group(4) is not None:  # h:m:s
-        return days * 1440 + first * 60 + second + (third > 0)
-    if match.group(3) is not None:  # m:s
-        return days * 1440 + first + (second > 0)
-    return days * 1440 + first
+    days, fields = match.group(1), [int(f) for f in match.groups()[1:] if f is not None]
+    if days is not None:  # after days- the first field is hours, never minutes
+        hours, mins, secs = fields + [0] * (3 - len(fields))
+    else:  # minutes, minutes:seconds, hours:minutes:seconds
+        hours, mins, secs = {1: (0, *fields, 0), 2: (0, *fields), 3: tuple(fields)}[len(fields)]
+    return int(days or 0) * 1440 + hours * 60 + mins + (secs > 0)
