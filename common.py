@@ -5,6 +5,7 @@ data.py the data, eval_sts.py the dev gate's STS metric, plumbing/ what a first 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
@@ -124,6 +125,12 @@ def embed(hidden_states, attention_mask, pooler: str, head=None) -> torch.Tensor
     return pool(hidden_states, attention_mask, pooler).float()
 
 
+def block_pool(pooler: str, head=None, blocks_own: str = "cls"):
+    """A method block's `pool` for --pooler: None for the block's own (the paper's: [CLS] through
+    the head, SSCL's the average), else pool(hidden_states, attention_mask) -> fp32 (embed's)."""
+    return None if pooler == blocks_own else functools.partial(embed, pooler=pooler, head=head)
+
+
 def eval_pooler(args) -> str:
     """SimCSE: with --mlp_only_train the [CLS] pooler is evaluated before the MLP."""
     return "cls_before_pooler" if args.pooler == "cls" and args.mlp_only_train else args.pooler
@@ -157,9 +164,14 @@ class Encoder:
 
 
 # ---------------------------------------------------------------------------------------- training
+def amp_dtype(precision: str):
+    """--precision's autocast dtype: torch.bfloat16, torch.float16, or None (fp32: no autocast)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
 def autocast(device: torch.device, precision: str):
     """Mixed precision for the encoder's forward pass only; fp32 is no autocast at all."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    dtype = amp_dtype(precision)
     return torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None)
 
 

@@ -11,12 +11,12 @@ Headline (Table 2, BERT-base, STS avg): 76.40 with 1% of wiki1m (SimCSE: 76.15 w
     python micse.py                           # all of wiki1m: batch 50, lr 3e-5, 250 warm-up steps
     python micse.py --queue_size 0            # AMI + SimCSE, the variant the authors released
 
-A "Code over paper" comment marks a line that follows the released code over the paper;
-docs/methods.md says how this file settles what the paper leaves open (layers, queue, sampling).
+A "Code over paper" comment marks a line that follows the authors' released code (their repository,
+which made the published numbers) over the paper; docs/methods.md says how this file settles what
+the paper leaves open (layers, queue, sampling).
 """
 from __future__ import annotations
 
-import copy
 import functools
 import math
 
@@ -71,11 +71,15 @@ def parse_args(argv=None):
     plumbing.check_range(args, "momentum_dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
     if args.no_negatives and args.queue_size:
         parser.error("--no_negatives keeps no negatives to queue: add --queue_size 0")
+    # AMI draws its sample over the maps' whole width: every batch --max_seq_length wide, eagerly as
+    # in a CUDA graph, so that both draw alike (wiki1m's batches of 64 all reach 32 tokens anyway)
+    args.pad_to_max_length = True
     return args
 
 
 # --- the objective: copy this block; it needs only torch ---
-from typing import NamedTuple  # (the standard library's)
+import copy  # (the standard library's)
+from typing import NamedTuple
 
 
 def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -90,22 +94,30 @@ def positive_only_loss(z1, z2, temp: float = 0.05) -> torch.Tensor:
 
 
 def ami_loss(attn1, attn2, num_samples: int = 150, generator: torch.Generator | None = None,
-             longest=None, layout: int | None = None) -> torch.Tensor:
+             attention_mask=None) -> torch.Tensor:
     """Attention mutual information (Eq. 4, Algorithm 1) as the authors' code computes it, to
     minimise; `attn1`, `attn2`: the views' attention probabilities of the K (even) layers it scores,
     stacked (N, K, H, n, n), fp32. 1. Tiles: a sample's, head's, layer parity's n x n entries.
-    2. `num_samples` entries a tile sampled among those valid in both views (> 0), tiles with fewer
-    left out (none has that many: the poorest's count). 3. Their logs, centred. 4. MI = -1/2 log(1 -
-    rho^2), rho their cosine. 5. -mean(MI) over the tiles kept x (their valid share^2 + 1e-6).
-    `longest` (the batch's longest row, a 0-d tensor), `layout` (--max_seq_length): a batch padded
-    wider (a CUDA graph's) scores what it scores padded to its longest row (the released code's)."""
+    2. `num_samples` entries a tile sampled among those valid in both views (> 1e-30), tiles with
+    fewer left out (none has that many: the poorest's count). 3. Their logs, centred. 4. MI = -1/2
+    log(1 - rho^2), rho their cosine. 5. -mean(MI) over the tiles kept x (their valid share^2 +
+    1e-6). `attention_mask` (N, n): only positions some sentence fills count, so a batch padded
+    wider (the suite's: --max_seq_length) scores as padded to its longest (the released code's)."""
+    if attn1.dim() != 5 or attn1.shape != attn2.shape:
+        raise ValueError(f"attn1 and attn2: (N, K, H, n, n) attention maps of the same batch, got "
+                         f"{tuple(attn1.shape)} and {tuple(attn2.shape)}")
+    if attn1.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"AMI takes fp32 attention maps (their logs' gradients), got "
+                         f"{attn1.dtype}: pass attn.float()")
     if attn1.shape[1] < 2 or attn1.shape[1] % 2:
         raise ValueError(f"AMI needs an even number (>= 2) of layers, got {attn1.shape[1]}")
-    n = attn1.shape[-1]
-    pad = max((layout or 0) - n, 0)  # every padding in one layout: the same draws
-    attn1, attn2 = (F.pad(a, (0, pad) * 2) if pad else a for a in (attn1, attn2))  # 0s: unsampled
-    row = torch.arange(n + pad, device=attn1.device) < (n if longest is None else longest)
-    inside = (row[:, None] & row).flatten().repeat(attn1.shape[1] // 2)  # not a padding's entry
+    inside = None  # which entries are a sentence's: all, or the filled positions' (query, key)
+    if attention_mask is not None:
+        if attention_mask.shape != (attn1.shape[0], attn1.shape[-1]):
+            raise ValueError(f"attention_mask: (N, n) = {(attn1.shape[0], attn1.shape[-1])} for "
+                             f"these maps, got {tuple(attention_mask.shape)}")
+        filled = attention_mask.bool().any(0)  # up to the batch's longest sentence
+        inside = (filled[:, None] & filled).flatten().repeat(attn1.shape[1] // 2)
     tiles1, tiles2 = attention_tiles(attn1), attention_tiles(attn2)  # 1.
     sample = ami_sample(tiles1, tiles2, num_samples, generator, inside)  # 2.
     log1, log2 = centred_logs(tiles1, sample), centred_logs(tiles2, sample)  # 3.
@@ -166,8 +178,9 @@ def centred_logs(tiles, sample: AMISample) -> torch.Tensor:
 
 def moco_info_nce(z1, z2, queue, temp: float = 0.05, own_keys=None) -> torch.Tensor:
     """InfoNCE with in-batch and queued negatives (Eq. 2): CE over [s(z1, z2) | s(z1, queue)],
-    target i; an empty queue: SimCSE's InfoNCE. `own_keys` (N, Q): True where a queued key is
-    anchor i's own sentence from an earlier step, left out (this suite's: micse_objective)."""
+    target i (an empty queue: SimCSE's); `own_keys` (N, Q): True where anchor i leaves a key out."""
+    if queue.dim() != 2 or queue.shape[1] != z1.shape[1]:
+        raise ValueError(f"queue: (Q, {z1.shape[1]}) keys as wide as z1, got {tuple(queue.shape)}")
     logits = torch.cat([cos_sim(z1, z2), cos_sim(z1, queue)], dim=1) / temp
     if own_keys is not None:  # none in the in-batch block
         logits = logits.masked_fill(F.pad(own_keys, (len(z2), 0)), -torch.inf)
@@ -175,30 +188,28 @@ def moco_info_nce(z1, z2, queue, temp: float = 0.05, own_keys=None) -> torch.Ten
 
 
 def micse_loss(z1, z2, attn1, attn2, queue, temp=0.05, ami_lambda=2.5e-3, ami_samples=150,
-               own_keys=None, generator=None, positives_only=False, terms=None, longest=None,
-               layout=None) -> torch.Tensor:
-    """miCSE's objective: InfoNCE over the batch and `queue`'s negatives (Eq. 2) + ami_lambda x AMI
-    (Eq. 4, `longest` and `layout` its); `positives_only`: Table 4's positive pairs alone, with AMI;
-    a dict given as `terms` gets the two terms ("info_nce", "ami") for the log. Every input fp32."""
+               own_keys=None, generator=None, positives_only=False, terms=None,
+               attention_mask=None) -> torch.Tensor:
+    """miCSE's objective: InfoNCE over the batch and `queue`'s negatives (Eq. 2, moco_info_nce) +
+    ami_lambda x AMI of the views' attention (Eq. 4); `positives_only`: Table 4's pairs alone, with
+    AMI. z1, z2 (N, D), maps (N, K, H, n, n) of the same N sentences, fp32; a dict given as `terms`
+    gets the two terms ("info_nce", "ami") for a log. The recipes' values: micse_step."""
+    if z1.dim() != 2 or z1.shape != z2.shape or attn1.shape[:1] != z1.shape[:1]:
+        raise ValueError(f"z1, z2 (N, D) and attn1 (N, K, H, n, n) of the same N sentences, got "
+                         f"{tuple(z1.shape)}, {tuple(z2.shape)} and {tuple(attn1.shape)} (maps are "
+                         "stacked on dim 1: torch.stack(outputs.attentions[first:end], 1))")
     contrastive = positive_only_loss(z1, z2, temp) if positives_only else \
         moco_info_nce(z1, z2, queue, temp, own_keys)
-    ami = ami_lambda * ami_loss(attn1, attn2, ami_samples, generator, longest, layout)
+    ami = ami_lambda * ami_loss(attn1, attn2, ami_samples, generator, attention_mask)
     if terms is not None:
         terms.update(info_nce=contrastive.detach(), ami=ami.detach())
     return contrastive + ami
-# --- end of the objective ---
-
-
-@torch.no_grad()
-def ema_update(target: torch.nn.Module, source: torch.nn.Module, momentum: float) -> None:
-    """target <- momentum * target + (1 - momentum) * source: every parameter in one lerp kernel."""
-    torch._foreach_lerp_(list(target.parameters()), list(source.parameters()), 1.0 - momentum)
 
 
 class EmbeddingQueue:
-    """The newest `size` keys and their sentences' ids in a ring buffer of fixed shape (a CUDA graph
-    replays its pushes): `filled` marks the slots that hold a key (the loss leaves the rest out: a
-    filling queue is Eq. 2's growing one), `position` the next slot. Every push writes in place."""
+    """The newest `size` keys (the momentum encoder's embeddings of past batches: Eq. 2's queue)
+    and their sentences' ids, a ring buffer written in place (a CUDA graph replays it); `filled`:
+    the slots that hold a key (the others left out: Eq. 2's growing queue), `position`: the next."""
 
     def __init__(self, size: int, dim: int, device=None):
         self.size, self.tensor = size, torch.zeros(size, dim, device=device)
@@ -206,7 +217,9 @@ class EmbeddingQueue:
         self.filled = torch.zeros(size, dtype=torch.bool, device=device)
         self.position = torch.zeros((), dtype=torch.long, device=device)
 
-    def push(self, embeddings: torch.Tensor, ids: torch.Tensor) -> None:
+    def push(self, embeddings: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+        if ids is None:  # no sentence ids: none is anyone's own
+            ids = torch.full((len(embeddings),), -1, dtype=torch.long, device=self.ids.device)
         if self.size:  # more keys than slots: the newest
             embeddings, ids = embeddings[-self.size:].detach().float(), ids[-self.size:]
             slots = (self.position + torch.arange(len(ids), device=ids.device)) % self.size
@@ -215,14 +228,113 @@ class EmbeddingQueue:
             self.filled.index_fill_(0, slots, True)
             self.position.copy_((self.position + len(ids)) % self.size)
 
-    def state_dict(self) -> dict:  # --resume
+    def state_dict(self) -> dict:  # a checkpoint's
         return {k: getattr(self, k) for k in ("tensor", "ids", "filled", "position")}
 
     def load_state_dict(self, state: dict) -> None:
-        if "filled" not in state:  # an earlier version's growing queue: its keys, the oldest first
+        if "filled" not in state:  # an older checkpoint's growing queue: its keys, the oldest first
             return self.push(state["tensor"].to(self.ids.device), state["ids"].to(self.ids.device))
         for name, value in state.items():
             getattr(self, name).copy_(value)
+
+    def left_out(self, anchors: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(anchors, size): what each anchor leaves out: empty slots and, given the anchors' ids,
+        its own sentence queued earlier (this suite's choice: few-shot subsets repeat)."""
+        empty = ~self.filled.expand(anchors, -1)
+        return empty if ids is None else (self.ids == ids[:, None]) | empty
+
+
+def encoded(encoder, inputs: dict, head=None, pool=None, dtype=None, **asked) -> tuple:
+    """(outputs, z): `encoder`'s outputs under autocast (`dtype`; None: fp32) and z in fp32, the
+    last layer's [CLS] through `head` (SimCSE's MLP; None: [CLS]) or pool(hidden_states, mask)."""
+    with torch.autocast(inputs["input_ids"].device.type, dtype=dtype, enabled=dtype is not None):
+        outputs = encoder(**inputs, output_hidden_states=True, **asked)
+    if pool is not None:
+        return outputs, pool(outputs.hidden_states, inputs["attention_mask"])
+    cls = outputs.hidden_states[-1][:, 0].float()  # out of autocast: fp32
+    return outputs, cls if head is None else head(cls)
+
+
+def micse_views(encoder, batch: dict, head=None, layers=None, *, pool=None, dtype=None) -> tuple:
+    """(z1, z2, attn1, attn2) in fp32: two dropout views of N sentences in one pass of `encoder`
+    (z as `encoded` pools it), and the attention of AMI's `layers` (first, end; by default L-5 to
+    L-1, 7:11 of 12), stacked (N, K, H, n, n)."""
+    views = {k: v.repeat(2, 1) for k, v in batch.items() if k != "example_ids"}  # (the suite's ids)
+    outputs, z = encoded(encoder, views, head, pool, dtype, output_attentions=True)
+    if not outputs.attentions or outputs.attentions[0] is None:
+        raise ValueError('the encoder gave no attention maps: load it with attn_implementation='
+                         '"eager" (transformers\' default SDPA computes none)')
+    first, end = layers or (len(outputs.attentions) - 5, len(outputs.attentions) - 1)
+    attentions = torch.stack(outputs.attentions[first:end], 1).float()
+    return (*z.chunk(2), *attentions.chunk(2))
+
+
+def micse_objective(z1, z2, attn1, attn2, *, queue=None, ids=None, attention_mask=None,
+                    generator=None, temp: float = 0.05, ami_lambda: float = 2.5e-3,
+                    ami_samples: int = 150, positives_only: bool = False, gather=None,
+                    terms=None) -> torch.Tensor:
+    """micse_loss with an EmbeddingQueue's keys (None: no queue, the released variant) and the
+    sentences' `ids` (given, an anchor's own sentence queued earlier is no negative). `gather`:
+    under torchrun, a function that gathers a tensor's rows from every process; None: one."""
+    if gather is not None:
+        z1, z2, attn1, attn2 = (gather(t) for t in (z1, z2, attn1, attn2))
+        attention_mask, ids = (None if t is None else gather(t) for t in (attention_mask, ids))
+    keys = queue.tensor if queue is not None else z1.new_zeros(0, z1.shape[1])
+    left_out = None if queue is None else queue.left_out(len(z1), ids)
+    return micse_loss(z1, z2, attn1, attn2, keys, temp, ami_lambda, ami_samples, left_out,
+                      generator, positives_only, terms, attention_mask)
+
+
+def micse_step(encoder, batch: dict, head=None, queue=None, generator=None, temp: float = 0.05,
+               ami_lambda: float = 2.5e-3, ami_samples: int = 150, layers=None, *, pool=None,
+               dtype=None, gather=None, positives_only: bool = False, terms=None) -> torch.Tensor:
+    """One step's miCSE loss, to back-propagate, from a transformers encoder (AutoModel loaded with
+    attn_implementation="eager", in train mode) and its tokenizer's output for some sentences:
+
+        momentum_model, queue = momentum_copy(model), EmbeddingQueue(384, d)  # before the loop
+        loss = micse_step(model, batch, head, queue, generator)  # batch = tokenizer(sentences,
+        loss.backward(); optimizer.step(); optimizer.zero_grad()  # padding=True, ...)
+        micse_momentum_update(momentum_model, model, batch, queue, head)
+
+    The recipes (the authors' README; Section 3.1 for all of wiki1m): temp 0.05, 150 samples a
+    tile, layers L-5 to L-1, 384 keys, momentum 0.995 and dropout 0.3; by the fraction of wiki1m
+    (ami_lambda, batch, lr, epochs): 100%: 2.5e-3 (the default), 50, 3e-5, 1; 10%: 5e-4, 64, 1e-5,
+    10; 1%: 1e-4, 64, 1e-5, 50; 0.1%, 0.01%: 1e-3, 64, 1e-5, 500, 2500. The rest: micse_views's."""
+    z1, z2, attn1, attn2 = micse_views(encoder, batch, head, layers, pool=pool, dtype=dtype)
+    return micse_objective(z1, z2, attn1, attn2, queue=queue, ids=batch.get("example_ids"),
+                           attention_mask=batch["attention_mask"], generator=generator, temp=temp,
+                           ami_lambda=ami_lambda, ami_samples=ami_samples,
+                           positives_only=positives_only, gather=gather, terms=terms)
+
+
+def momentum_copy(encoder, dropout: float = 0.3):
+    """The momentum encoder: a copy of `encoder`, no gradients, every nn.Dropout at `dropout`."""
+    momentum = copy.deepcopy(encoder).requires_grad_(False)
+    for module in momentum.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = dropout
+    return momentum
+
+
+@torch.no_grad()
+def ema_update(target: torch.nn.Module, source: torch.nn.Module, momentum: float) -> None:
+    """target <- momentum * target + (1 - momentum) * source: every parameter in one lerp kernel."""
+    torch._foreach_lerp_(list(target.parameters()), list(source.parameters()), 1.0 - momentum)
+
+
+@torch.no_grad()
+def micse_momentum_update(momentum_encoder, encoder, batch: dict, queue: EmbeddingQueue,
+                          head=None, momentum: float = 0.995, *, pool=None, dtype=None,
+                          gather=None) -> None:
+    """After the optimizer's step: the momentum encoder's weights move towards the encoder's (an
+    EMA), then its embeddings of the batch (its own dropout, pooled as z) join `queue`."""
+    ema_update(momentum_encoder, encoder, momentum)
+    inputs = {k: v for k, v in batch.items() if k != "example_ids"}
+    keys, ids = encoded(momentum_encoder, inputs, head, pool, dtype)[1], batch.get("example_ids")
+    if gather is not None:
+        keys, ids = gather(keys), None if ids is None else gather(ids)
+    queue.push(keys, ids)
+# --- end of the objective ---
 
 
 def ami_layers(num_layers: int, first: int | None = None, end: int | None = None) -> tuple:
@@ -235,61 +347,38 @@ def ami_layers(num_layers: int, first: int | None = None, end: int | None = None
     return first, end
 
 
-def embeddings(batch, ddp_model, head, args, part=None) -> tuple:
-    """(z1, z2, attn1, attn2) of `part`'s sentences (None: all), fp32: the two dropout views' pass,
-    their embeddings and the attention of AMI's layers, stacked (N, K, H, n, n)."""
-    views = common.repeat_views(data.part_of(batch, part), 2)  # the batch repeated
-    with common.autocast(views["input_ids"].device, args.precision):  # the encoder only
-        outputs = ddp_model(**views, output_hidden_states=True, output_attentions=True)
-    z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
-    attentions = torch.stack(outputs.attentions[args.ami_min_layer:args.ami_max_layer], 1).float()
-    return (*z.chunk(2), *attentions.chunk(2))
-
-
-def micse_objective(z1, z2, attn1, attn2, *, queue, sentence_ids, generator, global_rows, args,
-                    longest, terms=None):
-    """micse_loss over the global batch (`global_rows` rows gathered; AMI per process's rows)."""
-    z1, z2 = distributed.gather(z1, global_rows), distributed.gather(z2, global_rows)
-    # This suite's choice (the paper is silent; the released code has no queue): an anchor's own
-    # sentence queued earlier is no negative of itself (small subsets repeat), nor an empty slot
-    left_out = (queue.ids == sentence_ids[:, None]) | ~queue.filled
-    return micse_loss(z1, z2, attn1, attn2, queue.tensor, args.temp, args.ami_lambda,
-                      args.ami_samples, left_out, generator, args.no_negatives, terms, longest,
-                      args.max_seq_length)  # one layout, eager or padded by the CUDA graph
-
-
 def train_step(ddp_model, backbone, head, momentum_model, queue, generator, params, optimizer,
                scaler, args, batch: dict, global_rows: int):
     """One optimizer step on this process's rows of the global batch: the views' pass, the loss,
     backward, clip, the step; the momentum EMA, the keys queued; (loss, grad norm, {term: value})"""
-    inputs = {k: v for k, v in batch.items() if k != "example_ids"}
-    sentence_ids = distributed.gather(batch["example_ids"], global_rows)  # the queue's ids
     terms = {}  # the loss's two terms, logged beside it
-    loss_of = functools.partial(micse_objective, queue=queue, sentence_ids=sentence_ids, args=args,
-                                generator=generator, global_rows=global_rows, terms=terms,
-                                longest=inputs["attention_mask"].sum(1).max())  # AMI's rows
+    # the block's options from the flags: the pooler, autocast's dtype, torchrun's gather
+    feeding = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision))
+    weighting = dict(temp=args.temp, ami_lambda=args.ami_lambda, ami_samples=args.ami_samples,
+                     positives_only=args.no_negatives, terms=terms,
+                     gather=functools.partial(distributed.gather, rows=global_rows))
+    layers = (args.ami_min_layer, args.ami_max_layer)  # the attention layers AMI scores
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-    if not args.micro_batch_size:  # the paper's step: the views' pass, the loss, backward
-        z1, z2, attn1, attn2 = embeddings(inputs, ddp_model, head, args)
-        loss = loss_of(z1, z2, attn1, attn2)
+    if not args.micro_batch_size:  # the paper's step: the block's micse_step, then backward
+        loss = micse_step(ddp_model, batch, head, queue, generator, layers=layers, **feeding,
+                          **weighting)
         scaler.scale(loss).backward()
-    else:  # GradCache: the same loss and gradients, K sentences at once
-        loss = common.grad_cache(functools.partial(embeddings, inputs, ddp_model, head, args),
-                                 loss_of, len(inputs["input_ids"]), args.micro_batch_size,
-                                 scaler.scale, ddp_model)
+    else:  # GradCache: the same loss and gradients, K sentences at once (the block's two halves)
+        loss = common.grad_cache(
+            lambda part: micse_views(ddp_model, data.part_of(batch, part), head, layers,
+                                     **feeding),
+            functools.partial(micse_objective, queue=queue, ids=batch["example_ids"],
+                              attention_mask=batch["attention_mask"], generator=generator,
+                              **weighting),
+            len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
     if momentum_model is not None:  # after the step: the EMA, then this batch's keys queued
-        ema_update(momentum_model.backbone, backbone, args.momentum)
-        with torch.no_grad():
-            with common.autocast(inputs["input_ids"].device, args.precision):
-                outputs_momentum = momentum_model(**inputs, output_hidden_states=True)
-            keys = common.embed(outputs_momentum.hidden_states, inputs["attention_mask"],
-                                args.pooler, head)
-        queue.push(distributed.gather(keys, global_rows), sentence_ids)  # alike on every process
+        micse_momentum_update(momentum_model, backbone, batch, queue, head, args.momentum,
+                              **feeding, gather=weighting["gather"])
     return loss, grad_norm, terms
 
 
@@ -330,10 +419,10 @@ def main(argv=None):
     # with --queue_size 0 (the released variant) none and no queue: SimCSE's InfoNCE + AMI
     momentum_backbone, momentum_model = None, None
     if args.queue_size:
-        momentum_backbone = copy.deepcopy(backbone).requires_grad_(False)
+        momentum_backbone = momentum_copy(backbone, args.momentum_dropout)  # the block's
         if momentum_backbone._supports_sdpa:  # DeBERTa and MPNet have eager attention only
             momentum_backbone.set_attn_implementation("sdpa")
-        common.set_dropout(momentum_backbone, args.momentum_dropout)
+        common.set_dropout(momentum_backbone, args.momentum_dropout)  # ModernBERT's rates too
         momentum_model = common.BackboneWithHeads(momentum_backbone, prebuilt_mask=prebuilt_mask)
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
     eval_pooler = common.eval_pooler(args)
@@ -345,18 +434,19 @@ def main(argv=None):
               scaler=scaler, ami_generator=generator, momentum_backbone=momentum_backbone,
               queue=queue)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
-    # the step, replayed from a CUDA graph with --cuda_graph (plumbing/graph.py), else called
-    train = graph.StepGraph(functools.partial(train_step, ddp_model, backbone, head, momentum_model,
-                                              queue, generator, params, optimizer, scaler, args),
-                            optimizer, args.cuda_graph, generators=[generator])
+    one_step = functools.partial(train_step, ddp_model, backbone, head, momentum_model, queue,
+                                 generator, params, optimizer, scaler, args)
+    # on one GPU, replayed from a CUDA graph (--cuda_graph: plumbing/graph.py); else just called
+    train = graph.StepGraph(one_step, optimizer, generators=[generator]) if args.cuda_graph \
+        else one_step
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
-            global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
+            global_rows, batch = next(batches)  # global_rows: the batch's over all processes
             loss, grad_norm, terms = train({k: v.to(device, non_blocking=True)
                                             for k, v in batch.items()}, global_rows)
             scheduler.step()  # outside the step (and its graph): the next step's lr
-            run.record(loss, grad_norm, terms)  # kept on the device until a log: no host sync
-        if step % args.eval_steps == 0 or step == total_steps:  # STS-B dev (eval mode, then back)
+            run.record(loss, grad_norm, terms)  # on the device till a log: no host sync
+        if step % args.eval_steps == 0 or step == total_steps:  # the dev gate: STS-B dev
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 

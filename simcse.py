@@ -16,8 +16,8 @@ Headline (Table 5, BERT-base, 7-task STS average): unsupervised 76.25, supervise
     python simcse.py --fraction 0.01 --seed 48         # miCSE Table 2's SimCSE row, the authors' 1%
 
 Offline, add --model_name_or_path DIR --train_file FILE --senteval_dir DIR. A "Code over paper"
-comment marks each line that follows the authors' released code over the paper; docs/methods.md
-says what the paper leaves open and how this file settles it.
+comment marks each line that follows the authors' released code (princeton-nlp/SimCSE, which made
+the published numbers) over the paper; docs/methods.md says how this file settles what is open.
 """
 from __future__ import annotations
 
@@ -115,8 +115,14 @@ def info_nce(z1, z2, temp: float = 0.05, z3=None,
     """SimCSE InfoNCE with in-batch negatives (Eq. 1, 4); with hard negatives `z3` Eq. 5, Eq. 8's
     alpha as the authors add it (`hard_negative_weight` on anchor i's own, row i of each block of
     N in `z3`: Table 7's contradictions, then neutrals). Inputs in fp32 (after autocast)."""
+    if z1.dim() != 2 or z1.shape != z2.shape:
+        raise ValueError(f"z1 and z2 are two (N, D) views of the same N sentences, got "
+                         f"{tuple(z1.shape)} and {tuple(z2.shape)}")
     logits = cos_sim(z1, z2) / temp
     if z3 is not None:
+        if z3.dim() != 2 or z3.shape[1] != z1.shape[1] or len(z3) % len(z1):
+            raise ValueError(f"z3: blocks of N = {len(z1)} hard negatives of width "
+                             f"{z1.shape[1]}, got {tuple(z3.shape)}")
         hard = cos_sim(z1, z3) / temp
         own = torch.eye(len(z1), device=hard.device, dtype=hard.dtype)
         hard = hard + hard_negative_weight * own.repeat(1, len(z3) // len(z1))
@@ -138,7 +144,66 @@ def masked_lm_loss(prediction_scores, labels, num_masked=None) -> torch.Tensor:
     total = F.cross_entropy(prediction_scores.reshape(-1, prediction_scores.shape[-1]).float(),
                             labels.reshape(-1), ignore_index=-100, reduction="sum")
     count = (labels != -100).sum() if num_masked is None else num_masked
-    return total / count.clamp_min(1)  # no host sync
+    return total / count.clamp_min(1)  # a tensor: no host sync (Python waiting for the GPU)
+
+
+def simcse_views(encoder, batch: dict, head=None, columns: int = 1, *, pool=None, dtype=None,
+                 fixed_dropout_mask: bool = False) -> tuple:
+    """What SimCSE contrasts, in fp32: (z1, z2), the two views of N sentences, or (anchors,
+    positives, *hard negatives) of N NLI examples of `columns` sentences. `batch`: a tokenizer's
+    output for the sentences (NLI's: all anchors, then all positives, then all hard negatives).
+    A view is one dropout mask: each sentence twice in one pass of `encoder` (in train mode), so
+    two masks (Table 3's "fixed 0.1": one pass, used twice); an NLI sentence once. z: the last
+    layer's [CLS] through `head` (SimCSE's MLP, Linear + Tanh, trained here and dropped at
+    evaluation; None: [CLS] itself), or pool(hidden_states, attention_mask). `dtype`: autocast's
+    (torch.bfloat16 or torch.float16) for the encoder's pass alone; None: fp32."""
+    views = batch if columns > 1 else {k: v.repeat(1 if fixed_dropout_mask else 2, 1)
+                                       for k, v in batch.items()}
+    device = views["input_ids"].device
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):  # the encoder only
+        hidden_states = encoder(**views, output_hidden_states=True).hidden_states
+    if pool is not None:
+        z = pool(hidden_states, views["attention_mask"])
+    else:  # [CLS], out of autocast: fp32
+        cls = hidden_states[-1][:, 0].float()
+        z = cls if head is None else head(cls)
+    if columns > 1:
+        return z.chunk(columns)
+    return (z, z) if fixed_dropout_mask else z.chunk(2)
+
+
+def simcse_objective(z1, z2, *hard, temp: float = 0.05, hard_negative_weight: float = 0.0,
+                     positives_only: bool = False, gather=None) -> torch.Tensor:
+    """InfoNCE of the views (Eq. 4) or of the NLI columns with their hard negatives (Eq. 5);
+    `positives_only`: miCSE Table 4's positive pairs alone. `gather`: under torchrun, a function
+    that gathers a tensor's rows from every process (the global batch's negatives); None: one."""
+    if gather is not None:
+        z1, z2, hard = gather(z1), gather(z2), [gather(h) for h in hard]
+    if positives_only:
+        return positive_only_loss(z1, z2, temp)
+    return info_nce(z1, z2, temp, torch.cat(hard) if hard else None, hard_negative_weight)
+
+
+def simcse_step(encoder, batch: dict, head=None, temp: float = 0.05, columns: int = 1,
+                hard_negative_weight: float = 0.0, *, pool=None, dtype=None, gather=None,
+                fixed_dropout_mask: bool = False, positives_only: bool = False) -> torch.Tensor:
+    """One step's SimCSE loss, to back-propagate: a transformers encoder (AutoModel, in train mode)
+    and its tokenizer's output for a list of sentences (padding=True, return_tensors="pt").
+
+        head = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh())  # in the optimizer too
+        loss = simcse_step(model, tokenizer(sentences, padding=True, truncation=True,
+                                            max_length=32, return_tensors="pt"), head)
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+    The recipes (Table A.1; the defaults are unsupervised BERT-base's): temp 0.05 always; batch 64,
+    lr 3e-5 (RoBERTa: 512, 1e-5); supervised, columns 3 (anchor, entailment, contradiction; 2: no
+    hard negatives), batch 512, lr 5e-5, the MLP kept at evaluation; hard_negative_weight 0 (Eq. 8's
+    alpha = 1); + 0.1 x masked_lm_loss with --do_mlm (Table D.2). The arguments: simcse_views's
+    and simcse_objective's."""
+    z1, z2, *hard = simcse_views(encoder, batch, head, columns, pool=pool, dtype=dtype,
+                                 fixed_dropout_mask=fixed_dropout_mask)
+    return simcse_objective(z1, z2, *hard, temp=temp, hard_negative_weight=hard_negative_weight,
+                            positives_only=positives_only, gather=gather)
 # --- end of the objective ---
 
 
@@ -191,41 +256,11 @@ def mask_tokens(input_ids, special_ids, probability: float, mask_token_id: int, 
     return torch.where(as_random, words, masked), labels
 
 
-def views_of(batch: dict, columns: int, args, part: slice | None = None) -> dict:
-    """The rows one pass encodes for `part`'s examples (None: all): NLI's columns as they are; a
-    sentence twice, a dropout mask each: its two views (Table 3's "Fixed 0.1": once, used twice)."""
-    inputs = data.part_of(batch, part, columns)
-    if args.supervised:
-        return inputs
-    return common.repeat_views(inputs, 1 if args.fixed_dropout_mask else 2)
-
-
-def embeddings(batch, ddp_model, head, columns: int, args, part=None) -> tuple:
-    """(z1, z2, *hard negatives) of the examples of `part`: the views' forward pass under autocast
-    (the encoder only), the pooled embeddings in fp32."""
-    views = views_of(batch, columns, args, part)
-    with common.autocast(views["input_ids"].device, args.precision):
-        outputs = ddp_model(**views, output_hidden_states=True)
-    z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
-    if args.supervised:  # (anchors, positives, hard negatives) or Table 4's pairs
-        return z.chunk(columns)
-    return (z, z) if args.fixed_dropout_mask else z.chunk(2)  # Table 3, "Fixed 0.1"
-
-
-def contrastive_loss(z1, z2, *hard, global_rows: int, args) -> torch.Tensor:
-    """InfoNCE over the global batch (its `global_rows` rows gathered from every process)."""
-    z1, z2 = distributed.gather(z1, global_rows), distributed.gather(z2, global_rows)
-    if args.no_negatives:  # miCSE Table 4
-        return positive_only_loss(z1, z2, args.temp)
-    # contradictions (then neutrals with --neutral_hard_negatives: Table 7)
-    hard = torch.cat([distributed.gather(h, global_rows) for h in hard]) if hard else None
-    return info_nce(z1, z2, args.temp, hard, args.hard_negative_weight)
-
-
 def mlm_loss(masked: dict, ddp_model, lm_head, blocks: int, args, part=None,
              terms=None) -> torch.Tensor:
-    """lambda x the MLM loss of `part`'s rows of the masked views (in `blocks` blocks; the mean
-    over the whole batch's masked tokens), the head under autocast, as the released fp16 runs.
+    """lambda x the MLM loss of `part`'s rows of the masked views (laid out in `blocks` blocks of
+    rows: NLI's columns, or the repeated views; the mean over the whole batch's masked tokens),
+    the head under autocast, as the released fp16 runs.
     A dict given as `terms` gets it added to its "mlm" (the parts' sum: the term), for the log."""
     rows = data.part_of(masked, part, blocks)
     inputs = {k: v for k, v in rows.items() if k != "labels"}
@@ -244,25 +279,33 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
     InfoNCE (+ lambda MLM), backward, unscale and clip, the optimizer step; (loss, gradient norm,
     {term: value}) on the device. `columns`: NLI's (1: sentences); `mlm`: --do_mlm's (lm_head,
     generator, special ids, [MASK]'s id, vocabulary size), else None."""
+    # the block's options from the flags: the pooler, autocast's dtype, torchrun's gather
+    feeding = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision),
+                   fixed_dropout_mask=args.fixed_dropout_mask)
+    gather = functools.partial(distributed.gather, rows=global_rows)  # one process: as it is
     if mlm is not None:  # Appendix D.2: masked copies of the views' rows, from the MLM's generator
         lm_head, generator, special_ids, mask_token_id, vocab_size = mlm
-        views = views_of(batch, columns, args)
+        views = batch if args.supervised else common.repeat_views(batch,
+                                                                   2 - args.fixed_dropout_mask)
         input_ids, labels = mask_tokens(views["input_ids"], special_ids, args.mlm_probability,
                                         mask_token_id, vocab_size, generator)
         masked = dict(views, input_ids=input_ids, labels=labels)
         blocks = len(input_ids) // len(batch["input_ids"]) * columns  # NLI's columns, or the views
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     terms = {}  # --do_mlm's term, logged beside the loss
-    if not args.micro_batch_size:  # the paper's step: the views' pass, the loss, backward
-        z1, z2, *hard = embeddings(batch, ddp_model, head, columns, args)
-        loss = contrastive_loss(z1, z2, *hard, global_rows=global_rows, args=args)
+    if not args.micro_batch_size:  # the paper's step: the block's simcse_step, then backward
+        loss = simcse_step(ddp_model, batch, head, args.temp, columns, args.hard_negative_weight,
+                           **feeding, gather=gather, positives_only=args.no_negatives)
         if mlm is not None:
             loss = loss + mlm_loss(masked, ddp_model, lm_head, blocks, args, terms=terms)
         scaler.scale(loss).backward()
-    else:  # GradCache: the same loss and gradients, K examples at once
+    else:  # GradCache: the same loss and gradients, K examples at once (the block's two halves)
         loss = common.grad_cache(
-            functools.partial(embeddings, batch, ddp_model, head, columns, args),
-            functools.partial(contrastive_loss, global_rows=global_rows, args=args),
+            lambda part: simcse_views(ddp_model, data.part_of(batch, part, columns), head,
+                                      columns, **feeding),
+            functools.partial(simcse_objective, temp=args.temp, gather=gather,
+                              hard_negative_weight=args.hard_negative_weight,
+                              positives_only=args.no_negatives),
             len(batch["input_ids"]) // columns, args.micro_batch_size, scaler.scale, ddp_model,
             mlm and functools.partial(mlm_loss, masked, ddp_model, lm_head, blocks, args,
                                       terms=terms))
@@ -325,18 +368,19 @@ def main(argv=None):
               backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
               scaler=scaler, lm_head=lm_head, mlm_generator=mlm_generator)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
-    # the step, replayed from a CUDA graph with --cuda_graph (plumbing/graph.py), else called
-    train = graph.StepGraph(functools.partial(train_step, ddp_model, head, params, optimizer,
-                                              scaler, args, corpus.num_columns, mlm),
-                            optimizer, args.cuda_graph, generators=[mlm_generator])
+    one_step = functools.partial(train_step, ddp_model, head, params, optimizer, scaler, args,
+                                 corpus.num_columns, mlm)
+    # on one GPU, replayed from a CUDA graph (--cuda_graph: plumbing/graph.py); else just called
+    train = graph.StepGraph(one_step, optimizer, generators=[mlm_generator]) if args.cuda_graph \
+        else one_step
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
-            global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
+            global_rows, batch = next(batches)  # global_rows: the batch's over all processes
             loss, grad_norm, terms = train({k: v.to(device, non_blocking=True)
                                             for k, v in batch.items()}, global_rows)
             scheduler.step()  # outside the step (and its graph): the next step's lr
-            run.record(loss, grad_norm, terms)  # kept on the device until a log: no host sync
-        if step % args.eval_steps == 0 or step == total_steps:  # STS-B dev (eval mode, then back)
+            run.record(loss, grad_norm, terms)  # on the device till a log: no host sync
+        if step % args.eval_steps == 0 or step == total_steps:  # the dev gate: STS-B dev
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 

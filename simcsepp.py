@@ -15,18 +15,16 @@ alone 77.13, DCL alone 77.40).
     python simcsepp.py --dcl_only                       # Table 4's "+DCL(wiki)": DCL alone
     python simcsepp.py --no_off_dropout --m 1 --dcl_temp 10  # the released models_vicreg.py's DCL
 
-A "Code over paper" comment marks each line that follows the authors' released code over the
-paper; docs/methods.md says what the released scripts run and how this file settles what the paper
-leaves open.
+A "Code over paper" comment marks each line that follows the authors' released code (their
+repository, which made the published numbers) over the paper; docs/methods.md says what the
+released scripts run and how this file settles what the paper leaves open.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import common
@@ -82,6 +80,9 @@ def off_dropout_info_nce(z1, z2, z_dropout_off, temp: float = 0.05, m: float = 0
     loss_i = -m s(z1_i, z2_i) + log(e^{m s(z1_i, z2_i)} + sum_{j != i} e^{s(z0_i, z0_j)}), s = cos /
     temp, where z0 = `z_dropout_off` is the batch encoded with dropout off.
     """
+    if z1.dim() != 2 or not z1.shape == z2.shape == z_dropout_off.shape:
+        raise ValueError(f"z1, z2 and z_dropout_off are three (N, D) encodings of the same N "
+                         f"sentences, got {[tuple(z.shape) for z in (z1, z2, z_dropout_off)]}")
     return m_positive_cross_entropy(cos_sim(z1, z2) / temp,
                                     cos_sim(z_dropout_off, z_dropout_off) / temp, m)
 
@@ -109,94 +110,115 @@ def dcl_loss(z1, z2, temp: float = 5.0) -> torch.Tensor:
     Standardise each dimension over the batch (BatchNorm1d without affine, training mode), C = z1~^T
     z2~ / (N temp) (D x D); loss = mean over c of [-C_cc + log sum_d e^{C_cd}].
     """
+    if z1.dim() != 2 or z1.shape != z2.shape:
+        raise ValueError(f"z1 and z2 are two (N, D) views of the same N sentences, got "
+                         f"{tuple(z1.shape)} and {tuple(z2.shape)}")
+
     def standardise(z):
         return (z - z.mean(0)) / torch.sqrt(z.var(0, unbiased=False) + 1e-5)
     # Code over paper: mean over dimensions and C divided by N; Eq. 5 sums over c and has no 1/N.
     correlation = standardise(z1).T @ standardise(z2) / (len(z1) * temp)
     return F.cross_entropy(correlation, torch.arange(correlation.shape[0], device=z1.device))
-# --- end of the objective ---
 
 
-@contextlib.contextmanager
-def dropout_off(module: nn.Module):
-    """Every dropout of `module` off for one pass, then each one's mode and rate restored.
+def simcsepp_views(encoder, batch: dict, head=None, *, pool=None, dtype=None,
+                   off_dropout: bool = True) -> tuple:
+    """(z1, z2, z_dropout_off) in fp32: two dropout views of N sentences in one pass of `encoder`
+    (in train mode: each sentence twice, two dropout masks), then the batch once more with every
+    dropout off (Eq. 3's negatives: eval mode for that pass, its gradients kept, as the authors'
+    code keeps them); off_dropout False: (z1, z2) alone. `batch`: a tokenizer's output for the
+    sentences. z: the last layer's [CLS] through `head` (SimCSE's MLP; None: [CLS] itself), or
+    pool(hidden_states, attention_mask). `dtype`: autocast's for the passes; None: fp32."""
+    device = batch["input_ids"].device
 
-    eval() alone is not enough in transformers 5: BERT applies attention dropout under the attention
-    module's own training flag with rate `dropout.p`, so the rates are zeroed as well (ModernBERT's
-    attention keeps its own rate: common.dropout_slots).
-    """
-    saved = [(m, slot, m.training, getattr(m, slot)) for m, slot in common.dropout_slots(module)]
-    for m, slot, _, _ in saved:
-        if isinstance(m, nn.Dropout):
-            m.eval()
-        setattr(m, slot, 0.0)
-    # --gradient_checkpointing: this pass keeps its activations (recomputed, dropout would be on)
-    checkpointed = [m for m in module.modules() if getattr(m, "gradient_checkpointing", 0) is True]
-    for m in checkpointed:
-        m.gradient_checkpointing = False
+    def encoded(inputs):
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):  # encoder only
+            hidden_states = encoder(**inputs, output_hidden_states=True).hidden_states
+        if pool is not None:
+            return pool(hidden_states, inputs["attention_mask"])
+        cls = hidden_states[-1][:, 0].float()  # out of autocast: fp32
+        return cls if head is None else head(cls)
+
+    z1, z2 = encoded({k: v.repeat(2, 1) for k, v in batch.items()}).chunk(2)  # one pass
+    if not off_dropout:
+        return z1, z2
+    training = encoder.training
+    encoder.eval()  # every dropout off, transformers' attention dropout too
     try:
-        yield
+        return z1, z2, encoded(batch)
     finally:
-        for m, slot, training, rate in saved:
-            m.train(training)
-            setattr(m, slot, rate)
-        for m in checkpointed:
-            m.gradient_checkpointing = True
+        encoder.train(training)
 
 
-def embeddings(batch, ddp_model, backbone, head, args, part=None) -> tuple:
-    """(z1, z2, z_dropout_off) of `part`'s sentences (None: all) in fp32: two dropout views in one
-    pass, then one with every dropout off for the negatives (--no_off_dropout, --dcl_only: none)."""
-    inputs = data.part_of(batch, part)
-    views = common.repeat_views(inputs, 2)  # one pass over the batch repeated
-    with common.autocast(inputs["input_ids"].device, args.precision):  # the encoder only
-        outputs = ddp_model(**views, output_hidden_states=True)
-    z = common.embed(outputs.hidden_states, views["attention_mask"], args.pooler, head)
-    if args.no_off_dropout or args.dcl_only:
-        return z.chunk(2)
-    with dropout_off(backbone), common.autocast(inputs["input_ids"].device, args.precision):
-        outputs_off = ddp_model(**inputs, output_hidden_states=True)
-    mask = inputs["attention_mask"]
-    return (*z.chunk(2), common.embed(outputs_off.hidden_states, mask, args.pooler, head))
-
-
-def simcsepp_loss(z1, z2, z_dropout_off=None, *, global_rows: int, args,
-                  terms=None) -> torch.Tensor:
-    """Off-dropout InfoNCE + dcl_weight x DCL over the global batch (`global_rows` rows gathered
-    from the processes); Table 4's DCL alone; Table 3's view negatives. A dict given as `terms`
-    gets the two terms ("info_nce", "dcl"), detached, for the log."""
-    z1, z2 = distributed.gather(z1, global_rows), distributed.gather(z2, global_rows)
-    # DCL's statistics: the global batch's (released under torchrun: C / local batch; fidelity.md)
-    if args.dcl_only:  # Table 4: DCL alone
-        return dcl_loss(z1, z2, args.dcl_temp)
-    if args.no_off_dropout:
-        loss = view_negatives_info_nce(z1, z2, args.temp, args.m)
+def simcsepp_objective(z1, z2, z_dropout_off=None, *, temp: float = 0.05, m: float = 0.9,
+                       dcl_weight: float = 0.1, dcl_temp: float = 5.0, dcl_only: bool = False,
+                       gather=None, terms=None) -> torch.Tensor:
+    """Off-dropout InfoNCE (Eq. 3) + dcl_weight x DCL (Eq. 5); z_dropout_off None: the views'
+    negatives (view_negatives_info_nce); dcl_only: DCL alone (Table 4). `gather`: under torchrun,
+    a function that gathers a tensor's rows from every process (DCL's statistics and the
+    negatives of the global batch); None: one process. A dict given as `terms` gets the two terms
+    ("info_nce", "dcl"), detached, for a log."""
+    if gather is not None:
+        z1, z2 = gather(z1), gather(z2)
+    if dcl_only:  # Table 4: DCL alone
+        return dcl_loss(z1, z2, dcl_temp)
+    if z_dropout_off is None:
+        loss = view_negatives_info_nce(z1, z2, temp, m)
     else:
-        loss = off_dropout_info_nce(z1, z2, distributed.gather(z_dropout_off, global_rows),
-                                    args.temp, args.m)
-    if args.dcl_weight > 0:
-        dcl = args.dcl_weight * dcl_loss(z1, z2, args.dcl_temp)
+        z_dropout_off = z_dropout_off if gather is None else gather(z_dropout_off)
+        loss = off_dropout_info_nce(z1, z2, z_dropout_off, temp, m)
+    if dcl_weight > 0:
+        dcl = dcl_weight * dcl_loss(z1, z2, dcl_temp)
         if terms is not None:
             terms.update(info_nce=loss.detach(), dcl=dcl.detach())
         loss = loss + dcl
     return loss
 
 
-def train_step(ddp_model, backbone, head, params, optimizer, scaler, args, batch: dict,
+def simcsepp_step(encoder, batch: dict, head=None, temp: float = 0.05, m: float = 0.9,
+                  dcl_weight: float = 0.1, dcl_temp: float = 5.0, *, pool=None, dtype=None,
+                  gather=None, off_dropout: bool = True, dcl_only: bool = False,
+                  terms=None) -> torch.Tensor:
+    """One step's SimCSE++ loss, to back-propagate: a transformers encoder (AutoModel, in train
+    mode) and its tokenizer's output for a list of sentences (padding=True, return_tensors="pt").
+
+        loss = simcsepp_step(model, tokenizer(sentences, padding=True, truncation=True,
+                                              max_length=32, return_tensors="pt"))
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+    Three passes of the batch a step: two dropout views (the positives) and one with dropout off
+    (the negatives). The recipe (Section 5.1, Table 5; the defaults): m 0.9, DCL weight 0.1, DCL
+    temperature 5, temp 0.05, batch 64, lr 3e-5 (large models 8e-6), the first-last average or
+    [CLS]; Table 3's "+DCL": off_dropout False, m 1; "+Off-Info": dcl_weight 0; Table 4's
+    "+DCL(wiki)": dcl_only, dcl_temp 0.05. The arguments: simcsepp_views's and
+    simcsepp_objective's."""
+    z = simcsepp_views(encoder, batch, head, pool=pool, dtype=dtype,
+                       off_dropout=off_dropout and not dcl_only)
+    return simcsepp_objective(*z, temp=temp, m=m, dcl_weight=dcl_weight, dcl_temp=dcl_temp,
+                              dcl_only=dcl_only, gather=gather, terms=terms)
+# --- end of the objective ---
+
+
+def train_step(ddp_model, head, params, optimizer, scaler, args, batch: dict,
                global_rows: int):
     """One optimizer step on this process's rows of the global batch: the views' passes, the loss,
     backward, unscale and clip, the optimizer step; (loss, gradient norm, {term: value})."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     terms = {}  # the loss's two terms, logged beside it
-    if not args.micro_batch_size:  # the paper's step: the views' pass, the loss, backward
-        z1, z2, *z_dropout_off = embeddings(batch, ddp_model, backbone, head, args)
-        loss = simcsepp_loss(z1, z2, *z_dropout_off, global_rows=global_rows, args=args,
-                             terms=terms)
+    # the block's options from the flags: the pooler, autocast's dtype, torchrun's gather
+    feeding = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision))
+    weighting = dict(temp=args.temp, m=args.m, dcl_weight=args.dcl_weight, dcl_temp=args.dcl_temp,
+                     dcl_only=args.dcl_only, terms=terms,
+                     gather=functools.partial(distributed.gather, rows=global_rows))
+    if not args.micro_batch_size:  # the paper's step: the block's simcsepp_step, then backward
+        loss = simcsepp_step(ddp_model, batch, head, **feeding, **weighting,
+                             off_dropout=not args.no_off_dropout)
         scaler.scale(loss).backward()  # through both views' pass and the dropout-off one
-    else:  # GradCache: the same loss and gradients, K sentences at once
+    else:  # GradCache: the same loss and gradients, K sentences at once (the block's two halves)
         loss = common.grad_cache(
-            functools.partial(embeddings, batch, ddp_model, backbone, head, args),
-            functools.partial(simcsepp_loss, global_rows=global_rows, args=args, terms=terms),
+            lambda part: simcsepp_views(ddp_model, data.part_of(batch, part), head, **feeding,
+                                        off_dropout=not (args.no_off_dropout or args.dcl_only)),
+            functools.partial(simcsepp_objective, **weighting),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
@@ -243,17 +265,17 @@ def main(argv=None):
               backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
               scaler=scaler)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
-    # the step, replayed from a CUDA graph with --cuda_graph (plumbing/graph.py), else called
-    train = graph.StepGraph(functools.partial(train_step, ddp_model, backbone, head, params,
-                                              optimizer, scaler, args), optimizer, args.cuda_graph)
+    one_step = functools.partial(train_step, ddp_model, head, params, optimizer, scaler, args)
+    # on one GPU, replayed from a CUDA graph (--cuda_graph: plumbing/graph.py); else just called
+    train = graph.StepGraph(one_step, optimizer) if args.cuda_graph else one_step
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
-            global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
+            global_rows, batch = next(batches)  # global_rows: the batch's over all processes
             loss, grad_norm, terms = train({k: v.to(device, non_blocking=True)
                                             for k, v in batch.items()}, global_rows)
             scheduler.step()  # outside the step (and its graph): the next step's lr
-            run.record(loss, grad_norm, terms)  # kept on the device until a log: no host sync
-        if step % args.eval_steps == 0 or step == total_steps:  # STS-B dev (eval mode, then back)
+            run.record(loss, grad_norm, terms)  # on the device till a log: no host sync
+        if step % args.eval_steps == 0 or step == total_steps:  # the dev gate: STS-B dev
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 

@@ -14,9 +14,9 @@ Headline (Table 2, BERT-base, 7-task STS average): SimCSE 76.25 -> SSCL-SimCSE 7
     python sscl.py --no_dropout_positive   # Table 2's SSCL-BERT: layer negatives, no augmentation
     python sscl.py --output_dim 256        # Table 5: a linear projection to 256 dimensions
 
-A "Code over paper" comment marks each line that follows the authors' released code over the
-paper (the average pooler, the loss averaged with SimCSE's); docs/methods.md says how this file
-settles what the paper leaves open.
+A "Code over paper" comment marks each line that follows the authors' released code (their
+repository, which made the published numbers) over the paper (the average pooler, the loss
+averaged with SimCSE's); docs/methods.md says how this file settles what the paper leaves open.
 """
 from __future__ import annotations
 
@@ -81,12 +81,90 @@ def sscl_loss(z1, z2, layer_negatives, temp: float = 0.05) -> torch.Tensor:
     row i; `layer_negatives` is a list of tuples, one a layer: that layer's representations of the
     two dropout views (n1, n2), or of the anchor's view only (n1,).
     """
+    if z1.dim() != 2 or z1.shape != z2.shape:
+        raise ValueError(f"z1 and z2 are two (N, D) views of the same N sentences, got "
+                         f"{tuple(z1.shape)} and {tuple(z2.shape)}")
+    if any(n.dim() != 2 or n.shape[1] != z1.shape[1] for pair in layer_negatives for n in pair):
+        raise ValueError(f"each layer's negatives are (M, {z1.shape[1]}): a tuple per layer, got "
+                         f"{[[tuple(n.shape) for n in pair] for pair in layer_negatives]}")
     in_batch = cos_sim(z1, z2) / temp
     negatives = [cos_sim(z1, n) / temp for pair in layer_negatives for n in pair]
     logits = torch.cat([in_batch] + negatives, dim=1)
     labels = torch.arange(len(z1), device=z1.device)
     # Code over paper: the authors average this with SimCSE's plain loss; Eq. 4 has only the first.
     return (F.cross_entropy(logits, labels) + F.cross_entropy(in_batch, labels)) / 2
+
+
+def sscl_views(encoder, batch: dict, layers=None, head=None, *, pool=None, dtype=None,
+               projection=None, dropout_positive: bool = True, both_views: bool = True) -> tuple:
+    """(z1, z2, *negatives) in fp32. z1, z2: the last layer's two dropout views of N sentences, one
+    pass of `encoder` (in train mode: each sentence twice; dropout_positive False, Table 2's
+    SSCL-BERT: once, used twice). The negatives: each of `layers` (hidden_states' indices; None:
+    L-1 and L-2, Figure 3b's best) pooled like z, from the same pass, gradients kept; both views'
+    (the released code's, 2N a layer), or the anchor view's (both_views False, N). z: the average
+    of the last layer over each sentence's tokens (the released code's pooler), or pool(
+    hidden_states, attention_mask) (with --pooler cls, [CLS] through the MLP head); then
+    `projection` (Table 5) if given. `dtype`: autocast's for the pass alone; None: fp32."""
+    num_views = 2 if dropout_positive else 1
+    views = {k: v.repeat(num_views, 1) for k, v in batch.items()}
+    device, mask = batch["input_ids"].device, views["attention_mask"]
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):  # the encoder only
+        hidden_states = encoder(**views, output_hidden_states=True).hidden_states
+    last = len(hidden_states) - 1  # hidden_states: the embeddings, then layers 1..L
+    layers = (last - 1, last - 2) if layers is None else layers
+    if not all(1 <= layer < last for layer in layers):
+        raise ValueError(f"SSCL's negative layers are intermediate ones, 1..{last - 1} of this "
+                         f"encoder's {last}: got {list(layers)}")
+
+    def pooled(layer):  # that layer as if it were the last (hidden_states[:layer + 1]), like z
+        if pool is not None:
+            return pool(hidden_states[:layer + 1], mask)
+        weights = mask.unsqueeze(-1).float()  # the average over each sentence's tokens, in fp32
+        return (hidden_states[layer].float() * weights).sum(1) / weights.sum(1)
+
+    z, negatives = pooled(last), [pooled(layer).chunk(num_views) for layer in layers]
+    if projection is not None:  # Table 5: every representation projected
+        z, negatives = projection(z), [tuple(projection(n) for n in views_of_layer)
+                                       for views_of_layer in negatives]
+    z1, z2 = z.chunk(2) if dropout_positive else (z, z)
+    per_layer = 2 if dropout_positive and both_views else 1
+    return (z1, z2, *(n for views_of_layer in negatives for n in views_of_layer[:per_layer]))
+
+
+def sscl_objective(z1, z2, *negatives, temp: float = 0.05, per_layer: int = 2,
+                   gather=None) -> torch.Tensor:
+    """sscl_loss of sscl_views's outputs: the negatives grouped `per_layer` (2: both views', 1: the
+    anchor's) into each layer's tuple. `gather`: under torchrun, a function that gathers a tensor's
+    rows from every process (the global batch, layer negatives too); None: one process."""
+    if gather is not None:  # Released code under torchrun: each process's own layer negatives
+        negatives = [gather(n) for n in negatives]
+    layer_negatives = [tuple(negatives[i:i + per_layer]) for i in range(0, len(negatives),
+                                                                        per_layer)]
+    if gather is not None:
+        z1, z2 = gather(z1), gather(z2)
+    return sscl_loss(z1, z2, layer_negatives, temp)
+
+
+def sscl_step(encoder, batch: dict, layers=None, head=None, temp: float = 0.05, *, pool=None,
+              dtype=None, gather=None, projection=None, dropout_positive: bool = True,
+              both_views: bool = True) -> torch.Tensor:
+    """One step's SSCL loss, to back-propagate: a transformers encoder (AutoModel, in train mode)
+    and its tokenizer's output for a list of sentences (padding=True, return_tensors="pt").
+
+        loss = sscl_step(model, tokenizer(sentences, padding=True, truncation=True,
+                                          max_length=32, return_tensors="pt"))
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+    The recipe (Section 4.2 and the released scripts; the defaults): the average pooler, layers L-1
+    and L-2 of both views as negatives (Figure 3b), temp 0.05, batch 64, lr 3e-5 (BERT-large 1e-5);
+    Figure 3a: one chosen layer, layers=(k,); Table 2's SSCL-BERT: dropout_positive False; Table 5:
+    a projection nn.Linear(d, 128 or 256), trained too and kept at evaluation; Table 7's "N pairs":
+    both_views False. The arguments: sscl_views's and sscl_objective's."""
+    z1, z2, *negatives = sscl_views(encoder, batch, layers, head, pool=pool, dtype=dtype,
+                                    projection=projection, dropout_positive=dropout_positive,
+                                    both_views=both_views)
+    per_layer = 2 if dropout_positive and both_views else 1
+    return sscl_objective(z1, z2, *negatives, temp=temp, per_layer=per_layer, gather=gather)
 # --- end of the objective ---
 
 
@@ -99,14 +177,6 @@ def negative_layers(num_layers: int, k: int, index: int | None = None) -> list[i
     if not 0 <= k < num_layers:
         raise plumbing.UsageError(f"--neg_layers must be in 0..{num_layers - 1}, got {k}")
     return [num_layers - i for i in range(1, k + 1)]
-
-
-def layer_representations(hidden_states, attention_mask, layers, pooler: str, head=None,
-                          num_views: int = 2):
-    """Each negative layer's sentence representations, pooled like z, split into the views."""
-    # hidden_states[:l + 1] ends at layer l: embed pools (for [CLS], applies the MLP to) layer l
-    return [tuple(common.embed(hidden_states[:layer + 1], attention_mask, pooler, head)
-                  .chunk(num_views)) for layer in layers]
 
 
 def set_sim(hidden_states, attention_mask, pooler: str) -> torch.Tensor:
@@ -136,54 +206,25 @@ def oversmoothing(backbone, tokenizer, pooler: str, sentences, device, desc="Set
     return {f"{layer}-{layer + 1}": round(v, 4) for layer, v in enumerate(means, start=1)}
 
 
-def views_per_layer(args) -> int:
-    """A negative layer's views: both (the released code's, 2N a layer), or the anchor's (N)."""
-    return min(1 if args.no_dropout_positive else 2, 2 if args.layer_negatives == "both" else 1)
-
-
-def embeddings(batch, ddp_model, head, projection, neg_layers, args, part=None) -> tuple:
-    """(z1, z2, *each negative layer's views) of `part`'s sentences (None: all), fp32: one pass of
-    two dropout views (SSCL-BERT: one, used twice), whose intermediate layers give the negatives."""
-    num_views = 1 if args.no_dropout_positive else 2
-    views = common.repeat_views(data.part_of(batch, part), num_views)  # the batch repeated
-    with common.autocast(views["input_ids"].device, args.precision):  # the encoder only
-        outputs = ddp_model(**views, output_hidden_states=True)
-    mask = views["attention_mask"]
-    z = common.embed(outputs.hidden_states, mask, args.pooler, head)
-    reps = layer_representations(outputs.hidden_states, mask, neg_layers, args.pooler, head,
-                                 num_views)
-    if projection is not None:  # Table 5: every representation projected to d dims
-        z = projection(z)
-        reps = [tuple(projection(n) for n in layer) for layer in reps]
-    z1, z2 = (z, z) if args.no_dropout_positive else z.chunk(2)
-    # Code over paper: both views' layers (2N a layer); the paper adds N (--layer_negatives)
-    return (z1, z2, *(n for layer in reps for n in layer[:views_per_layer(args)]))
-
-
-def sscl_objective(z1, z2, *negatives, global_rows: int, args) -> torch.Tensor:
-    """sscl_loss over the global batch (`global_rows` rows gathered from the processes)."""
-    # Released code under torchrun: each process's own layer negatives; gathered here
-    negatives = [distributed.gather(n, global_rows) for n in negatives]
-    per_layer = views_per_layer(args)
-    layer_negatives = [tuple(negatives[i:i + per_layer]) for i in range(0, len(negatives),
-                                                                        per_layer)]
-    z1, z2 = distributed.gather(z1, global_rows), distributed.gather(z2, global_rows)
-    return sscl_loss(z1, z2, layer_negatives, args.temp)
-
-
 def train_step(ddp_model, head, projection, neg_layers, params, optimizer, scaler, args,
                batch: dict, global_rows: int):
     """One optimizer step on this process's rows of the global batch: the views' pass, the loss,
     backward, unscale and clip, the optimizer step; (loss, gradient norm) on the device."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-    if not args.micro_batch_size:  # the paper's step: the views' pass, the loss, backward
-        z1, z2, *negatives = embeddings(batch, ddp_model, head, projection, neg_layers, args)
-        loss = sscl_objective(z1, z2, *negatives, global_rows=global_rows, args=args)
+    # the block's options from the flags: the pooler, autocast's dtype, Table 5's projection, ...
+    feeding = dict(pool=common.block_pool(args.pooler, head, "avg"), projection=projection,
+                   dtype=common.amp_dtype(args.precision), dropout_positive=not
+                   args.no_dropout_positive, both_views=args.layer_negatives == "both")
+    gather = functools.partial(distributed.gather, rows=global_rows)  # one process: as it is
+    if not args.micro_batch_size:  # the paper's step: the block's sscl_step, then backward
+        loss = sscl_step(ddp_model, batch, neg_layers, head, args.temp, **feeding, gather=gather)
         scaler.scale(loss).backward()  # into the last layer and the negatives' layers
-    else:  # GradCache: the same loss and gradients, K sentences at once
+    else:  # GradCache: the same loss and gradients, K sentences at once (the block's two halves)
+        per_layer = 2 if feeding["dropout_positive"] and feeding["both_views"] else 1
         loss = common.grad_cache(
-            functools.partial(embeddings, batch, ddp_model, head, projection, neg_layers, args),
-            functools.partial(sscl_objective, global_rows=global_rows, args=args),
+            lambda part: sscl_views(ddp_model, data.part_of(batch, part), neg_layers, head,
+                                    **feeding),
+            functools.partial(sscl_objective, temp=args.temp, per_layer=per_layer, gather=gather),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
@@ -235,18 +276,18 @@ def main(argv=None):
               backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
               scaler=scaler, projection=projection)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
-    # the step, replayed from a CUDA graph with --cuda_graph (plumbing/graph.py), else called
-    train = graph.StepGraph(functools.partial(train_step, ddp_model, head, projection, neg_layers,
-                                              params, optimizer, scaler, args),
-                            optimizer, args.cuda_graph)
+    one_step = functools.partial(train_step, ddp_model, head, projection, neg_layers, params,
+                                 optimizer, scaler, args)
+    # on one GPU, replayed from a CUDA graph (--cuda_graph: plumbing/graph.py); else just called
+    train = graph.StepGraph(one_step, optimizer) if args.cuda_graph else one_step
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
-            global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
+            global_rows, batch = next(batches)  # global_rows: the batch's over all processes
             loss, grad_norm = train({k: v.to(device, non_blocking=True) for k, v in batch.items()},
                                     global_rows)
             scheduler.step()  # outside the step (and its graph): the next step's lr
-            run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
-        if step % args.eval_steps == 0 or step == total_steps:  # STS-B dev (eval mode, then back)
+            run.record(loss, grad_norm)  # on the device till a log: no host sync
+        if step % args.eval_steps == 0 or step == total_steps:  # the dev gate: STS-B dev
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler, projection)
 

@@ -13,8 +13,9 @@ Headline (Table 1, BERT-base, 7-task STS average): 78.78, +2.53 over SimCSE's 76
     python whitenedcse.py --num_pos 2      # Table 6: SGW with one positive
     torchrun --nproc_per_node 2 whitenedcse.py   # each process whitens its own rows
 
-The released code does not run on today's PyTorch (docs/fidelity.md); this file is written from the
-paper and that code, and a "Code over paper" comment marks each line that follows the code.
+The authors' released code (their repository) does not run on today's PyTorch (docs/fidelity.md):
+this file is written from the paper and that code, and a "Code over paper" comment marks each line
+that follows the code.
 docs/methods.md says where the two differ and how this file settles what the paper leaves open.
 """
 from __future__ import annotations
@@ -23,7 +24,6 @@ import functools
 import math
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import common
@@ -125,9 +125,80 @@ def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
 def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
     """Multi-positive InfoNCE (Eq. 7 with lambda_m = 1): sum over p = 2..m of CE(s(z_1, z_p)), s =
     cos / temp."""
+    if len(views) < 2 or any(z.dim() != 2 or z.shape != views[0].shape for z in views):
+        raise ValueError(f"views: m >= 2 (N, D) views of the same N sentences, got "
+                         f"{[tuple(z.shape) for z in views]}")
     anchor = views[0]
     labels = torch.arange(len(anchor), device=anchor.device)
     return sum(F.cross_entropy(cos_sim(anchor, z) / temp, labels) for z in views[1:])
+
+
+class WhitenedHead(torch.nn.Module):
+    """The training head on [CLS] (Section 4.1): shuffled group whitening, then Linear(D, D) and
+    Tanh; trained, and dropped at evaluation (which reads [CLS]). num_groups: the paper's 384 for
+    BERT-base and -large is groups of 2 channels, D / 2 (the default; RoBERTa: 256)."""
+
+    def __init__(self, hidden_size: int, num_groups: int | None = None, init_std: float = 0.02):
+        super().__init__()
+        self.num_groups = num_groups or hidden_size // 2
+        self.linear = torch.nn.Linear(hidden_size, hidden_size)
+        torch.nn.init.normal_(self.linear.weight, std=init_std)
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, cls: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+        """perm None: no whitening (Table 6's dropout-only positives)."""
+        if perm is not None:
+            cls = shuffled_group_whitening(cls, self.num_groups, perm)
+        return torch.tanh(self.linear(cls))
+
+
+def whitenedcse_views(encoder, batch: dict, num_pos: int = 3, *, dtype=None) -> tuple:
+    """The [CLS] features of `num_pos` dropout views of N sentences, in fp32: one pass of
+    `encoder` (in train mode) over the batch repeated num_pos times, a dropout mask a copy.
+    `batch`: a tokenizer's output. `dtype`: autocast's for the pass alone; None: fp32."""
+    views = {k: v.repeat(num_pos, 1) for k, v in batch.items()}
+    device = batch["input_ids"].device
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):  # the encoder only
+        outputs = encoder(**views)
+    return outputs.last_hidden_state[:, 0].float().chunk(num_pos)
+
+
+def whitenedcse_objective(*cls, head: WhitenedHead, generator=None, temp: float = 0.05,
+                          shuffle: bool = True, whiten: bool = True, gather=None,
+                          global_whitening: bool = False) -> torch.Tensor:
+    """Each view shuffled (a fresh permutation of the channels per view and step, Eq. 11, from
+    `generator`), whitened in groups and through the head; the multi-positive InfoNCE of the views
+    (Eq. 7). shuffle False: Table 4's one grouping; whiten False: Table 6's dropout-only positives.
+    `gather`: under torchrun, a function that gathers a tensor's rows from every process; each
+    process whitens its own rows (the released code's) unless global_whitening."""
+    if global_whitening and gather is not None:  # each covariance over the global batch
+        cls = [gather(c) for c in cls]
+    hidden, device = cls[0].shape[1], cls[0].device
+    perms = [torch.randperm(hidden, generator=generator, device=device) if shuffle else
+             torch.arange(hidden, device=device) for _ in cls]
+    views = [head(c, perm if whiten else None) for c, perm in zip(cls, perms)]
+    if gather is not None and not global_whitening:  # Code over paper: whitened, then gathered
+        views = [gather(v) for v in views]
+    return multi_positive_info_nce(views, temp)
+
+
+def whitenedcse_step(encoder, batch: dict, head: WhitenedHead, generator=None, num_pos: int = 3,
+                     temp: float = 0.05, *, dtype=None, gather=None, shuffle: bool = True,
+                     whiten: bool = True, global_whitening: bool = False) -> torch.Tensor:
+    """One step's WhitenedCSE loss, to back-propagate: a transformers encoder (AutoModel, in train
+    mode) and its tokenizer's output for a list of sentences (padding=True, return_tensors="pt").
+
+        head = WhitenedHead(d)  # groups of 2 channels; its Linear in the optimizer too
+        loss = whitenedcse_step(model, tokenizer(sentences, padding=True, truncation=True,
+                                                 max_length=32, return_tensors="pt"), head)
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+    The recipe (Section 4.1, Tables 4-5; the defaults): 3 views (one anchor, two positives), groups
+    of 2 channels, a fresh shuffle per view and step, temp 0.05, batch 64, lr 3e-5; a batch of more
+    rows than a group has channels. The arguments: whitenedcse_views's, whitenedcse_objective's."""
+    cls = whitenedcse_views(encoder, batch, num_pos, dtype=dtype)
+    return whitenedcse_objective(*cls, head=head, generator=generator, temp=temp, shuffle=shuffle,
+                                 whiten=whiten, gather=gather, global_whitening=global_whitening)
 # --- end of the objective ---
 
 
@@ -139,62 +210,24 @@ def group_width(hidden: int, num_groups: int) -> int:
     return hidden // num_groups
 
 
-class WhitenedHead(nn.Module):
-    """The training head: SGW -> Linear(D, D) -> Tanh (Section 4.1)."""
-
-    def __init__(self, hidden_size: int, num_groups: int, init_std: float = 0.02):
-        super().__init__()
-        self.num_groups = num_groups
-        self.linear = nn.Linear(hidden_size, hidden_size)
-        nn.init.normal_(self.linear.weight, std=init_std)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, cls: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
-        """perm None: no whitening (Table 6's dropout-only positives)."""
-        if perm is not None:
-            cls = shuffled_group_whitening(cls, self.num_groups, perm)
-        return torch.tanh(self.linear(cls))
-
-
-def cls_views(batch, ddp_model, args, part=None) -> tuple:
-    """[CLS] of --num_pos dropout views of `part`'s sentences (None: all): one pass, in fp32."""
-    views = common.repeat_views(data.part_of(batch, part), args.num_pos)  # the batch repeated
-    with common.autocast(views["input_ids"].device, args.precision):  # the encoder only
-        outputs = ddp_model(**views)
-    return outputs.last_hidden_state[:, 0].float().chunk(args.num_pos)
-
-
-def whitened_loss(*cls, head, generator, global_rows: int, args) -> torch.Tensor:
-    """Each view shuffled, whitened and through the head; multi-positive InfoNCE, global batch."""
-    if args.global_whitening:  # each covariance over the global batch
-        cls = [distributed.gather(c, global_rows) for c in cls]
-    hidden, device = cls[0].shape[1], cls[0].device
-    # Eq. 11: a fresh shuffle per view and step (the identity with --no_shuffle)
-    perms = [torch.arange(hidden, device=device) if args.no_shuffle else
-             torch.randperm(hidden, generator=generator, device=device) for _ in cls]
-    if args.no_whitening:  # Table 6: the positives differ by dropout alone
-        perms = [None] * len(cls)
-    views = [head(c, perm) for c, perm in zip(cls, perms)]
-    # Code over paper: the released code whitens each GPU's own rows, then gathers
-    if not args.global_whitening:
-        views = [distributed.gather(v, global_rows) for v in views]
-    return multi_positive_info_nce(views, args.temp)
-
-
 def train_step(ddp_model, head, generator, params, optimizer, scaler, args, batch: dict,
                global_rows: int):
     """One optimizer step on this process's rows of the global batch: the views' pass, whitening,
     the loss, backward, unscale and clip, the optimizer step; (loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-    if not args.micro_batch_size:  # the paper's step: the views' pass, the loss, backward
-        loss = whitened_loss(*cls_views(batch, ddp_model, args), head=head, generator=generator,
-                             global_rows=global_rows, args=args)
+    # the block's options from the flags: the tables' studies, torchrun's gather
+    options = dict(head=head, generator=generator, temp=args.temp, shuffle=not args.no_shuffle,
+                   whiten=not args.no_whitening, global_whitening=args.global_whitening,
+                   gather=functools.partial(distributed.gather, rows=global_rows))
+    dtype = common.amp_dtype(args.precision)  # autocast's, for the encoder's pass
+    if not args.micro_batch_size:  # the paper's step: the block's whitenedcse_step, then backward
+        loss = whitenedcse_step(ddp_model, batch, num_pos=args.num_pos, dtype=dtype, **options)
         scaler.scale(loss).backward()  # through the whitening (not its covariance)
-    else:  # GradCache: the same loss and gradients, K sentences at once
+    else:  # GradCache: the same loss and gradients, K sentences at once (the block's two halves)
         loss = common.grad_cache(
-            functools.partial(cls_views, batch, ddp_model, args),
-            functools.partial(whitened_loss, head=head, generator=generator,
-                              global_rows=global_rows, args=args),
+            lambda part: whitenedcse_views(ddp_model, data.part_of(batch, part), args.num_pos,
+                                           dtype=dtype),
+            functools.partial(whitenedcse_objective, **options),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
@@ -251,18 +284,19 @@ def main(argv=None):
               backbone=backbone, head=head, optimizer=optimizer, scheduler=scheduler,
               scaler=scaler, shuffle_generator=generator)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
-    # the step, replayed from a CUDA graph with --cuda_graph (plumbing/graph.py), else called
-    train = graph.StepGraph(functools.partial(train_step, ddp_model, head, generator, params,
-                                              optimizer, scaler, args), optimizer, args.cuda_graph,
-                            generators=[generator])
+    one_step = functools.partial(train_step, ddp_model, head, generator, params, optimizer,
+                                 scaler, args)
+    # on one GPU, replayed from a CUDA graph (--cuda_graph: plumbing/graph.py); else just called
+    train = graph.StepGraph(one_step, optimizer, generators=[generator]) if args.cuda_graph \
+        else one_step
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
-            global_rows, batch = next(batches)  # the global batch's rows, which each gather takes
+            global_rows, batch = next(batches)  # global_rows: the batch's over all processes
             loss, grad_norm = train({k: v.to(device, non_blocking=True) for k, v in batch.items()},
                                     global_rows)
             scheduler.step()  # outside the step (and its graph): the next step's lr
-            run.record(loss, grad_norm)  # kept on the device until a log step: no host sync
-        if step % args.eval_steps == 0 or step == total_steps:  # STS-B dev (eval mode, then back)
+            run.record(loss, grad_norm)  # on the device till a log: no host sync
+        if step % args.eval_steps == 0 or step == total_steps:  # the dev gate: STS-B dev
             if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 

@@ -35,7 +35,7 @@ _LIVE = weakref.WeakSet()  # the StepGraphs holding a graph: release() frees the
 
 
 class StepGraph:
-    def __init__(self, train_step, optimizer: torch.optim.Optimizer, enabled: bool, generators=()):
+    def __init__(self, train_step, optimizer: torch.optim.Optimizer, enabled: bool = True, generators=()):
         """train_step(batch) -> a tensor or a tuple of tensors; enabled False: it is called as it is.
         generators: the torch.Generators on the GPU that the step draws from besides the default one (None: none)."""
         self.train_step, self.optimizer, self.enabled = train_step, optimizer, enabled

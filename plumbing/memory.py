@@ -214,7 +214,7 @@ def ami_layers(args, num_layers: int) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def stored_activations(module):
-    """SimCSE++'s dropout-off pass keeps its activations under --gradient_checkpointing (simcsepp.dropout_off)."""
+    """SimCSE++'s dropout-off pass keeps its activations under --gradient_checkpointing (simcsepp_views: eval mode)."""
     checkpointed = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True]
     for m in checkpointed:
         m.gradient_checkpointing = False

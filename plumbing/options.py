@@ -218,8 +218,8 @@ def check_args(args) -> torch.device:
 
 
 GRAPHED_METHODS = ("simcse", "simcsepp", "sscl", "whitenedcse", "micse")  # whose step StepGraph captures
-# --cuda_graph by default: each captured and replayed on a GPU (docs/gpu.md); miCSE's AMI reads its entries up to the
-# batch's longest row, so the graph's padding to --max_seq_length leaves its objective as it is
+# --cuda_graph by default: each captured and replayed on a GPU (docs/gpu.md); miCSE's AMI scores the positions the
+# attention mask fills, so the graph's padding to --max_seq_length leaves its objective as it is
 AUTO_GRAPHED = GRAPHED_METHODS
 
 

@@ -339,21 +339,22 @@ def test_repeated_views_get_independent_dropout_masks(tiny_model):
     assert torch.allclose(z1, z2, atol=1e-6)
 
 
-def test_dropout_off_is_deterministic_and_restores_modes(tiny_model):
+def test_the_dropout_off_pass_is_eval_mode_and_restores_the_modes(tiny_model):
+    """SimCSE++'s third pass (simcsepp_views): with a dropout rate of 0.5 the two views differ, the dropout-off
+    encoding is the eval-mode one (attention dropout off too), and the encoder is back in train mode after it."""
     from transformers import AutoModel, AutoTokenizer
     import simcsepp
     tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
     common.set_dropout(backbone, 0.5)
     batch = dict(tokenizer(["a man runs in the park"], return_tensors="pt"))
     backbone.eval()
-    reference = backbone(**batch).last_hidden_state
+    reference = backbone(**batch).last_hidden_state[:, 0]
     backbone.train()
-    with simcsepp.dropout_off(backbone):
-        off = backbone(**batch).last_hidden_state
-    assert torch.allclose(off, reference, atol=1e-6)  # attention dropout is off too
+    z1, z2, off = simcsepp.simcsepp_views(backbone, batch)
+    assert torch.allclose(off, reference, atol=1e-6) and not torch.allclose(z1, z2)
     dropouts = [m for m in backbone.modules() if isinstance(m, torch.nn.Dropout)]
-    assert dropouts and all(m.training and m.p == 0.5 for m in dropouts)
-    assert not torch.allclose(backbone(**batch).last_hidden_state, reference)
+    assert dropouts and all(m.training and m.p == 0.5 for m in dropouts) and backbone.training
+    assert not torch.allclose(backbone(**batch).last_hidden_state[:, 0], reference)
 
 
 def test_presets_use_set_defaults_and_user_flags_win():

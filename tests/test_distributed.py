@@ -90,7 +90,7 @@ METHOD_FLAGS = {
     # each process whitens its own rows (the released code): the reference whitens each half of its batch
     # (16 rows a covariance: with 4, float32's rounding of a 2 x 2 whitening sets the two runs apart)
     "whitenedcse": ["--num_groups", "16", "--batch_size", "32"], "whitenedcse-global": ["--num_groups", "16", "--global_whitening"],
-    "micse": ["--ami_lambda", "0", "--momentum_dropout", "0", "--queue_size", "12"],  # AMI is per process
+    "micse": ["--momentum_dropout", "0", "--queue_size", "12"],  # AMI over the global batch's maps too
     # hard negatives, and a second DDP pass a step with the MLM head in DDP's buckets (weight 0: each process
     # masks its own rows from its own generator, so the MLM term is not the one-process term); avg pooling: the
     # random tiny BERT's [CLS] is nearly one vector for all sentences, whose chance-level gradient is float noise

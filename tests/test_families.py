@@ -91,11 +91,11 @@ def test_a_model_without_dropout_gets_simcses_and_every_rate_goes_on_and_off(fam
     backbone.train()
     torch.manual_seed(0)
     assert not torch.equal(backbone(**batch).last_hidden_state, backbone(**batch).last_hidden_state)
-    with simcsepp.dropout_off(backbone):
-        assert all(getattr(m, slot) == 0.0 for m, slot in common.dropout_slots(backbone))
-        torch.testing.assert_close(backbone(**batch).last_hidden_state, backbone(**batch).last_hidden_state,
-                                   atol=0, rtol=0)
-    assert {slot: getattr(m, slot) for m, slot in common.dropout_slots(backbone)} == rates  # restored
+    _, _, off = simcsepp.simcsepp_views(backbone, batch)  # its dropout-off pass: eval mode, attention too
+    backbone.eval()
+    torch.testing.assert_close(off, backbone(**batch).last_hidden_state[:, 0], atol=0, rtol=0)
+    backbone.train()
+    assert {slot: getattr(m, slot) for m, slot in common.dropout_slots(backbone)} == rates  # untouched
     _, _, _, _, given = checked(family_models["modernbert"])
     given.dropout = 0.0  # --dropout 0: none, as asked
     backbones.check(backbone, tokenizer, given, lambda m: m)

@@ -96,13 +96,12 @@ def test_supervised_simcse_weights_each_anchors_own_hard_negative(spread_model, 
     """Eq. 8's --hard_negative_weight and --temp reach info_nce: passing 0 (or the default temperature) instead
     records another loss."""
     import simcse
-    calls = Calls(monkeypatch, [(common, "embed")])
+    calls = Calls(monkeypatch, [(simcse, "simcse_views")])
     weight, temp = 1.5, 0.1
     losses = recorded_losses("simcse", ["--supervised", "--hard_negative_weight", weight, "--temp", temp],
                              spread_model, corpus, senteval_dir, tmp_path, write_nli(tmp_path / "nli.csv", 24))
     for step, loss in enumerate(losses):
-        (_, _, z), = calls.of(step, "embed")  # anchors, entailments, contradictions: one pass
-        anchors, positives, hard = z.chunk(3)
+        (_, _, (anchors, positives, hard)), = calls.of(step, "simcse_views")  # one pass of the three
         assert loss == pytest.approx(loop_info_nce(anchors, positives, temp, hard, weight), abs=ATOL)
         assert abs(loop_info_nce(anchors, positives, temp, hard, 0.0) - loss) > 100 * ATOL  # the weight matters
     assert simcse.main  # the script ran in this process
@@ -112,17 +111,18 @@ def test_unsupervised_simcse_takes_its_temperature_and_two_views(spread_model, c
                                                                  monkeypatch):
     """--temp, the two dropout views of one pass (rows 0..N-1 and N..2N-1), and --no_negatives' positive pairs
     alone (miCSE Table 4: the mean of -s(z1_i, z2_i))."""
-    calls = Calls(monkeypatch, [(common, "embed")])
+    import simcse
+    calls = Calls(monkeypatch, [(simcse, "simcse_views")])
     losses = recorded_losses("simcse", ["--temp", 0.1], spread_model, corpus, senteval_dir, tmp_path)
     for step, loss in enumerate(losses):
-        (_, _, z), = calls.of(step, "embed")
-        assert loss == pytest.approx(loop_info_nce(*z.chunk(2), 0.1), abs=ATOL)
-    calls = Calls(monkeypatch, [(common, "embed")])
+        (_, _, (z1, z2)), = calls.of(step, "simcse_views")
+        assert loss == pytest.approx(loop_info_nce(z1, z2, 0.1), abs=ATOL)
+    calls = Calls(monkeypatch, [(simcse, "simcse_views")])
     losses = recorded_losses("simcse", ["--no_negatives", "--temp", 0.1], spread_model, corpus, senteval_dir,
                              tmp_path / "positives")
     for step, loss in enumerate(losses):
-        (_, _, z), = calls.of(step, "embed")
-        z1, z2 = (v.double().numpy() for v in z.chunk(2))
+        (_, _, z), = calls.of(step, "simcse_views")
+        z1, z2 = (v.double().numpy() for v in z)
         cosines = (z1 * z2).sum(1) / (np.linalg.norm(z1, axis=1) * np.linalg.norm(z2, axis=1))
         assert loss == pytest.approx(-cosines.mean() / 0.1, abs=ATOL)
 
@@ -134,22 +134,22 @@ def test_simcsepp_terms_take_their_own_weights_and_temperatures(flags, spread_mo
     """SimCSE++'s objective: the off-dropout InfoNCE at --temp with --m on the positive, plus --dcl_weight times DCL at
     --dcl_temp (its sign included); --dcl_only: DCL alone at --dcl_temp (not --temp); --no_off_dropout: the views'
     negatives, m still on the positive."""
+    import simcsepp
     temp, m, dcl_weight, dcl_temp = 0.1, 0.7, 0.3, 2.0
-    calls = Calls(monkeypatch, [(common, "embed")])
+    calls = Calls(monkeypatch, [(simcsepp, "simcsepp_views")])
     losses = recorded_losses("simcsepp", ["--temp", temp, "--m", m, "--dcl_weight", dcl_weight, "--dcl_temp",
                                           dcl_temp, "--pooler", "cls", *flags],
                              spread_model, corpus, senteval_dir, tmp_path)
     for step, loss in enumerate(losses):
-        embedded = calls.of(step, "embed")
-        z1, z2 = embedded[0][2].chunk(2)
+        (_, _, (z1, z2, *dropout_off)), = calls.of(step, "simcsepp_views")
         if flags == ["--dcl_only"]:
-            assert len(embedded) == 1  # no dropout-off pass
+            assert not dropout_off  # no dropout-off pass
             expected = loop_dcl(z1, z2, dcl_temp)
         elif flags == ["--no_off_dropout"]:
-            assert len(embedded) == 1
+            assert not dropout_off
             expected = view_negatives_loop(z1, z2, temp, m) + dcl_weight * loop_dcl(z1, z2, dcl_temp)
         else:
-            (_, _, z_dropout_off), = [embedded[1]]
+            z_dropout_off, = dropout_off
             expected = loop_off_dropout(z1, z2, z_dropout_off, temp, m) + dcl_weight * loop_dcl(z1, z2, dcl_temp)
         assert loss == pytest.approx(expected, abs=ATOL)
 
@@ -167,19 +167,20 @@ def view_negatives_loop(z1, z2, temp, m):
 
 
 def test_sscl_takes_its_layers_and_temperature(spread_model, corpus, senteval_dir, tmp_path, monkeypatch):
-    """--neg_layers 2 of a 4-layer encoder: hidden_states 3 and 2 (L-1, L-2) pooled like z, both views' (the released
-    code's), at --temp; --neg_layer_index 1: that layer alone; --layer_negatives anchor: the anchor view's only."""
+    """--neg_layers 2 of a 4-layer encoder: hidden_states 3 and 2 (L-1, L-2) given to the block's sscl_views (which
+    pools them like z: tests/test_sscl.py), both views' (the released code's), at --temp; --neg_layer_index 1: that
+    layer alone; --layer_negatives anchor: the anchor view's only."""
+    import sscl
     for flags, layers, per_layer in ((["--neg_layers", 2], [3, 2], 2), (["--neg_layer_index", 1], [1], 2),
                                      (["--neg_layers", 1, "--layer_negatives", "anchor"], [3], 1)):
-        calls = Calls(monkeypatch, [(common, "embed")])
+        calls = Calls(monkeypatch, [(sscl, "sscl_views")])
         losses = recorded_losses("sscl", ["--temp", 0.1, *flags], spread_model, corpus, senteval_dir,
                                  tmp_path / "-".join(map(str, flags)))
         for step, loss in enumerate(losses):
-            embedded = calls.of(step, "embed")
-            z1, z2 = embedded[0][2].chunk(2)
-            assert [len(args[0]) - 1 for args, _, _ in embedded] == [4, *layers]  # the layer each pools
-            negatives = [tuple(z.chunk(2)[:per_layer]) for _, _, z in embedded[1:]]
-            assert loss == pytest.approx(loop_sscl(z1, z2, negatives, 0.1), abs=ATOL), flags
+            (args, kwargs, (z1, z2, *negatives)), = calls.of(step, "sscl_views")
+            assert list(args[2]) == layers and len(negatives) == per_layer * len(layers), flags
+            grouped = [tuple(negatives[i:i + per_layer]) for i in range(0, len(negatives), per_layer)]
+            assert loss == pytest.approx(loop_sscl(z1, z2, grouped, 0.1), abs=ATOL), flags
 
 
 def test_whitenedcse_whitens_in_num_groups_and_contrasts_num_pos_views(spread_model, corpus, senteval_dir, tmp_path,

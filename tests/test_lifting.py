@@ -2,6 +2,8 @@
 lines, and that block, copied as it stands into a fresh module that imports only torch (and torch.nn.functional as
 F), runs and gives what the suite's own functions give, bit for bit. A block that reached outside itself (a helper
 left out of it, `common`, a module global, a flag) would fail to run there."""
+import importlib
+import re
 import sys
 import types
 
@@ -103,3 +105,138 @@ def test_gather_asks_torch_distributed_not_the_suites_state(monkeypatch):
     monkeypatch.setattr(distributed.dist_nn, "all_gather", lambda t: (t + 100, t))
     rows = torch.arange(6.0).view(3, 2)  # process 1's rows of a global batch of 5: 2, 3 and 4
     assert torch.equal(distributed.gather(rows, 5), torch.cat([rows[:2] + 100, rows]))
+
+
+STEPS = {  # case: (the script, its flags, the block's step)
+    "simcse": ("simcse", [], "simcse_step"), "simcse-supervised": ("simcse", ["--supervised"], "simcse_step"),
+    "simcsepp": ("simcsepp", [], "simcsepp_step"), "sscl": ("sscl", [], "sscl_step"),
+    "whitenedcse": ("whitenedcse", ["--num_groups", "16"], "whitenedcse_step"),
+    "micse": ("micse", ["--queue_size", "16"], "micse_step"),
+}
+
+
+def as_a_student_calls_it(case: str, block, encoder, batch: dict, args: tuple, kwargs: dict):
+    """The pasted block's step as a student's loop calls it: the plain transformers model (not the suite's wrapper),
+    the batch's tokens (not the suite's sentence ids), its own head and queue, the recipe's defaults for the rest."""
+    model, tokens = encoder.backbone, {k: v for k, v in batch.items() if k != "example_ids"}
+    if case == "simcsepp":
+        return block.simcsepp_step(model, tokens, args[0])
+    if case.startswith("simcse"):
+        return block.simcse_step(model, tokens, args[0], columns=3 if case == "simcse-supervised" else 1)
+    if case == "sscl":
+        return block.sscl_step(model, tokens)  # the average pooler, layers L-1 and L-2: the defaults
+    if case == "whitenedcse":
+        suite_head = kwargs["head"]
+        with torch.random.fork_rng(devices=[]):  # made beforehand: its init's draws are not the step's
+            head = block.WhitenedHead(suite_head.linear.in_features, suite_head.num_groups)
+        head.load_state_dict(suite_head.state_dict())
+        return block.whitenedcse_step(model, tokens, head, kwargs["generator"])
+    queue = block.EmbeddingQueue(16, model.config.hidden_size)  # empty at the first step, as the suite's
+    return block.micse_step(model, tokens, args[0], queue, args[2])
+
+
+@pytest.mark.parametrize("case", list(STEPS))
+def test_a_pasted_step_fed_a_transformers_model_gives_the_suites_loss_bit_for_bit(case, tiny_model, corpus,
+                                                                                senteval_dir, tmp_path, monkeypatch):
+    """Each method's objective block, pasted alone under `import torch` and `import torch.nn.functional as F`: its
+    <method>_step, called as a student calls it (the plain transformers model, the batch's tokens, a head, the
+    recipe's defaults), gives the loss the suite's own run computed at its first step, bit for bit: the same dropout
+    masks (the RNG state the suite's step began with), shuffles and AMI draws (their generators' state). The suite's
+    train_step calls the same function, so this fails where the suite feeds its loss other than the block says (a
+    layer, a pooler, the views' order, a default that is not the recipe's)."""
+    from conftest import smoke_args, write_nli, write_tiny_model
+    script, flags, step_name = STEPS[case]
+    module = importlib.import_module(script)
+    block_module, real, seen = lifted(module), getattr(module, step_name), []
+
+    def spy(encoder, batch, *args, **kwargs):
+        if seen:
+            return real(encoder, batch, *args, **kwargs)
+        generators = [g for g in (*args, *kwargs.values()) if isinstance(g, torch.Generator)]
+        before = torch.get_rng_state(), [g.get_state() for g in generators]
+        loss = real(encoder, batch, *args, **kwargs)
+        after = torch.get_rng_state(), [g.get_state() for g in generators]
+        torch.set_rng_state(before[0])
+        for g, s in zip(generators, before[1]):
+            g.set_state(s)
+        seen.append((loss.detach(), as_a_student_calls_it(case, block_module, encoder, batch, args, kwargs).detach()))
+        torch.set_rng_state(after[0])
+        for g, s in zip(generators, after[1]):
+            g.set_state(s)
+        return loss
+    monkeypatch.setattr(module, step_name, spy)
+    data = write_nli(tmp_path / "nli.csv") if "--supervised" in flags else corpus
+    layers = {"sscl": 3, "micse": 6}.get(case)  # the defaults' layers: SSCL's L-1 and L-2, AMI's L-5 to L-1
+    model = write_tiny_model(tmp_path / "deeper", num_layers=layers) if layers else tiny_model
+    module.main([str(a) for a in smoke_args(model, data, senteval_dir, tmp_path / "run", "--max_steps", 1,
+                                            "--no_test_eval", "--no_align_uniform", *flags)])
+    suite_loss, student_loss = seen[0]
+    assert torch.equal(suite_loss, student_loss), (case, suite_loss, student_loss)
+
+
+def wrong_inputs():
+    """(block's module, function, args, what the message says): each a mistake a student's loop can make."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(16, 8, generator=g)
+    maps = torch.softmax(torch.randn(16, 4, 2, 6, 6, generator=g), -1)
+    return {
+        "z2 of other sentences": (simcse, "info_nce", (z, z[:8]), "same N sentences"),
+        "hard negatives of another width": (simcse, "info_nce", (z, z, 0.05, torch.randn(16, 4)), "width 8"),
+        "a dropout-off batch of other rows": (simcsepp, "off_dropout_info_nce", (z, z, z[:4]), "same N"),
+        "DCL's views of two widths": (simcsepp, "dcl_loss", (z, z[:, :4]), "same N sentences"),
+        "SSCL's layer negatives of another width": (sscl, "sscl_loss", (z, z, [(z[:, :4],)]), "(M, 8)"),
+        "WhitenedCSE's views of two shapes": (whitenedcse, "multi_positive_info_nce", ([z, z[:8]],), "same N"),
+        "maps stacked on dim 0": (micse, "micse_loss", (z, z, maps.transpose(0, 1), maps.transpose(0, 1),
+                                                        torch.randn(5, 8)), "stacked on dim 1"),
+        "bf16 maps": (micse, "ami_loss", (maps.bfloat16(), maps.bfloat16()), "fp32"),
+        "maps of two shapes": (micse, "ami_loss", (maps, maps[:8]), "of the same batch"),
+        "a mask of another width": (micse, "ami_loss", (maps, maps, 20, None, torch.ones(16, 7)), "(N, n)"),
+        "a queue of another width": (micse, "moco_info_nce", (z, z, torch.randn(5, 4)), "(Q, 8)"),
+    }
+
+
+@pytest.mark.parametrize("mistake", list(wrong_inputs()))
+def test_a_block_refuses_what_is_wrongly_shaped_in_one_clear_line(mistake):
+    """What a pasted block is given is checked where it costs no host sync (shapes and dtypes): a wrongly shaped or
+    typed input is one ValueError saying what was expected, never a number (maps stacked along dim 0 ran and gave
+    one, as did bf16 maps and a z2 of the wrong batch)."""
+    module, name, args, says = wrong_inputs()[mistake]
+    with pytest.raises(ValueError, match=re.escape(says)):
+        getattr(lifted(module), name)(*args)
+
+
+def test_an_encoder_without_attention_maps_is_told_to_load_eager(tiny_model):
+    """transformers' default SDPA computes no attention maps: output_attentions=True gives none, and the stack of none
+    failed after only a warning. micse_views says to load the model with attn_implementation="eager"."""
+    from transformers import AutoModel, AutoTokenizer
+    tokenizer, model = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
+    batch = dict(tokenizer(["a man runs", "the dog eats"], padding=True, return_tensors="pt"))
+    with pytest.raises(ValueError, match='attn_implementation="eager"'):
+        lifted(micse).micse_views(model.train(), batch)
+
+
+def test_an_objectives_signature_names_only_what_the_paper_names():
+    """The objectives take embeddings, attention maps and their mask, the queue, the weights: not the CUDA graph's
+    padding (`longest`, `layout` were ami_loss's and micse_loss's), which the caller that pads handles."""
+    import inspect
+    for module, name in ((micse, "ami_loss"), (micse, "micse_loss"), (micse, "moco_info_nce"),
+                         (simcse, "info_nce"), (sscl, "sscl_loss"), (whitenedcse, "shuffled_group_whitening")):
+        names = set(inspect.signature(getattr(lifted(module), name)).parameters)
+        assert not names & {"longest", "layout", "pad", "width", "args"}, (name, names)
+
+
+def test_the_readmes_pasted_step_runs_as_it_stands(tiny_model):
+    """The README's paste example (its Python block calling simcse_step), run as it stands beside the lifted block, a
+    transformers model and its tokenizer: a finite loss, and a step that moves the head (a renamed argument or a
+    step that returned no loss fails here, not in a reader's copy)."""
+    from transformers import AutoModel, AutoTokenizer
+    from conftest import ROOT
+    readme = (ROOT / "README.md").read_text()
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "simcse_step(" in b)
+    namespace = dict(vars(lifted(simcse)), torch=torch, model=AutoModel.from_pretrained(tiny_model),
+                     tokenizer=AutoTokenizer.from_pretrained(tiny_model),
+                     sentences=["a man runs in the park", "the dog eats food", "a red car", "sun and moon"])
+    namespace["d"] = namespace["model"].config.hidden_size
+    exec(compile(example, "<README's example>", "exec"), namespace)
+    assert torch.isfinite(namespace["loss"]) and namespace["head"][0].weight.grad is None  # zeroed after the step
+    assert namespace["optimizer"].state  # AdamW stepped

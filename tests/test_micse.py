@@ -164,37 +164,39 @@ def padded_wider(attn, width, seed):
     return wider
 
 
-def test_ami_of_a_batch_padded_to_max_seq_length_is_its_ami_padded_to_its_longest_row_bit_for_bit():
-    """The graph pads every batch to --max_seq_length (12 here), eager to the batch's longest row: for every longest
-    row from 1 to 12, the two give the same loss and the same gradient bit for bit (the entries beyond the longest row
-    left out, the sample drawn in --max_seq_length's layout by both). Fails where the valid share is read from the
-    padded width, where the padded queries' rows count, or where the two paths draw their samples in different
-    layouts (each its own width)."""
-    layout = 12
-    for longest in range(1, layout + 1):
+def test_ami_of_a_batch_padded_wider_scores_its_sentences_alone_whatever_its_padding_holds():
+    """miCSE pads every batch to --max_seq_length (12 here: a CUDA graph's one shape, and eagerly too, so that both draw
+    AMI's sample in one layout), the released code to the batch's longest sentence. Given the attention mask, AMI
+    scores the positions some sentence fills, for every longest sentence from 1 to 12: with every entry taken, the
+    released code's value on the maps cut to the longest sentence; sampled, the same loss and gradient bit for bit
+    whatever the padded positions' rows hold (a padding query attends to the real keys). Fails where the objective
+    reads its rows from the maps' width instead of the mask (the padded rows count), or the valid share is read from
+    the padded width."""
+    width = 12
+    for longest in range(1, width + 1):
         lengths = [longest] + [min(longest, max(2, n)) for n in (longest - 3, longest // 2)]  # the first the longest
-        eager1 = random_attention(length=longest, seed=30 + longest, padded_keys=lengths)
-        eager2 = random_attention(length=longest, seed=60 + longest, padded_keys=lengths)
-        graph1, graph2 = padded_wider(eager1, layout, 1), padded_wider(eager2, layout, 2)
+        cut1 = random_attention(length=longest, seed=30 + longest, padded_keys=lengths)
+        cut2 = random_attention(length=longest, seed=60 + longest, padded_keys=lengths)
+        mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()  # (N, 12), as the tokenizer pads
         values, grads = [], []
-        for a1, a2 in ((eager1, eager2), (graph1, graph2)):
-            a1 = a1[:, 0:4].clone().requires_grad_(True)
-            loss = micse.ami_loss(a1, a2[:, 0:4], 20, torch.Generator().manual_seed(longest),
-                                  torch.tensor(longest), layout)
+        for junk in (1, 5):  # two paddings: the padded queries' rows hold other values
+            a1 = padded_wider(cut1, width, junk)[:, 0:4].clone().requires_grad_(True)
+            loss = micse.ami_loss(a1, padded_wider(cut2, width, junk + 1)[:, 0:4], 20,
+                                  torch.Generator().manual_seed(longest), mask)
             loss.backward()
             values.append(loss)
-            grads.append(a1.grad[..., :longest, :longest])
+            grads.append(a1.grad)
         assert torch.equal(values[0], values[1]) and torch.equal(grads[0], grads[1]), longest
-        # rows of one length, every entry taken (no sampling): the graph's batch gives the reference's value
+        assert float(values[0].detach()) < 0 or longest == 1  # a term that says something (one entry a row: none)
         full1, full2 = (random_attention(length=longest, seed=seed + longest) for seed in (90, 120))
-        every = micse.ami_loss(padded_wider(full1, layout, 3)[:, 0:4], padded_wider(full2, layout, 4)[:, 0:4],
-                               10_000, None, torch.tensor(longest), layout)
+        full_mask = (torch.arange(width) < longest).long().expand(len(full1), -1)
+        every = micse.ami_loss(padded_wider(full1, width, 3)[:, 0:4], padded_wider(full2, width, 4)[:, 0:4],
+                               10_000, None, full_mask)
         assert longest == 1 or float(every) == pytest.approx(reference_ami(full1, full2, 0, 4), rel=1e-9), longest
-        assert float(values[0].detach()) < 0 or longest == 1  # a term that says something (one entry a row: no correlation)
-        if longest < layout:  # and the mistakes part them: the padded width's share, its rows, each its own layout
-            wrong = [micse.ami_loss(graph1[:, 0:4], graph2[:, 0:4], 20, torch.Generator().manual_seed(longest)),
-                     micse.ami_loss(eager1[:, 0:4], eager2[:, 0:4], 20, torch.Generator().manual_seed(longest))]
-            assert all(not torch.equal(w, values[0]) for w in wrong if longest > 1), longest
+        if 1 < longest < width:  # without the mask the padded rows count: another value
+            unmasked = micse.ami_loss(padded_wider(cut1, width, 1)[:, 0:4], padded_wider(cut2, width, 2)[:, 0:4], 20,
+                                      torch.Generator().manual_seed(longest))
+            assert not torch.equal(unmasked, values[0]), longest
 
 
 def test_identical_views_give_large_finite_mi():

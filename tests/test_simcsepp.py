@@ -88,21 +88,36 @@ def test_ablation_equals_info_nce_exactly():
     assert torch.equal(simcsepp.view_negatives_info_nce(z1, z2, 0.05, m=1.0), simcse.info_nce(z1, z2, 0.05))
 
 
-def test_dropout_off_pass_equals_eval_mode_and_restores_dropout(tiny_model):
+def test_dropout_off_pass_equals_eval_mode_keeps_its_gradients_and_restores_dropout(tiny_model):
+    """The block's dropout-off pass: the eval-mode encoding, back-propagated (the authors keep its gradients), the
+    encoder in train mode again after it, even where the pass fails."""
     from transformers import AutoModel, AutoTokenizer
     tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
     batch = dict(tokenizer(["a man runs", "the dog eats food", "a red car", "sun and moon"], padding=True,
                            return_tensors="pt"))
     backbone.eval()
-    reference = backbone(**batch).last_hidden_state
+    reference = backbone(**batch).last_hidden_state[:, 0]
     backbone.train()
-    with simcsepp.dropout_off(backbone):
-        off = backbone(**batch).last_hidden_state
+    _, _, off = simcsepp.simcsepp_views(backbone, batch)
     assert torch.allclose(off, reference, atol=1e-6)
     off.sum().backward()  # the dropout-off pass keeps its gradients
     assert backbone.embeddings.word_embeddings.weight.grad is not None
     dropouts = [m for m in backbone.modules() if isinstance(m, torch.nn.Dropout)]
     assert dropouts and all(m.training and m.p == 0.1 for m in dropouts)
+
+    class FailsInEval(torch.nn.Module):  # a dropout-off pass that fails (out of memory, say)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **inputs):
+            if not self.training:
+                raise RuntimeError("the dropout-off pass failed")
+            return self.inner(**inputs)
+    wrapped = FailsInEval(backbone).train()
+    with pytest.raises(RuntimeError, match="dropout-off pass failed"):
+        simcsepp.simcsepp_views(wrapped, batch)
+    assert wrapped.training and backbone.training
 
 
 def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):

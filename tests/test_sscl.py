@@ -69,19 +69,28 @@ def test_negative_layer_indices():
         sscl.negative_layers(6, 6)
 
 
-def test_layer_representations_come_from_the_right_layers():
-    # Layer l's hidden state is the constant l (view 1) or 10 + l (view 2): avg pooling returns that constant.
+def test_the_views_negatives_come_from_the_right_layers_of_the_same_pass():
+    """sscl_views on an encoder whose layer l's hidden state is the constant l (view 1) or 10 + l (view 2): the
+    average pooler gives that constant, so z's views are layer 5's and the negatives layers 4 and 3's (L-1, L-2: the
+    default), both views' each; a chosen layer and the anchor's view alone; with the [CLS] pooler the layer's first
+    token through the same MLP head as z. Fails where a layer's index is off by one (hidden_states[0] is the
+    embeddings) or the views' order is swapped."""
     n, length, dim, num_layers = 3, 4, 2, 5
     hidden = tuple(torch.cat([torch.full((n, length, dim), float(l)), torch.full((n, length, dim), 10.0 + l)])
                    for l in range(num_layers + 1))
-    mask = torch.ones(2 * n, length, dtype=torch.long)
-    layers = sscl.negative_layers(num_layers, 2)
-    reps = sscl.layer_representations(hidden, mask, layers, "avg")
-    assert [(float(a[0, 0]), float(b[0, 0])) for a, b in reps] == [(4.0, 14.0), (3.0, 13.0)]
-    # With the [CLS] pooler the layer's first token goes through the same MLP head as z.
+    encoder = lambda **inputs: types.SimpleNamespace(hidden_states=hidden)  # noqa: E731
+    batch = {"input_ids": torch.ones(n, length, dtype=torch.long), "attention_mask": torch.ones(n, length)}
+    z1, z2, *negatives = sscl.sscl_views(encoder, batch)
+    assert (float(z1[0, 0]), float(z2[0, 0])) == (5.0, 15.0)
+    assert [float(v[0, 0]) for v in negatives] == [4.0, 14.0, 3.0, 13.0]
+    _, _, *negatives = sscl.sscl_views(encoder, batch, [2], both_views=False)
+    assert [float(v[0, 0]) for v in negatives] == [2.0]
     head = common.MLPHead(types.SimpleNamespace(hidden_size=dim, initializer_range=0.02))
-    reps = sscl.layer_representations(hidden, mask, [2], "cls", head)
-    assert torch.allclose(reps[0][0], head(hidden[2][:n, 0]))
+    _, _, anchor, _ = sscl.sscl_views(encoder, batch, [2], pool=common.block_pool("cls", head, "avg"))
+    assert torch.allclose(anchor, head(hidden[2][:n, 0]))
+    for wrong in ([5], [0], [6]):  # the last layer, the embeddings, past the last: one clear line
+        with pytest.raises(ValueError, match="intermediate ones, 1..4"):
+            sscl.sscl_views(encoder, batch, wrong)
 
 
 def test_only_cls_and_avg_poolers_and_avg_by_default():

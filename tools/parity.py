@@ -385,18 +385,9 @@ def simcsepp_rows(clone: Path) -> list[dict]:
             model = common.BackboneWithHeads(backbone, head)
             suite_pooler = "avg_embeddings_last" if pooler == "avg_first_last" else pooler  # simcsepp.parse_args
 
-            def step():
-                views = common.repeat_views(batch, 2)
-                out = model(**views, output_hidden_states=True)
-                z1, z2 = common.embed(out.hidden_states, views["attention_mask"], suite_pooler, head).chunk(2)
-                z_off = None
-                if flags["off"]:
-                    with simcsepp.dropout_off(backbone):
-                        out_off = model(**batch, output_hidden_states=True)
-                    z_off = common.embed(out_off.hidden_states, batch["attention_mask"], suite_pooler, head)
-                loss = simcsepp.off_dropout_info_nce(z1, z2, z_off, 0.05, flags["m"]) if flags["off"] else \
-                    simcsepp.view_negatives_info_nce(z1, z2, 0.05, flags["m"])
-                return loss + flags["dcl"] * simcsepp.dcl_loss(z1, z2, 10.0) if flags["dcl"] else loss
+            def step():  # the suite's own step, as train_step calls it
+                return simcsepp.simcsepp_step(model, batch, head, 0.05, flags["m"], flags["dcl"], 10.0,
+                                              pool=common.block_pool(suite_pooler, head), off_dropout=flags["off"])
             loss_s = suite_step(backbone, [view_major(N, 2), None], step)
             rows.append(row(f"simcsepp {kind}: step, {label} ({file.split('/')[-1]})", loss_r, loss_s,
                             grads_r, suite_gradients(kind, backbone, **{"mlp.dense": head and head[0]})))
@@ -419,13 +410,8 @@ def sscl_rows(clone: Path) -> list[dict]:
             model = common.BackboneWithHeads(backbone, head)
             layers = sscl.negative_layers(config.num_hidden_layers, 2)
 
-            def step():
-                views = common.repeat_views(batch, 2)
-                out = model(**views, output_hidden_states=True)
-                z1, z2 = common.embed(out.hidden_states, views["attention_mask"], pooler, head).chunk(2)
-                negatives = sscl.layer_representations(out.hidden_states, views["attention_mask"], layers, pooler,
-                                                       head)
-                return sscl.sscl_loss(z1, z2, negatives, 0.05)
+            def step():  # the suite's own step, as train_step calls it
+                return sscl.sscl_step(model, batch, layers, head, 0.05, pool=common.block_pool(pooler, head, "avg"))
             loss_s = suite_step(backbone, [view_major(N, 2)], step)
             rows.append(row(f"sscl {kind}: step, {pooler}, layers L-1, L-2", loss_r, loss_s, grads_r,
                             suite_gradients(kind, backbone, **{"mlp.dense": head and head[0]})))
@@ -724,11 +710,8 @@ def self_rows() -> list[dict]:
         backbone, head = suite_parts(released, kind)
         model = common.BackboneWithHeads(backbone, head)
 
-        def step():
-            views = common.repeat_views(batch, 2)
-            out = model(**views, output_hidden_states=True)
-            z1, z2 = common.embed(out.hidden_states, views["attention_mask"], "cls", head).chunk(2)
-            return simcse.info_nce(z1, z2, 0.05)
+        def step():  # the suite's own step, as train_step calls it
+            return simcse.simcse_step(model, batch, head, 0.05)
         loss_s = suite_step(backbone, [view_major(N, 2)], step)
         rows.append(row(f"self {kind}: step, unsupervised SimCSE", loss_r, loss_s, grads_r,
                         suite_gradients(kind, backbone, **{"mlp.dense": head[0]})))
