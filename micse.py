@@ -97,12 +97,11 @@ def ami_loss(attn1, attn2, num_samples: int = 150, generator: torch.Generator | 
              attention_mask=None) -> torch.Tensor:
     """Attention mutual information (Eq. 4, Algorithm 1) as the authors' code computes it, to
     minimise; `attn1`, `attn2`: the views' attention probabilities of the K (even) layers it scores,
-    stacked (N, K, H, n, n), fp32. 1. Tiles: a sample's, head's, layer parity's n x n entries.
-    2. `num_samples` entries a tile sampled among those valid in both views (> 1e-30), tiles with
-    fewer left out (none has that many: the poorest's count). 3. Their logs, centred. 4. MI = -1/2
-    log(1 - rho^2), rho their cosine. 5. -mean(MI) over the tiles kept x (their valid share^2 +
-    1e-6). `attention_mask` (N, n): only positions some sentence fills count, so a batch padded
-    wider (the suite's: --max_seq_length) scores as padded to its longest (the released code's)."""
+    stacked (N, K, H, n, n), fp32. 1. Tiles: a sample's, head's, layer parity's n x n entries. 2.
+    `num_samples` a tile among those valid in both views (> 1e-30; tiles with fewer left out, or
+    the poorest's count). 3. Their logs, centred. 4. MI = -1/2 log(1 - rho^2), rho their cosine.
+    5. -mean MI x (valid share^2 + 1e-6). `attention_mask` (N, n): only positions some sentence
+    fills count, so a batch padded wider scores as padded to its longest (the released code's)."""
     if attn1.dim() != 5 or attn1.shape != attn2.shape:
         raise ValueError(f"attn1 and attn2: (N, K, H, n, n) attention maps of the same batch, got "
                          f"{tuple(attn1.shape)} and {tuple(attn2.shape)}")
@@ -195,9 +194,9 @@ def micse_loss(z1, z2, attn1, attn2, queue, temp=0.05, ami_lambda=2.5e-3, ami_sa
     AMI. z1, z2 (N, D), maps (N, K, H, n, n) of the same N sentences, fp32; a dict given as `terms`
     gets the two terms ("info_nce", "ami") for a log. The recipes' values: micse_step."""
     if z1.dim() != 2 or z1.shape != z2.shape or attn1.shape[:1] != z1.shape[:1]:
-        raise ValueError(f"z1, z2 (N, D) and attn1 (N, K, H, n, n) of the same N sentences, got "
-                         f"{tuple(z1.shape)}, {tuple(z2.shape)} and {tuple(attn1.shape)} (maps are "
-                         "stacked on dim 1: torch.stack(outputs.attentions[first:end], 1))")
+        shapes = ", ".join(str(tuple(t.shape)) for t in (z1, z2, attn1))
+        raise ValueError(f"z1, z2 (N, D), attn1 (N, K, H, n, n) of N sentences, got {shapes} "
+                         "(stack maps on dim 1)")
     contrastive = positive_only_loss(z1, z2, temp) if positives_only else \
         moco_info_nce(z1, z2, queue, temp, own_keys)
     ami = ami_lambda * ami_loss(attn1, attn2, ami_samples, generator, attention_mask)
@@ -229,7 +228,7 @@ class EmbeddingQueue:
             self.position.copy_((self.position + len(ids)) % self.size)
 
     def state_dict(self) -> dict:  # a checkpoint's
-        return {k: getattr(self, k) for k in ("tensor", "ids", "filled", "position")}
+        return dict(tensor=self.tensor, ids=self.ids, filled=self.filled, position=self.position)
 
     def load_state_dict(self, state: dict) -> None:
         if "filled" not in state:  # an older checkpoint's growing queue: its keys, the oldest first
@@ -245,8 +244,7 @@ class EmbeddingQueue:
 
 
 def encoded(encoder, inputs: dict, head=None, pool=None, dtype=None, **asked) -> tuple:
-    """(outputs, z): `encoder`'s outputs under autocast (`dtype`; None: fp32) and z in fp32, the
-    last layer's [CLS] through `head` (SimCSE's MLP; None: [CLS]) or pool(hidden_states, mask)."""
+    """(outputs, z): `encoder` under autocast (`dtype`); z, fp32: [CLS] through `head`, or `pool`"""
     with torch.autocast(inputs["input_ids"].device.type, dtype=dtype, enabled=dtype is not None):
         outputs = encoder(**inputs, output_hidden_states=True, **asked)
     if pool is not None:
@@ -255,16 +253,20 @@ def encoded(encoder, inputs: dict, head=None, pool=None, dtype=None, **asked) ->
     return outputs, cls if head is None else head(cls)
 
 
+def default_ami_layers(count: int) -> tuple:
+    """AMI's layers (first, end) of `count`: miCSE's 7:11 of 12, L-5:L-1 (under 6: all, even)."""
+    return (count - 5, count - 1) if count >= 6 else (0, count // 2 * 2)
+
+
 def micse_views(encoder, batch: dict, head=None, layers=None, *, pool=None, dtype=None) -> tuple:
-    """(z1, z2, attn1, attn2) in fp32: two dropout views of N sentences in one pass of `encoder`
-    (z as `encoded` pools it), and the attention of AMI's `layers` (first, end; by default L-5 to
-    L-1, 7:11 of 12), stacked (N, K, H, n, n)."""
+    """(z1, z2, attn1, attn2) in fp32: two dropout views of N sentences in one pass (`encoded`),
+    and the attention of AMI's `layers` (first, end: default_ami_layers), stacked (N, K, H, n, n)"""
     views = {k: v.repeat(2, 1) for k, v in batch.items() if k != "example_ids"}  # (the suite's ids)
     outputs, z = encoded(encoder, views, head, pool, dtype, output_attentions=True)
     if not outputs.attentions or outputs.attentions[0] is None:
         raise ValueError('the encoder gave no attention maps: load it with attn_implementation='
                          '"eager" (transformers\' default SDPA computes none)')
-    first, end = layers or (len(outputs.attentions) - 5, len(outputs.attentions) - 1)
+    first, end = layers or default_ami_layers(len(outputs.attentions))
     attentions = torch.stack(outputs.attentions[first:end], 1).float()
     return (*z.chunk(2), *attentions.chunk(2))
 
@@ -308,7 +310,8 @@ def micse_step(encoder, batch: dict, head=None, queue=None, generator=None, temp
 
 
 def momentum_copy(encoder, dropout: float = 0.3):
-    """The momentum encoder: a copy of `encoder`, no gradients, every nn.Dropout at `dropout`."""
+    """The momentum encoder: a copy of `encoder`, no gradients, every nn.Dropout at `dropout` (a
+    module's float rate, as ModernBERT's attention's, stays: the suite sets it with set_dropout)"""
     momentum = copy.deepcopy(encoder).requires_grad_(False)
     for module in momentum.modules():
         if isinstance(module, torch.nn.Dropout):
@@ -338,8 +341,8 @@ def micse_momentum_update(momentum_encoder, encoder, batch: dict, queue: Embeddi
 
 
 def ami_layers(num_layers: int, first: int | None = None, end: int | None = None) -> tuple:
-    """AMI's layers first:end, by default miCSE's 7:11 of 12 (L-5:L-1; fewer than 6: all, even)."""
-    default = (num_layers - 5, num_layers - 1) if num_layers >= 6 else (0, num_layers // 2 * 2)
+    """--ami_min_layer/--ami_max_layer, checked; by default the block's (default_ami_layers)."""
+    default = default_ami_layers(num_layers)
     first, end = default[0] if first is None else first, default[1] if end is None else end
     if not 0 <= first < end <= num_layers or (end - first) % 2:
         raise plumbing.UsageError(f"--ami_min_layer/--ami_max_layer {first}:{end} must be an even "

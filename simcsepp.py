@@ -182,8 +182,9 @@ def simcsepp_step(encoder, batch: dict, head=None, temp: float = 0.05, m: float 
     """One step's SimCSE++ loss, to back-propagate: a transformers encoder (AutoModel, in train
     mode) and its tokenizer's output for a list of sentences (padding=True, return_tensors="pt").
 
+        head = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh())  # --pooler cls's MLP
         loss = simcsepp_step(model, tokenizer(sentences, padding=True, truncation=True,
-                                              max_length=32, return_tensors="pt"))
+                                              max_length=32, return_tensors="pt"), head)
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
     Three passes of the batch a step: two dropout views (the positives) and one with dropout off

@@ -136,7 +136,7 @@ def sscl_objective(z1, z2, *negatives, temp: float = 0.05, per_layer: int = 2,
     """sscl_loss of sscl_views's outputs: the negatives grouped `per_layer` (2: both views', 1: the
     anchor's) into each layer's tuple. `gather`: under torchrun, a function that gathers a tensor's
     rows from every process (the global batch, layer negatives too); None: one process."""
-    if gather is not None:  # Released code under torchrun: each process's own layer negatives
+    if gather is not None:  # global (the released code: each process's own; docs/fidelity.md)
         negatives = [gather(n) for n in negatives]
     layer_negatives = [tuple(negatives[i:i + per_layer]) for i in range(0, len(negatives),
                                                                         per_layer)]

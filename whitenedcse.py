@@ -76,7 +76,8 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
     the detached covariance, as the authors' code has it: gradients flow through X only. Computed
     in float64, also inside an autocast block, and returned in fp32 (fp64 for fp64 input): a real
     encoder has channels that barely vary over a batch (variance 1e-10 beside 0.04, or dead ones),
-    and fp32's rounding of their covariance would decide their gain (19x off, losses of 18)."""
+    and fp32's rounding of their covariance would decide their gain (19x off, losses of 18). Apple's
+    MPS has no float64: there, run the whitening on the CPU."""
     n, d = x.shape
     if d % num_groups:
         raise ValueError(f"{d} channels cannot be split into {num_groups} equal groups")

@@ -85,7 +85,8 @@ def add_run_flags(parser) -> None:
                         "times faster. Default: on, on one CUDA GPU for the rows captured on one "
                         "(docs/gpu.md), unless --compile or a memory flag")
     g.add_argument("--no_cuda_graph", dest="cuda_graph", action="store_const", const=False,
-                   help="run each training step eagerly, each batch padded to its longest row")
+                   help="run each training step eagerly, each batch padded to its longest row (miCSE's to "
+                        "--max_seq_length: AMI draws its sample in one layout)")
     g.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms on CUDA (torch.use_deterministic_algorithms, "
                         "CUBLAS_WORKSPACE_CONFIG): a resumed GPU run is then bit-identical; slower")

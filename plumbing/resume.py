@@ -10,7 +10,8 @@ last/ holds:
 - state.pt, written by process 0 (the state is the same on every process): each `run_state` object's state_dict,
   and the loop's record (best dev score and step, training time, losses, gradient norms, trajectory, resumptions);
 - rng_rank<r>.pt, one per process: its RNG streams (torch CPU and CUDA, Python's `random`, NumPy) and the state
-  of each torch.Generator in `run_state` (miCSE's AMI samples, WhitenedCSE's shuffles), which differ by process;
+  of each torch.Generator in `run_state` (miCSE's AMI samples and WhitenedCSE's shuffles, alike on every process;
+  --do_mlm's masking, which differs by process);
 - run.json: the arguments, the last step done, its epoch and position in that epoch's seeded order, the run's steps
   (`total_steps`) and the number of processes.
 It is written into last.tmp/ and swapped in with two renames, as best/ is: a kill at any moment leaves last/ or,

@@ -187,7 +187,7 @@ def wrong_inputs():
         "SSCL's layer negatives of another width": (sscl, "sscl_loss", (z, z, [(z[:, :4],)]), "(M, 8)"),
         "WhitenedCSE's views of two shapes": (whitenedcse, "multi_positive_info_nce", ([z, z[:8]],), "same N"),
         "maps stacked on dim 0": (micse, "micse_loss", (z, z, maps.transpose(0, 1), maps.transpose(0, 1),
-                                                        torch.randn(5, 8)), "stacked on dim 1"),
+                                                        torch.randn(5, 8)), "stack maps on dim 1"),
         "bf16 maps": (micse, "ami_loss", (maps.bfloat16(), maps.bfloat16()), "fp32"),
         "maps of two shapes": (micse, "ami_loss", (maps, maps[:8]), "of the same batch"),
         "a mask of another width": (micse, "ami_loss", (maps, maps, 20, None, torch.ones(16, 7)), "(N, n)"),
@@ -240,3 +240,56 @@ def test_the_readmes_pasted_step_runs_as_it_stands(tiny_model):
     exec(compile(example, "<README's example>", "exec"), namespace)
     assert torch.isfinite(namespace["loss"]) and namespace["head"][0].weight.grad is None  # zeroed after the step
     assert namespace["optimizer"].state  # AdamW stepped
+
+
+def test_the_pasted_micse_block_updates_the_momentum_encoder_and_queue_and_reads_a_filled_queue_as_the_suite(
+        tiny_model, corpus, senteval_dir, tmp_path, monkeypatch):
+    """miCSE's loop beyond its first step, from the pasted block: after each step, micse_momentum_update with the
+    recipe's defaults (the EMA, then the batch's keys queued) leaves the momentum encoder's weights and the queue's keys
+    as the suite's own update left them, bit for bit; at step 2 micse_step on the queue that holds step 1's keys gives the suite's loss. Fails where
+    the block's update or its reading of a filled queue (left_out) drifts from what the suite runs."""
+    import copy
+    from conftest import smoke_args
+    block, seen = lifted(micse), {}
+    real_step, real_update = micse.micse_step, micse.micse_momentum_update
+
+    def as_student_queue(queue):
+        mine = block.EmbeddingQueue(queue.size, queue.tensor.shape[1])
+        mine.load_state_dict({k: v for k, v in queue.state_dict().items() if k != "ids"})
+        return mine
+
+    def update(momentum_model, encoder, batch, queue, head, momentum, **kwargs):
+        rng, theirs, mine = torch.get_rng_state(), copy.deepcopy(momentum_model), as_student_queue(queue)
+        real_update(momentum_model, encoder, batch, queue, head, momentum, **kwargs)
+        after = torch.get_rng_state()
+        torch.set_rng_state(rng)
+        block.micse_momentum_update(theirs, encoder, {k: v for k, v in batch.items() if k != "example_ids"}, mine,
+                                    head)  # the recipe's momentum, 0.995: the default
+        torch.set_rng_state(after)
+        seen.setdefault("updates", []).append((  # as they are now (the next step updates them again)
+            [p.detach().clone() for p in momentum_model.parameters()], list(theirs.parameters()),
+            queue.tensor.clone(), queue.filled.clone(), mine))
+
+    def step(encoder, batch, head, queue, generator, **kwargs):
+        rng, state = torch.get_rng_state(), generator.get_state()
+        loss = real_step(encoder, batch, head, queue, generator, **kwargs)
+        if bool(queue.filled.any()):  # step 2
+            after = torch.get_rng_state(), generator.get_state()
+            torch.set_rng_state(rng)
+            generator.set_state(state)
+            tokens = {k: v for k, v in batch.items() if k != "example_ids"}
+            seen["step 2"] = (loss.detach(), block.micse_step(encoder.backbone, tokens, head, as_student_queue(queue),
+                                                              generator).detach())
+            torch.set_rng_state(after[0])
+            generator.set_state(after[1])
+        return loss
+    monkeypatch.setattr(micse, "micse_momentum_update", update)
+    monkeypatch.setattr(micse, "micse_step", step)
+    micse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, tmp_path / "run", "--max_steps", 2,
+                                           "--queue_size", 16, "--no_test_eval", "--no_align_uniform")])
+    assert len(seen["updates"]) == 2  # (step 1's learning rate is warm-up's 0: step 2's update moves the weights)
+    for suite_weights, block_weights, suite_keys, suite_filled, block_queue in seen["updates"]:
+        assert len(suite_weights) == len(block_weights) and all(map(torch.equal, suite_weights, block_weights))
+        assert torch.equal(suite_keys, block_queue.tensor) and torch.equal(suite_filled, block_queue.filled)
+    assert [int(update[3].sum()) for update in seen["updates"]] == [8, 16]  # each step's batch of 8 queued
+    assert torch.equal(*seen["step 2"]), seen["step 2"]

@@ -322,8 +322,8 @@ def test_resume_under_torchrun(tiny_model, corpus, senteval_dir, tmp_path):
     paid once). Then one command under torchrun --max_restarts 1 with --auto_resume: process 1 is SIGKILLed during
     step 3, torchrun restarts both, and they continue from last/ (step 2's gate) in new processes. The two runs,
     resumed after different steps, end with the same losses and gates (a straight run's: a resume that lost any state
-    would part them; test_distributed.py shows two processes train as one). miCSE: per-process AMI generators and
-    slices, and the shared queue."""
+    would part them; test_distributed.py shows two processes train as one). miCSE: the AMI generators (alike on each
+    process), the slices and the shared queue."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(root=str(ROOT)))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")

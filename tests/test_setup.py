@@ -356,7 +356,8 @@ def test_each_pytest_worker_gives_torch_its_share_of_the_cores():
 
 
 def test_the_readmes_simcse_loop_is_simcse_py_s():
-    """The README's loop (its Python block with run.steps()) is simcse.py's main(): each of its lines stands there, in order, so
+    """The README's loop (its Python block with run.steps()) is simcse.py's main(): each of its lines stands there, in
+    order, so
     that a changed step (what `train` returns, what `run.record` takes) fails here, not in a reader's copy. The
     block read with `loss, grad_norm = train(...)` while the step returned three values."""
     readme = (ROOT / "README.md").read_text()
