@@ -92,8 +92,8 @@ MUTANTS = {
     "objective-reads-the-padding": ("micse.py", "filled = attention_mask.bool().any(0)",
                                     "filled = torch.ones_like(attention_mask[0], dtype=torch.bool)", [AMI_PADDING]),
     # #81: the pasted block feeds as the suite does, and refuses what is wrongly shaped
-    "block-step-wrong-layer": ("micse.py", "return (count - 5, count - 1) if count >= 6",
-                               "return (count - 6, count - 2) if count >= 6", [f"{PASTED}[micse]"]),
+    "block-step-wrong-layer": ("sscl.py", "layers = (last - 1, last - 2) if layers is None else layers",
+                               "layers = (last - 1, last - 1) if layers is None else layers", [f"{PASTED}[sscl]"]),
     "shape-check-removed": ("micse.py", "    if z1.dim() != 2 or z1.shape != z2.shape or attn1.shape[:1] != "
                             "z1.shape[:1]:", "    if False:",
                             ["tests/test_lifting.py::test_a_block_refuses_what_is_wrongly_shaped_in_one_clear_line"]),
