@@ -126,9 +126,12 @@ start() {
   if ! mariadb -e "select 1" >/dev/null 2>&1; then
     mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld
     [ -d /var/lib/mysql/mysql ] || mariadb-install-db --user=mysql >/dev/null
-    (mariadbd --user=mysql >"$BASE/log/mariadb.log" 2>&1 &)
+    (mariadbd --user=mysql >>"$BASE/log/mariadb.log" 2>&1 &)
     touch "$BASE/started-mariadbd"
-    for _ in $(seq 60); do mariadb -e "select 1" >/dev/null 2>&1 && break; sleep 0.5; done
+    # beside CI's pip install its first start (the temporary tablespace written out) took over 30 s once
+    for _ in $(seq 360); do mariadb -e "select 1" >/dev/null 2>&1 && break; sleep 0.5; done
+    mariadb -e "select 1" >/dev/null 2>&1 || { say "MariaDB did not start in 3 minutes; its log's end:";
+                                               tail -5 "$BASE/log/mariadb.log"; exit 1; }
   fi
   mariadb -e "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'suite';
               GRANT ALL ON suite_slurm_acct_db.* TO 'slurm'@'localhost'; FLUSH PRIVILEGES;"
@@ -165,7 +168,11 @@ stop() {
   [ ${#pids[@]} -gt 0 ] && kill "${pids[@]}" 2>/dev/null
   for _ in $(seq 40); do kill -0 "${pids[@]}" 2>/dev/null || break; sleep 0.25; done
   for daemon in mariadbd munged; do  # only those this script started: a MariaDB of the machine's own stays
-    [ -e "$BASE/started-$daemon" ] && { pkill -x "$daemon" 2>/dev/null || true; rm -f "$BASE/started-$daemon"; }
+    if [ -e "$BASE/started-$daemon" ]; then
+      pkill -x "$daemon" 2>/dev/null || true
+      rm -f "$BASE/started-$daemon"
+      for _ in $(seq 80); do pgrep -x "$daemon" >/dev/null || break; sleep 0.25; done  # gone before a next start
+    fi
   done
   unlink_conf
   if grep -q "# suite-slurm$" /etc/hosts; then  # in place: a container's /etc/hosts cannot be replaced
