@@ -338,9 +338,10 @@ def two_tasks(place: Place, setting: dict) -> None:
     args[args.index("--model_name_or_path") + 1] = str(model)
     args += ["--dropout", "0", "--max_steps", "200", "--eval_steps", "200", "--no_test_eval"]
     place = Place(place.folder, place.name, args, ["simcse"])
-    one = place.folder / "one"
-    subprocess.run([sys.executable, "simcse.py", *args, "--seed", "1", "--output_dir", str(one)], cwd=ROOT,
-                   check=True, capture_output=True)
+    one = place.folder / "one"  # the one-process run, made while the jobs wait on Slurm
+    log = open(place.folder / "one.log", "w")
+    reference = subprocess.Popen([sys.executable, "simcse.py", *args, "--seed", "1", "--output_dir", str(one)],
+                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     place.submit("--tasks_per_node", "2")
     place.training()
     folder = place.folder / "runs" / place.name / "simcse.seed1"
@@ -357,6 +358,7 @@ def two_tasks(place: Place, setting: dict) -> None:
     place.until(lambda: place.progress().get("state") == "stopped", why="stopped")
     stopped_in = place.progress()["time"] - signalled
     place.says("done")
+    assert reference.wait() == 0, (place.folder / "one.log").read_text()[-2000:]
     two, want = place.kept("simcse"), json.loads((one / "results.json").read_text())
     assert two["world_size"] == 2 and want["world_size"] == 1
     assert two["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5, abs=1e-6)
