@@ -283,70 +283,53 @@ def test_a_kill_while_writing_last_leaves_a_loadable_state(tiny_model, corpus, s
 
 
 DRIVER = '''
-import itertools, json, os, signal, sys
+import itertools, os, signal, sys
 sys.path[:0] = [{root!r}]
 import importlib, plumbing
 from plumbing import distributed
-stop_at, kill_at, then_resume, argv = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4:]
+kill_at, straight, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 real, calls = distributed.StopSignal.requested, itertools.count()
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 def requested(self, *args, **kwargs):
-    call = next(calls)
-    if call == stop_at and distributed.rank() == 0:
-        os.kill(os.getpid(), signal.SIGTERM)
-    if call == kill_at and distributed.rank() == 1 and first_attempt:  # a node lost: no handler, no save
+    if next(calls) == kill_at and distributed.rank() == 1 and first_attempt:  # a node lost: no handler, no save
         os.kill(os.getpid(), signal.SIGKILL)
     return real(self, *args, **kwargs)
-distributed.StopSignal.requested = requested
 def run(argv):
     try:
         plumbing.cli(lambda: importlib.import_module("micse").main(argv))
     except SystemExit as exit:
         return exit.code
     return 0
+if first_attempt:  # the straight run first, in the same two processes (the interpreters' start paid once)
+    at = argv.index("--output_dir") + 1
+    if run(argv[:at] + [straight] + argv[at + 1:]) != 0:
+        sys.exit(1)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = "straight"  # the next process group under keys of its own
+distributed.StopSignal.requested = requested
 code = run(argv)
-if then_resume:  # the same command with --resume, in the same two processes (a new process group, keys of its own)
-    out = argv[argv.index("--output_dir") + 1]
-    with open(f"{{out}}.stopped_rank{{os.environ['RANK']}}.json", "w") as f:
-        json.dump({{"exit": code, "last": sorted(os.listdir(f"{{out}}/last"))}}, f)
-    stop_at, calls = -1, itertools.count()
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = "resume"
-    code = run(argv + ["--resume"])
 sys.exit(code)
 '''
 
 
 def test_resume_under_torchrun(tiny_model, corpus, senteval_dir, tmp_path):
-    """Two processes (gloo): process 0 gets the SIGTERM during step 3, both stop at the same step (4: each step's
-    exchange is read a step later), both exit 143 and resume (in the same processes, the interpreters' start
-    paid once). Then one command under torchrun --max_restarts 1 with --auto_resume: process 1 is SIGKILLed during
-    step 3, torchrun restarts both, and they continue from last/ (step 2's gate) in new processes. The two runs,
-    resumed after different steps, end with the same losses and gates (a straight run's: a resume that lost any state
-    would part them; test_distributed.py shows two processes train as one). miCSE: the AMI generators (alike on each
-    process), the slices and the shared queue."""
+    """Two processes (gloo), one command under torchrun --max_restarts 1 with --auto_resume: a straight run of miCSE,
+    then the same run with process 1 SIGKILLed during step 3; torchrun restarts both, and they continue from last/
+    (step 2's gate) in new processes and end with the straight run's losses and gates (a resume that lost any state
+    would part them: the AMI generators, alike on each process, the slices and the shared queue). A signal to one
+    process or to both, the stop at the same step and its resume: test_distributed.py."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER.format(root=str(ROOT)))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-
-    def launch(out, stop_at, *extra, kill_at=-1, restarts=0, then_resume=False):
-        argv = case_args("micse", tiny_model, corpus, senteval_dir, out, tmp_path) + ["--device", "cpu", *extra]
-        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                               "2", "--max_restarts", str(restarts), str(driver), str(stop_at), str(kill_at),
-                               str(int(then_resume)), *argv], capture_output=True, text=True, cwd=ROOT, env=env,
-                              timeout=600)
-    resumed = launch(tmp_path / "resumed", 3, then_resume=True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for rank, code in ((0, 143), (1, 143)):  # the SIGTERMed process exits 143, the other stops with it
-        stopped = json.loads((tmp_path / f"resumed.stopped_rank{rank}.json").read_text())
-        assert stopped == {"exit": code, "last": ["rng_rank0.pt", "rng_rank1.pt", "run.json", "state.pt"]}, stopped
-    assert "stopped after step 4 of 6" in resumed.stdout
-    b = json.loads((tmp_path / "resumed" / "results.json").read_text())
-    assert b["world_size"] == 2 and b["resumptions"] == [4] and b["steps"] == 6
-    restarted = launch(tmp_path / "restarted", -1, "--auto_resume", kill_at=3, restarts=1)
+    argv = case_args("micse", tiny_model, corpus, senteval_dir, tmp_path / "restarted", tmp_path) + [
+        "--device", "cpu", "--auto_resume"]
+    restarted = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                "2", "--max_restarts", "1", str(driver), "3", str(tmp_path / "straight"), *argv],
+                               capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert restarted.returncode == 0, restarted.stderr[-3000:]
+    b = json.loads((tmp_path / "straight" / "results.json").read_text())
     c = json.loads((tmp_path / "restarted" / "results.json").read_text())
+    assert b["world_size"] == 2 and b["steps"] == 6 and not b.get("resumptions")
     assert c["resumptions"] == [2] and "exitcode: -9" in restarted.stderr  # SIGKILLed, then resumed at step 2
-    # resumed after step 4 and after step 2: any state a resume lost would part them
     assert c["train_loss"] == b["train_loss"] and gates(c) == gates(b) and c["best_step"] == b["best_step"]
 
 

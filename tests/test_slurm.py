@@ -80,7 +80,8 @@ class Place:
         code = REPORT.format(root=str(ROOT), tools=str(ROOT / "tools"))
         done = subprocess.run([sys.executable, "-c", code, str(self.folder / "results"), str(self.folder / "runs"),
                                argv[0], "--protocol", str(self.protocol), *argv[1:]], capture_output=True,
-                              text=True, cwd=ROOT, timeout=400)
+                              text=True, cwd=ROOT, timeout=400,  # the jobs get sbatch's environment: one thread each
+                              env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
         if check and done.returncode != 0:
             raise AssertionError(f"report.py {' '.join(argv)} exited {done.returncode}: {done.stderr[-2000:]}")
         return done
@@ -113,19 +114,21 @@ class Place:
     def kept(self, row: str) -> dict:
         return json.loads((self.folder / "results" / self.name / f"{row}.seed1.json").read_text())
 
-    def until(self, what, timeout=240, why=""):
-        """what()'s value once it is true; else the scenario fails, naming `why` and the status."""
+    def until(self, what, timeout=240, why="", every=0.5):
+        """what()'s value once it is true, asked every `every` s (2 where it asks status: a new interpreter, squeue
+        and sacct each time, which at 0.5 s took 100 s of CPU beside the jobs); else the scenario fails, naming `why`
+        and the status."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             value = what()
             if value:
                 return value
-            time.sleep(0.5)
+            time.sleep(every)
         raise AssertionError(f"{self.name}: not {why} within {timeout} s; status: {self.status()}")
 
     def says(self, word: str, row: str = "simcse", timeout=240) -> str:
         """Until status's line for the row has `word`: the line."""
-        return self.until(lambda: next((s for s in [self.line(row)] if word in s), None), timeout, f"{row} {word}")
+        return self.until(lambda: next((s for s in [self.line(row)] if word in s), None), timeout, f"{row} {word}", 2)
 
     def training(self, row: str = "simcse", start: int = 1):
         """Until the run trains in its job's `start`-th start: the job's note says so, and last/ was saved since."""
@@ -227,7 +230,7 @@ def requeue(place: Place, setting: dict) -> None:
     slurm("scontrol", "requeue", job)
     place.until(lambda: place.progress().get("state") == "stopped", why="stopped")
     assert place.progress()["code"] == 143  # the run saved last/ and exited as a SIGTERM asks, not killed
-    line = place.until(lambda: next((s for s in [place.line()] if "requeued 1" in s), None), why="requeued")
+    line = place.until(lambda: next((s for s in [place.line()] if "requeued 1" in s), None), why="requeued", every=2)
     assert line.startswith("simcse seed 1: pending (job") or line.startswith("simcse seed 1: running (job"), line
     again = place.submit().stdout
     assert "0 to make" in again and "submitted 0 job(s)" in again, again
@@ -253,7 +256,7 @@ def preemption_then_node_down(place: Place, setting: dict) -> None:
     finally:
         subprocess.run(["scontrol", "update", "nodename=c2", "state=resume"], capture_output=True)
     line = place.until(lambda: next((s for s in [place.line()] if "done" in s or "scontrol release" in s), None),
-                       timeout=300, why="done or held")
+                       timeout=300, why="done or held", every=2)
     if "scontrol release" in line:  # Slurm held the job: its launch failed on the node coming back
         slurm("scontrol", "release", job)
     place.says("done", timeout=300)
@@ -303,7 +306,7 @@ def array_task_killed(place: Place, setting: dict) -> None:
     place.training("b")
     slurm("scancel", "--signal=KILL", ids[1])
     line = place.until(lambda: next((s for s in [place.line("b")] if "failed" in s or "lost" in s), None),
-                       why="b failed")
+                       why="b failed", every=2)
     assert f"job {ids[1]}:" in line, line
     out = place.submit(wait=True).stdout
     assert "submitted 1 job(s)" in out and "1 to make" in out, out
