@@ -177,7 +177,7 @@ def setting(tmp_path_factory, corpus, senteval_dir):
     folder = tmp_path_factory.mktemp("slurm")
     model = write_tiny_model(folder / "model")
     args = [str(a) for a in smoke_args(model, corpus, senteval_dir, "x")[:-4]] + [
-        "--device", "cpu", "--no_align_uniform", "--max_steps", "90", "--eval_steps", "30", "--save_steps", "3"]
+        "--device", "cpu", "--no_align_uniform", "--max_steps", "90", "--eval_steps", "30", "--save_steps", "6"]
     straight = folder / "straight"
     importlib.import_module("simcse").main([*args, "--seed", "1", "--output_dir", str(straight)])
     return {"folder": folder, "args": args, "results": json.loads((straight / "results.json").read_text()),
