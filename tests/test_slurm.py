@@ -126,9 +126,10 @@ class Place:
             time.sleep(every)
         raise AssertionError(f"{self.name}: not {why} within {timeout} s; status: {self.status()}")
 
-    def says(self, word: str, row: str = "simcse", timeout=240) -> str:
-        """Until status's line for the row has `word`: the line."""
-        return self.until(lambda: next((s for s in [self.line(row)] if word in s), None), timeout, f"{row} {word}", 2)
+    def says(self, *words: str, row: str = "simcse", timeout=240) -> str:
+        """Until status's line for the row has one of `words`: the line (status asked every 2 s)."""
+        return self.until(lambda: next((s for s in [self.line(row)] if any(w in s for w in words)), None), timeout,
+                          f"{row} {' or '.join(words)}", 2)
 
     def training(self, row: str = "simcse", start: int = 1):
         """Until the run trains in its job's `start`-th start: the job's note says so, and last/ was saved since."""
@@ -230,7 +231,7 @@ def requeue(place: Place, setting: dict) -> None:
     slurm("scontrol", "requeue", job)
     place.until(lambda: place.progress().get("state") == "stopped", why="stopped")
     assert place.progress()["code"] == 143  # the run saved last/ and exited as a SIGTERM asks, not killed
-    line = place.until(lambda: next((s for s in [place.line()] if "requeued 1" in s), None), why="requeued", every=2)
+    line = place.says("requeued 1")
     assert line.startswith("simcse seed 1: pending (job") or line.startswith("simcse seed 1: running (job"), line
     again = place.submit().stdout
     assert "0 to make" in again and "submitted 0 job(s)" in again, again
@@ -255,8 +256,7 @@ def preemption_then_node_down(place: Place, setting: dict) -> None:
         time.sleep(3)
     finally:
         subprocess.run(["scontrol", "update", "nodename=c2", "state=resume"], capture_output=True)
-    line = place.until(lambda: next((s for s in [place.line()] if "done" in s or "scontrol release" in s), None),
-                       timeout=300, why="done or held", every=2)
+    line = place.says("done", "scontrol release", timeout=300)
     if "scontrol release" in line:  # Slurm held the job: its launch failed on the node coming back
         slurm("scontrol", "release", job)
     place.says("done", timeout=300)
@@ -305,8 +305,7 @@ def array_task_killed(place: Place, setting: dict) -> None:
     assert len(ids) == 2 and all("_" in job for job in ids), ids
     place.training("b")
     slurm("scancel", "--signal=KILL", ids[1])
-    line = place.until(lambda: next((s for s in [place.line("b")] if "failed" in s or "lost" in s), None),
-                       why="b failed", every=2)
+    line = place.says("failed", "lost", row="b")
     assert f"job {ids[1]}:" in line, line
     out = place.submit(wait=True).stdout
     assert "submitted 1 job(s)" in out and "1 to make" in out, out
@@ -362,6 +361,7 @@ def two_tasks(place: Place, setting: dict) -> None:
     stopped_in = place.progress()["time"] - signalled
     place.says("done")
     assert reference.wait() == 0, (place.folder / "one.log").read_text()[-2000:]
+    log.close()
     two, want = place.kept("simcse"), json.loads((one / "results.json").read_text())
     assert two["world_size"] == 2 and want["world_size"] == 1
     assert two["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5, abs=1e-6)
