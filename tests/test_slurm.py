@@ -57,6 +57,9 @@ def slurm_here():
     if why:
         pytest.skip(why)
 
+
+# The jobs' torch threads: the straight run's (made in this process), which its numbers depend on (one under -n auto)
+THREADS = os.environ.get("OMP_NUM_THREADS") or str(torch.get_num_threads())
 # report.py with its results and runs folders in the test's: a user's command, in a process of its own
 REPORT = """import sys; from pathlib import Path
 sys.path[:0] = [{root!r}, {tools!r}]
@@ -80,8 +83,8 @@ class Place:
         code = REPORT.format(root=str(ROOT), tools=str(ROOT / "tools"))
         done = subprocess.run([sys.executable, "-c", code, str(self.folder / "results"), str(self.folder / "runs"),
                                argv[0], "--protocol", str(self.protocol), *argv[1:]], capture_output=True,
-                              text=True, cwd=ROOT, timeout=400,  # the jobs get sbatch's environment: one thread each
-                              env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")))
+                              text=True, cwd=ROOT, timeout=400,  # the jobs get sbatch's environment: the threads
+                              env=dict(os.environ, OMP_NUM_THREADS=THREADS))  # of the straight run, for its numbers
         if check and done.returncode != 0:
             raise AssertionError(f"report.py {' '.join(argv)} exited {done.returncode}: {done.stderr[-2000:]}")
         return done
