@@ -21,14 +21,27 @@ from safetensors.torch import load_file
 from conftest import ROOT, gates, smoke_args, write_nli, write_tiny_model
 
 DRIVER = '''
-import contextlib, importlib, json, os, shutil, signal, sys, time, traceback
+import contextlib, datetime, importlib, json, os, shutil, signal, sys, time, traceback
 sys.path[:0] = [{root!r}, {tests!r}]
-import plumbing
+import torch.distributed as dist
+import eval_sts, plumbing
 from plumbing import distributed, outdir, run
 from test_distributed import recording_dev_measures
 rank = os.environ["RANK"]
 real_dev_measures, real_largest_next, real_record = run.dev_measures, distributed.largest_next, run.Run.record
+real_evaluate, real_settle = eval_sts.evaluate, distributed.StopSignal.settle
 seen, signals = {{}}, {{}}
+
+def slow_final_evaluation(timeout, sleep):  # the group's timeout `timeout` s from the training's last exchange on
+    def settle(self):  # (before it, a start or a dev gate slowed by a busy machine could outlast it), and process 0's
+        real_settle(self)  # final evaluation `sleep` s longer
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
+
+    def evaluate(encode, senteval_dir, tasks=None, mode="test", **kwargs):
+        if mode == "test":
+            time.sleep(sleep)
+        return real_evaluate(encode, senteval_dir, tasks, mode, **kwargs)
+    eval_sts.evaluate, distributed.StopSignal.settle = evaluate, settle
 
 class CountingDDP(distributed.DistributedDataParallel):
     def forward(self, *args, **kwargs):
@@ -44,11 +57,18 @@ def record(self, *args, **kwargs):  # a signal to this process alone during the 
         os.kill(os.getpid(), getattr(signal, signals[rank][str(self.current_step)]))
     return real_record(self, *args, **kwargs)
 
+def init_process_group(*args, **kwargs):  # a process waiting on one that is gone fails in 2 minutes, not gloo's 30
+    return real_init(*args, **kwargs, timeout=datetime.timedelta(seconds=120))
+
+real_init, dist.init_process_group = dist.init_process_group, init_process_group
 distributed.DistributedDataParallel, distributed.largest_next, run.Run.record = CountingDDP, largest_next, record
 runs = json.load(open(sys.argv[1]))
-for i, (script, out, argv, logs, signals) in enumerate(runs):  # one run after another
+for i, (script, out, argv, logs, signals, slow) in enumerate(runs):  # one run after another
     while i and not os.path.exists(f"{{runs[i - 1][3]}}/seen_rank{{1 - int(rank)}}.json"):
         time.sleep(0.05)  # the run before ended on both processes: this one may resume it
+    eval_sts.evaluate, distributed.StopSignal.settle = real_evaluate, real_settle
+    if slow:
+        slow_final_evaluation(**slow)
     # each run's process group under keys of its own in torchrun's store, as a restarted attempt's
     # (plumbing/distributed.init): the last group's addresses, still there, would be read and tried
     os.environ["TORCHELASTIC_RESTART_COUNT"] = f"run{{i}}" if i else "0"
@@ -69,6 +89,8 @@ for i, (script, out, argv, logs, signals) in enumerate(runs):  # one run after a
             f"{{out}}/last") else None)
         shutil.copy(f"{{out}}/results.json", logs)
     open(f"{{logs}}/seen_rank{{rank}}.json", "w").write(json.dumps(seen))
+    if seen["exit"] == "traceback":  # this process ends, and torchrun stops the other: none waits for a process
+        os._exit(1)  # that is gone (a group left behind can hold the other one's exit for ever)
 '''
 
 
@@ -151,17 +173,20 @@ def launch(runs, workdir):
     flag's exchanges, the exit status or "traceback"). A part of a run that is stopped and resumed is (script, args,
     out, logs, signals): args with --resume but for the first part, the files above in `logs` (with process 0's
     results.json, the folder's state and last/'s files as the part left them), and `signals` {rank: {step: "SIGTERM"}}
-    sent to that process alone during that step."""
+    sent to that process alone during that step. A run given as (script, args, out, {"timeout": T, "sleep": S}) has its
+    process group's timeout T s from the training's last exchange on, and process 0's final evaluation S s longer."""
     workdir.mkdir(parents=True, exist_ok=True)
     driver = workdir / "driver.py"
     driver.write_text(DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests")))
     entries = []
     for script, args, out, *part in runs:
+        slow = part.pop() if part and isinstance(part[-1], dict) and "sleep" in part[-1] else None
         logs, signals = part or (out, {})
         logs.mkdir(parents=True)  # each run's or part's own
         out.mkdir(exist_ok=True)  # a run's parts share it
         fresh = [] if "--resume" in args else ["--overwrite_output_dir"]
-        entries.append([script, str(out), [*map(str, args), "--output_dir", str(out), *fresh], str(logs), signals])
+        entries.append([script, str(out), [*map(str, args), "--output_dir", str(out), *fresh], str(logs), signals,
+                        slow])
     (workdir / "runs.json").write_text(json.dumps(entries))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -186,8 +211,9 @@ STOPS = [{1: {1: "SIGINT"}, 0: {2: "SIGTERM"}},  # both, at different steps: the
 @pytest.fixture(scope="module")
 def two_processes(tiny_model, no_dropout_model, well_conditioned_no_dropout_model, corpus, senteval_dir,
                   tmp_path_factory):
-    """Every case of METHOD_FLAGS, a global batch of 7, and a run of 6 steps straight and in the parts of STOPS,
-    under one torchrun launch: {case: output folder}, "launch": the launcher's CompletedProcess."""
+    """Every case of METHOD_FLAGS, a global batch of 7, a run of 6 steps straight and in the parts of STOPS, and a
+    final evaluation longer than the group's timeout, under one torchrun launch: {case: output folder}, "launch": the
+    launcher's CompletedProcess."""
     workdir = tmp_path_factory.mktemp("two_processes")
     nli = write_nli(workdir / "nli.csv")
     runs = [(case.split("-")[0], case_args(case, no_dropout_model, well_conditioned_no_dropout_model, corpus,
@@ -200,6 +226,8 @@ def two_processes(tiny_model, no_dropout_model, well_conditioned_no_dropout_mode
     runs.append(("simcse", six, workdir / "straight"))
     runs += [("simcse", six + (["--resume"] if i else []), workdir / "stopped", workdir / f"part{i}", signals)
              for i, signals in enumerate(STOPS)]
+    two = smoke_args(no_dropout_model, corpus, senteval_dir, "unused")[:-4] + ["--device", "cpu", "--max_steps", 2]
+    runs.append(("simcse", two, workdir / "slow_final_evaluation", {"timeout": 8, "sleep": 14}))  # the last
     proc = launch(runs, workdir)
     return {"launch": proc, **{run[2].name: run[2] for run in runs}}
 
@@ -314,41 +342,11 @@ def test_a_signal_to_any_process_stops_every_process_and_the_resumes_end_as_the_
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
-SLOW_FINAL_EVALUATION_DRIVER = '''
-import datetime, sys, time
-sys.path[:0] = [{root!r}]
-import torch.distributed as dist
-import common, eval_sts, plumbing, simcse
-from plumbing import distributed
-real_evaluate, real_settle = eval_sts.evaluate, distributed.StopSignal.settle
-
-def settle(self):  # the training's last exchange: the group's timeout short from here on only (before it, a start
-    real_settle(self)  # or a dev gate slowed by a busy machine could outlast it)
-    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds={timeout}))
-
-def slow_evaluate(encode, senteval_dir, tasks=None, mode="test", **kwargs):
-    if mode == "test":  # process 0's final evaluation outlasts the process group's timeout
-        time.sleep({sleep})
-    return real_evaluate(encode, senteval_dir, tasks, mode, **kwargs)
-
-eval_sts.evaluate, distributed.StopSignal.settle = slow_evaluate, settle
-plumbing.cli(lambda: simcse.main(sys.argv[1:]))
-'''
-
-
-def test_a_final_evaluation_longer_than_the_group_timeout_ends_well(no_dropout_model, corpus, senteval_dir, tmp_path):
+def test_a_final_evaluation_longer_than_the_group_timeout_ends_well(two_processes):
     """NCCL's default timeout is 10 minutes and a BERT-base transfer evaluation is longer: the other processes must
     not wait in a barrier for process 0's final evaluation. Here the timeout is 8 s from the training's last exchange
-    on (the stop's settle) and the evaluation 14 s. Broken on purpose (the group torn down after the evaluation), it
-    fails."""
-    driver = tmp_path / "driver.py"
-    driver.write_text(SLOW_FINAL_EVALUATION_DRIVER.format(root=str(ROOT), timeout=8, sleep=14))
-    out = tmp_path / "run"
-    args = smoke_args(no_dropout_model, corpus, senteval_dir, out)[:-2] + ["--device", "cpu", "--max_steps", 2]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(driver), *map(str, args)], capture_output=True, text=True, cwd=ROOT, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    on (the stop's settle) and the evaluation 14 s (the last run of the launch). Broken on purpose (the group torn
+    down after the evaluation), it fails."""
+    out = two_process_run(two_processes, "slow_final_evaluation")
     results = json.loads((out / "results.json").read_text())
     assert results["world_size"] == 2 and results["steps"] == 2 and "test" in results
