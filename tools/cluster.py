@@ -232,20 +232,23 @@ def runs_that_fit(todo: list[dict], gpus: list[int], wanted: int) -> int:
     import importlib
     import torch
     from plumbing import hub, memory
-    peaks = []
+    peaks = {}
     for run in todo:
         args = importlib.import_module(Path(run["argv"][0]).stem).parse_args(run["argv"][1:])
+        command = repr(sorted((k, v) for k, v in vars(args).items() if k not in ("seed", "output_dir", "command")))
+        if command in peaks:  # a row's other seeds: the same tensors (a trace of about a second each)
+            continue
         config = hub.local_config(args.model_name_or_path)
         if config is None:
             print(f"note: --runs_per_gpu {wanted}: no local config of {args.model_name_or_path} to estimate its "
                   "memory; taken as given", flush=True)
             return wanted
-        peaks.append(memory.peak(memory.estimate(args, config)))
-    free = min(memory.device_free(torch.device("cuda", gpu)) for gpu in gpus)
-    fits = max(1, min(wanted, int(free * (1 - memory.FRAGMENTATION) // (max(peaks) + memory.CONTEXT))))
+        peaks[command] = memory.peak(memory.estimate(args, config))
+    free, largest = min(memory.device_free(torch.device("cuda", gpu)) for gpu in gpus), max(peaks.values())
+    fits = max(1, min(wanted, int(free * (1 - memory.FRAGMENTATION) // (largest + memory.CONTEXT))))
     if fits < wanted:
         print(f"note: --runs_per_gpu {wanted}: {memory.gib(free)} free holds {fits} of these runs at once (up to "
-              f"{memory.gib(max(peaks))} each, the memory estimate's, and a CUDA context): {fits} a GPU", flush=True)
+              f"{memory.gib(largest)} each, the memory estimate's, and a CUDA context): {fits} a GPU", flush=True)
     return fits
 
 
