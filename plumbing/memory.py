@@ -475,6 +475,8 @@ def first_fit(args, config, capacity: int, world_size: int = 1, found: dict | No
     """(the first of `settings` whose peak fits `capacity` bytes, its estimate), or (None, None); `found`: the
     estimate of args as they are (its evaluations' peaks do not change with the settings)."""
     found = found or estimate(args, config, world_size)
+    if max(found["dev_gate"], found["final_eval"]) > capacity:  # no setting changes the evaluations: none is traced
+        return None, None
     for setting in settings(args.batch_size // world_size, checkpointing(config)):
         trial = copy.copy(args)
         for name, value in setting.items():
