@@ -14,7 +14,7 @@ import pytest
 
 import simcse
 from plumbing import progress, run
-from conftest import ROOT, run_script, smoke_args
+from conftest import ROOT, cli_in_process, smoke_args
 
 DEMO = "import time\nfrom plumbing import progress\nwith progress.Progress(4, 'demo', unit='step') as bar:\n" \
        "    for _ in range(4):\n        time.sleep(0.05)\n        bar.update()\n        bar.set_postfix(loss=0.5)\n"
@@ -100,13 +100,16 @@ def test_a_terminal_gets_a_bar_and_a_log_gets_plain_lines():
 
 
 def test_a_run_in_a_log_file_has_the_summary_plain_progress_and_no_redraws(tiny_model, corpus, senteval_dir,
-                                                                            tmp_path):
+                                                                            tmp_path, monkeypatch, capsys):
+    """A whole run whose output is not a terminal (in this process, as plumbing.cli runs main(): a new interpreter's
+    log is test_a_terminal_gets_a_bar_and_a_log_gets_plain_lines's and the scripts' CLI tests')."""
     out = tmp_path / "run"
-    proc = run_script("simcse.py", *smoke_args(tiny_model, corpus, senteval_dir, out, "--fraction", "0.5"),
-                      env_extra={"PROGRESS_INTERVAL": "0"})
-    assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.splitlines()
-    assert "\r" not in proc.stdout and "%|" not in proc.stdout + proc.stderr
+    monkeypatch.setenv("PROGRESS_INTERVAL", "0")
+    code, err = cli_in_process(simcse, *smoke_args(tiny_model, corpus, senteval_dir, out, "--fraction", "0.5"))
+    printed = capsys.readouterr().out
+    assert code == 0, err
+    lines = printed.splitlines()
+    assert "\r" not in printed and "%|" not in printed + err
     assert lines[0] == "simcse" and lines[1].startswith("  presets   none")
     assert lines[2] == "  backbone  bert, 32 wide, 2 layers: no preset for this backbone, the BERT-base settings"
     assert lines[3] == f"  data      100 examples, a 0.5 subset of {corpus} drawn with --seed 42 (not the " \
@@ -117,9 +120,9 @@ def test_a_run_in_a_log_file_has_the_summary_plain_progress_and_no_redraws(tiny_
     assert lines[7] == "  execution the whole batch in one pass, eager, padded to its longest row (no " \
                        "--micro_batch_size, --gradient_checkpointing, --compile or --pad_to_max_length)"
     assert lines[8].startswith("  schedule  4 steps (13 an epoch), batch 8")
-    assert "step 0/4  STS-B dev" in proc.stdout and "loss nan" not in proc.stdout
+    assert "step 0/4  STS-B dev" in printed and "loss nan" not in printed
     for phase in ("training: 1/4 steps", "dev gate: STS-B dev: ", "STS test: encoding: ", "alignment/uniformity: "):
-        assert phase in proc.stdout, phase
+        assert phase in printed, phase
     assert "ETA" in next(line for line in lines if line.startswith("step 2/4"))
     results = json.loads((out / "results.json").read_text())
     assert set(results["summary"]) == {"presets", "backbone", "data", "model", "encoder", "device", "execution",
