@@ -52,8 +52,7 @@ def layer_list(backbone) -> nn.ModuleList | None:
 def probe_batch(tokenizer, length: int) -> dict:
     """Two rows: one of `length` tokens and one of a few, padded to `length`."""
     words = "the quick brown fox jumps over the lazy dog " * length
-    batch = tokenizer([words, "the dog"], padding="max_length", truncation=True, max_length=length,
-                      return_tensors="pt")
+    batch = tokenizer([words, "the dog"], padding="max_length", truncation=True, max_length=length, return_tensors="pt")
     return {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
 

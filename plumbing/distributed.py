@@ -31,9 +31,8 @@ _RANK, _WORLD, _HOST_GROUP = 0, 1, None  # kept after shutdown(): a process stil
 def init(device: torch.device) -> torch.device:
     """Under torchrun (RANK set): join the process group (NCCL on CUDA, gloo on CPU); this process's device.
 
-    A second gloo group carries the host-side values (the stop flag, the dev score) and the barriers, so that
-    they never wait for the GPU.
-    """
+    A second gloo group carries the host-side values (the stop flag, the dev score) and the barriers, so that they
+    never wait for the GPU."""
     global _RANK, _WORLD, _HOST_GROUP
     if "RANK" not in os.environ or dist.is_initialized():
         return device

@@ -79,9 +79,8 @@ def write_json(path: Path, data: dict) -> None:
     write_text(path, text)
 
 def trajectory(results: dict) -> list[dict]:
-    """The trajectory rows of a results.json (plumbing/run.py: History.record), also from the format before
-    them: "dev_curve" [[step, dev]] and "train_time_curve" [[step, seconds]] become rows without lr, align and
-    uniform."""
+    """The trajectory rows of a results.json (plumbing/run.py: History.record), also from the format before them:
+    "dev_curve" [[step, dev]] and "train_time_curve" [[step, seconds]] become rows without lr, align and uniform."""
     if "trajectory" in results:
         return results["trajectory"]
     rows = {step: {"step": step, "train_time_s": t} for step, t in results.get("train_time_curve", [])}

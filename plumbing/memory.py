@@ -256,8 +256,7 @@ def training_step(args, layout: dict, model, head, lm_head, momentum_model, opti
         return loss + sum(r.float().square().mean() for r in reps if r.dim() > 2)
 
     def mlm_term(part):  # the masked copies of the encoded rows through the encoder and the MLM head
-        masked = data.part_of(common.repeat_views(batch, blocks) if layout["columns"] == 1 else batch, part,
-                              blocks)
+        masked = data.part_of(common.repeat_views(batch, blocks) if layout["columns"] == 1 else batch, part, blocks)
         with autocast_of(args.precision):
             scores = lm_head(model(**masked).last_hidden_state)
         return F.cross_entropy(scores.reshape(-1, scores.shape[-1]).float(), masked["input_ids"].reshape(-1))
@@ -266,8 +265,7 @@ def training_step(args, layout: dict, model, head, lm_head, momentum_model, opti
         optimizer.zero_grad(set_to_none=True)
         row_term = mlm_term if lm_head is not None else None
         if getattr(args, "micro_batch_size", None):
-            common.grad_cache(encode_part, loss_of, examples, args.micro_batch_size, lambda loss: loss, model,
-                              row_term)
+            common.grad_cache(encode_part, loss_of, examples, args.micro_batch_size, lambda loss: loss, model, row_term)
         else:
             loss = loss_of(*encode_part(None))
             if row_term is not None:
@@ -325,11 +323,10 @@ class PeakTracker(TorchDispatchMode):
 
 
 def recipe(args, config, world_size: int = 1) -> SimpleNamespace:
-    """One process's training objects for a step of `args` (the method's flags, batch_size over world_size
-    processes, max_seq_length, precision, pooler, --micro_batch_size, --gradient_checkpointing), built in the mode
-    that is on (FakeTensorMode for `estimate`; real tensors for a measurement): `step()`, `model`, `trainable`,
-    `optimizer`, `momentum` (miCSE's momentum encoder, or None), and the bytes of the best model's copy and the
-    queue (`copies`)."""
+    """One process's training objects for a step of `args` (the method's flags, batch_size over world_size processes,
+    max_seq_length, precision, pooler, --micro_batch_size, --gradient_checkpointing), built in the mode that is on
+    (FakeTensorMode for `estimate`; real tensors for a measurement): `step()`, `model`, `trainable`, `optimizer`,
+    `momentum` (miCSE's momentum encoder, or None), and the bytes of the best model's copy and the queue (`copies`)."""
     layout = passes(args)
     rows, width = args.batch_size // world_size, args.max_seq_length
     backbone = build(config, "eager" if layout["attentions"] else "sdpa").train()
@@ -340,8 +337,7 @@ def recipe(args, config, world_size: int = 1) -> SimpleNamespace:
     head = common.MLPHead(config) if args.pooler == "cls" or args.method == "whitenedcse" else None
     lm_head = _mlm_head(config) if layout["mlm"] else None
     model = common.BackboneWithHeads(backbone, head, lm_head)
-    momentum = common.BackboneWithHeads(build(config, "sdpa").requires_grad_(False)) if layout["momentum"] \
-        else None
+    momentum = common.BackboneWithHeads(build(config, "sdpa").requires_grad_(False)) if layout["momentum"] else None
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-5, fused=True)
     queue = getattr(args, "queue_size", 0) * config.hidden_size * 4 if momentum is not None else 0
@@ -366,8 +362,7 @@ def measured_step(args, config) -> int:
     run.step()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run.step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     now = top = 0
     for _, size in events:
         now += size
@@ -396,13 +391,12 @@ def no_estimate(err: Exception, args, config) -> UsageError:
 
 
 def estimate(args, config, world_size: int = 1, evaluations: bool = True) -> dict:
-    """Bytes of one process at its peaks: the training step's, split into "weights" (the model and its heads, the
-    best model's copy, miCSE's momentum encoder and queue), "gradients" (those alive at the peak), "optimizer"
-    (AdamW's moments) and "activations" (the rest of the peak: activations, their gradients, temporaries), with
-    "step" their sum; the dev gate's ("dev_gate": the training state, all its gradients included, and an fp32
-    evaluation batch) and the final evaluation's ("final_eval": the trained model, best/ and the pretrained model
-    loaded beside it; the gradients, AdamW's moments and the copy freed). A model the trace cannot follow is one
-    line (NoEstimate)."""
+    """Bytes of one process at its peaks: the training step's, split into "weights" (the model and its heads, the best
+    model's copy, miCSE's momentum encoder and queue), "gradients" (those alive at the peak), "optimizer" (AdamW's
+    moments) and "activations" (the rest of the peak: activations, their gradients, temporaries), with "step" their sum;
+    the dev gate's ("dev_gate": the training state, all its gradients included, and an fp32 evaluation batch) and the
+    final evaluation's ("final_eval": the trained model, best/ and the pretrained model loaded beside it; the gradients,
+    AdamW's moments and the copy freed). A model the trace cannot follow is one line (NoEstimate)."""
     try:
         return _estimate(args, config, world_size, evaluations)
     except Exception as err:

@@ -16,10 +16,8 @@ from plumbing import backbones, distributed, hub, resume, tracking
 def add_run_flags(parser) -> None:
     """The flags of a run, not of a method: output, resume, logging, evaluation, devices."""
     g = parser.add_argument_group("the run")
-    g.add_argument("--output_dir", default=None,
-                   help="best checkpoint (best/) + results.json (default runs/<method>)")
-    g.add_argument("--overwrite_output_dir", action="store_true",
-                   help="allow an --output_dir that holds a run")
+    g.add_argument("--output_dir", default=None, help="best checkpoint (best/) + results.json (default runs/<method>)")
+    g.add_argument("--overwrite_output_dir", action="store_true", help="allow an --output_dir that holds a run")
     g.add_argument("--resume", action="store_true",
                    help="continue the interrupted run in --output_dir from its last/ (the same "
                         "arguments), to exactly the result of an uninterrupted run")
@@ -28,22 +26,18 @@ def add_run_flags(parser) -> None:
                         "it (a requeued SLURM job, torchrun --max_restarts); a run stopped before its "
                         "first save starts again")
     g.add_argument("--save_steps", type=int, default=None,
-                   help="also save last/ every this many steps (see --save_minutes; always on "
-                        "Ctrl-C / SIGTERM)")
+                   help="also save last/ every this many steps (see --save_minutes; always on Ctrl-C / SIGTERM)")
     g.add_argument("--save_minutes", type=float, default=10.0,
-                   help="save last/ (and write best/) at the first dev gate after this many minutes of "
-                        "training since the last save; 0: at every dev gate. A SIGKILL loses what "
-                        "came after the last save")
-    g.add_argument("--keep_last", action="store_true",
-                   help="keep last/ when the run completes (the weights, twice their size of "
-                        "optimiser state, the RNG streams)")
+                   help="save last/ (and write best/) at the first dev gate after this many minutes of training since "
+                        "the last save; 0: at every dev gate. A SIGKILL loses what came after the last save")
+    g.add_argument("--keep_last", action="store_true", help="keep last/ when the run completes (the weights, twice "
+                                                            "their size of optimiser state, the RNG streams)")
     g.add_argument("--logging_steps", type=int, default=None,
                    help="log loss and steps/s every this many steps (default: at the dev steps); "
                         "each log reads the losses from the device: one host sync")
     g.add_argument("--align_uniform_steps", type=int, default=None,
-                   help="also encode STS-B dev every this many steps between the dev gates, for "
-                        "the trajectory's l_align / l_uniform (SimCSE Figure 2: 10); each costs a "
-                        "dev encoding")
+                   help="also encode STS-B dev every this many steps between the dev gates, for the trajectory's "
+                        "l_align / l_uniform (SimCSE Figure 2: 10); each costs a dev encoding")
     g.add_argument("--report_to", nargs="+", default=["none"], choices=["none", *tracking.TRACKERS],
                    help="trackers of the loss, lr, gradient norm, STS-B dev, l_align / l_uniform and the test "
                         "scores: tensorboard (<output_dir>/tb), wandb, mlflow, or several; each an optional "
@@ -64,13 +58,11 @@ def add_run_flags(parser) -> None:
     g.add_argument("--no_align_uniform", action="store_true",
                    help="skip the final l_align / l_uniform of the pretrained model and of best/ (two "
                         "encodings of STS-B dev; the dev gates' own are in the trajectory)")
-    g.add_argument("--eval_transfer", nargs="?", const="test", choices=["test", "fasttest"],
-                   default=None, help="also evaluate the best checkpoint on SentEval's 7 transfer "
-                                      "tasks (eval_transfer.py)")
+    g.add_argument("--eval_transfer", nargs="?", const="test", choices=["test", "fasttest"], default=None,
+                   help="also evaluate the best checkpoint on SentEval's 7 transfer tasks (eval_transfer.py)")
     g.add_argument("--device", default=None, help="cuda, cuda:N, cpu (default: cuda if available)")
     g.add_argument("--num_workers", type=int, default=0, help="DataLoader worker processes")
-    g.add_argument("--fp32", dest="precision", action="store_const", const="fp32",
-                   help="alias of --precision fp32")
+    g.add_argument("--fp32", dest="precision", action="store_const", const="fp32", help="alias of --precision fp32")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the encoder for the training passes (batches padded to a "
                         "multiple of 8, so that few shapes compile); with --cuda_graph, the compiled "
@@ -91,13 +83,11 @@ def add_run_flags(parser) -> None:
                    help="deterministic algorithms on CUDA (torch.use_deterministic_algorithms, "
                         "CUBLAS_WORKSPACE_CONFIG): a resumed GPU run is then bit-identical; slower")
     g.add_argument("--gradient_checkpointing", action="store_true",
-                   help="recompute each encoder layer's activations in the backward pass (dropout "
-                        "replayed): the same losses and gradients in less memory, about 1/3 more "
-                        "compute (docs/engineering.md#memory)")
+                   help="recompute each encoder layer's activations in the backward pass (dropout replayed): the same "
+                        "losses and gradients in less memory, about 1/3 more compute (docs/engineering.md#memory)")
     g.add_argument("--micro_batch_size", type=int, default=None, metavar="K",
-                   help="encode each process's batch K examples at a time (GradCache): the loss "
-                        "and gradients of the whole batch, its negatives included, with K "
-                        "examples' activations; an extra forward pass")
+                   help="encode each process's batch K examples at a time (GradCache): the loss and gradients of the "
+                        "whole batch, its negatives included, with K examples' activations; an extra forward pass")
     g.add_argument("--fit_memory", action="store_true",
                    help="on a GPU, where this command's estimated peak exceeds the free memory, switch on the "
                         "first exact setting that fits (--gradient_checkpointing, then --micro_batch_size K, "

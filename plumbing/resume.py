@@ -222,8 +222,7 @@ def save(args, step: int, run_state: dict, loader, history, loop: dict) -> None:
     takes part. A write that fails is one line, the previous last/ whole."""
     out = Path(args.output_dir)
     tmp = out / "last.tmp"
-    kept = "last/ and best/ hold the last complete save; free some space, then run the same command with " \
-           "--auto_resume"
+    kept = "last/ and best/ hold the last complete save; free some space, then run the same command with --auto_resume"
     with files.failed_write(out / "last", tmp, kept):  # a full disk: one line, the previous last/ whole
         if distributed.rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -370,8 +370,7 @@ class Run:
         if self.history.skipped:  # fp16
             message += f"  skipped {len(self.history.skipped)} (fp16 overflow; the GradScaler lowers its scale)"
         # lr: what the scheduler set for the next step (as the HF Trainer logs it; --cuda_graph: a device tensor)
-        point = {"step": step, "train_time_s": round(self.train_time, 3),
-                 "lr": float(self.scheduler.get_last_lr()[0])}
+        point = {"step": step, "train_time_s": round(self.train_time, 3), "lr": float(self.scheduler.get_last_lr()[0])}
         if gate:
             point.update(self.measures, gate=True)
             message += f"  STS-B dev {self.measures['stsb_dev']:.2f}  best {self.best_dev:.2f} " \
@@ -407,12 +406,11 @@ class Run:
     # ------------------------------------------------------------------------------------------------ the end
     def evaluate_best(self, eval_pooler: str, **extra) -> dict | None:
         """The end of a run. best/ written from its copy; the processes part (the others exit: process 0's long final
-        evaluation holds nobody in a barrier); on process 0 the run's record, written to results.json before the
-        final evaluation when the training ran to its end (so that a stop or a kill in that evaluation loses
-        nothing: --auto_resume runs the evaluation alone), then best/ reloaded as eval_sts.py loads it and
-        evaluated: the 7 STS test tasks (SimCSE's Table 5 protocol), l_align / l_uniform of it and of the
-        pretrained model, --eval_transfer. A signal stops it, and results.json records that. None on the other
-        processes."""
+        evaluation holds nobody in a barrier); on process 0 the run's record, written to results.json before the final
+        evaluation when the training ran to its end (so that a stop or a kill in that evaluation loses nothing:
+        --auto_resume runs the evaluation alone), then best/ reloaded as eval_sts.py loads it and evaluated: the 7 STS
+        test tasks (SimCSE's Table 5 protocol), l_align / l_uniform of it and of the pretrained model, --eval_transfer.
+        A signal stops it, and results.json records that. None on the other processes."""
         self.stop.phase = "writing best/"  # a signal now lets best/ be written whole, then stops the run
         self.flush_best()
         self.stop.settle()  # every process the same stop, whichever got the signal

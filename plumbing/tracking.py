@@ -206,8 +206,7 @@ class Trackers:
 
 @contextlib.contextmanager
 def refused(tracker: str, advice: str):
-    """A tracker that cannot start (not logged in, a server out of reach) stops the run before training, in one
-    line."""
+    """A tracker that cannot start (not logged in, a server out of reach) stops the run before training, in one line."""
     try:
         yield
     except Exception as err:
