@@ -44,18 +44,21 @@ def status_files(results: Path) -> dict:
 
 
 def test_a_protocol_runs_as_local_jobs_and_a_preempted_job_is_requeued_to_the_same_results(
-        protocol_files, tmp_path, capsys):
+        protocol_files, tmp_path, capsys, monkeypatch):
     """`report.py run --executor local --wait`: the protocol's two runs of seed 1 in one local job, one after
     another (each a new interpreter: seed 2's two more took 20 s of CPU for nothing new). While the second run
     trains, the job gets SIGUSR2, what submitit handles as Slurm's pre-emption: the run gets SIGTERM and saves
     last/, submitit requeues the job (its local executor restarts it), the requeued job resumes the run with
     --auto_resume. `status` shows the requeue; the requeued run's scores and best/ weights are those of the same
-    command run straight; a second `run` submits nothing."""
+    command run straight; a second `run` submits nothing, and parses no command again (each submitted as it is)."""
     import importlib
     import protocols
     import report
     from safetensors.torch import load_file
     protocol_files.write_text(json.dumps({**json.loads(protocol_files.read_text()), "seeds": [1]}))
+    parsed, check_commands = [], protocols.check_commands
+    monkeypatch.setattr(protocols, "check_commands", lambda runs: [parsed.append([r["row"] for r in runs]),
+                                                                   check_commands(runs)])
     report.main(["run", "--protocol", str(protocol_files), "--executor", "local", "--timeout_min", "10"])
     out = capsys.readouterr().out
     assert "2 to make (local jobs)" in out and "submitted 1 job(s)" in out, out
@@ -91,6 +94,7 @@ def test_a_protocol_runs_as_local_jobs_and_a_preempted_job_is_requeued_to_the_sa
         assert all(torch.equal(got[k], ref[k]) for k in ref), run["row"]
     report.main(["run", "--protocol", str(protocol_files), "--executor", "local"])
     assert "2 done or queued, 0 to make" in capsys.readouterr().out
+    assert parsed == [["simcse", "sscl"], [], []], parsed
 
 
 def test_one_run_across_two_tasks_trains_as_one_process(tmp_path, corpus, senteval_dir, capsys, monkeypatch):

@@ -220,7 +220,7 @@ def submit(todo: list[dict], folder: Path, executor: str, gpus: list[int] | None
             files.write_json(Path(run["status"]), {"job": str(job.job_id), "executor": executor,
                                                    "user": getpass.getuser(), "log": str(Path(job.paths.stdout)),
                                                    "errors": str(Path(job.paths.stderr)), "time": time.time(),
-                                                   "tasks": job.num_tasks})
+                                                   "tasks": job.num_tasks, "argv": run["argv"]})
     files.write_json(folder / "owner.json", {"user": getpass.getuser()})
     return jobs
 

@@ -600,9 +600,12 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs:
     """Every run of `protocol` not finished yet (a stopped one resumes from its last/): one at a time here, or as
     submitit's jobs (`jobs`: --executor, --gpus and the job flags; tools/cluster.py), which this command waits for
     with --wait; each run's results.json, with its wall and CPU time under "report", goes to results/<name>/. Every
-    command line is read by its script's parser first: a mistake is one line, before anything runs or is queued."""
+    command line is read by its script's parser first (but one submitted before as it is, which was read then): a
+    mistake is one line, before anything runs or is queued."""
     every = protocols.runs(protocol, extra)
-    protocols.check_commands(every)
+    folder = RESULTS / protocol["name"] / "jobs"  # a command submitted before as it is was read then (its note)
+    protocols.check_commands([run for run in every if cluster.status_of(cluster.attach(
+        run, RESULTS / protocol["name"], folder)).get("argv") != run["argv"]])  # else each `run` imports torch: 4 s
     done = protocols.collect(protocol, RESULTS)
     todo = [run for run in every if run["seed"] not in done.get(run["row"], {})]
 
@@ -612,7 +615,6 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs:
               f"{' or queued' if jobs else ''}, {len(todo)} to make ({how}); wall time: "
               f"{protocols.estimate(todo, RESULTS)}", flush=True)
     if jobs:
-        folder = RESULTS / protocol["name"] / "jobs"
         with cluster.holding(folder):  # what is queued, then the rest submitted: one `run` command at a time
             todo = [cluster.attach(run, RESULTS / protocol["name"], folder) for run in todo]
             queued = cluster.queued(todo)  # pending, requeued or running: a second `run` resubmits none of them
