@@ -95,6 +95,11 @@ def test_a_protocol_runs_as_local_jobs_and_a_preempted_job_is_requeued_to_the_sa
     report.main(["run", "--protocol", str(protocol_files), "--executor", "local"])
     assert "2 done or queued, 0 to make" in capsys.readouterr().out
     assert parsed == [["simcse", "sscl"], [], []], parsed
+    with pytest.raises(SystemExit) as stop:  # a command changed since it was submitted: read again, and refused
+        report.main(["run", "--protocol", str(protocol_files), "--executor", "local", "--args", "--lrr 1e-5"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--lrr" in err and len(err.strip().splitlines()) == 1, err
+    assert parsed[-1] == ["simcse", "sscl"], parsed
 
 
 def test_one_run_across_two_tasks_trains_as_one_process(tmp_path, corpus, senteval_dir, capsys, monkeypatch):
@@ -206,9 +211,13 @@ def test_runs_per_gpu_is_capped_by_what_the_memory_estimate_fits(protocol_files,
               if run["seed"] == todo[0]["seed"]]  # each row once: a seed changes no tensor's size
     largest = max(memory.peak(memory.estimate(args, hub.local_config(args.model_name_or_path))) for args in parsed)
     per_run = (largest + memory.CONTEXT) / (1 - memory.FRAGMENTATION)
+    traced, estimate = [], memory.estimate
+    monkeypatch.setattr(memory, "estimate", lambda args, *rest, **kw: [traced.append(args.seed),
+                                                                        estimate(args, *rest, **kw)][1])
     for room, want in ((2.5, 2), (5.2, 4)):
         monkeypatch.setattr(memory, "device_free", lambda device: int(room * per_run))
         assert cluster.runs_that_fit(todo, [0], 4) == want
+    assert len(traced) == 2 * len(parsed), traced  # each row's estimate once a call, whatever its seeds
     assert "--runs_per_gpu 4:" in capsys.readouterr().out
 
 

@@ -229,13 +229,21 @@ def two_processes(tiny_model, no_dropout_model, well_conditioned_no_dropout_mode
     two = smoke_args(no_dropout_model, corpus, senteval_dir, "unused")[:-4] + ["--device", "cpu", "--max_steps", 2]
     runs.append(("simcse", two, workdir / "slow_final_evaluation", {"timeout": 8, "sleep": 14}))  # the last
     proc = launch(runs, workdir)
-    return {"launch": proc, **{run[2].name: run[2] for run in runs}}
+    return {"launch": proc, "launch_dir": workdir, **{run[2].name: run[2] for run in runs}}
+
+
+def launch_failure(two_processes) -> str:
+    """Why the launch failed: the stderr of the run whose traceback ended it (DRIVER stops there), else torchrun's."""
+    for seen in sorted(two_processes["launch_dir"].rglob("seen_rank*.json")):
+        if json.loads(seen.read_text())["exit"] == "traceback":
+            return f"{seen.parent.name}: " + (seen.parent / f"stderr_{seen.stem[5:]}.txt").read_text()[-3000:]
+    return two_processes["launch"].stderr[-3000:]
 
 
 def two_process_run(two_processes, case) -> Path:
     """The case's output folder, once both its processes ended it without a traceback."""
     launched, out = two_processes["launch"], two_processes[case]
-    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert launched.returncode == 0, launch_failure(two_processes)
     for rank in (0, 1):
         seen = json.loads((out / f"seen_rank{rank}.json").read_text())
         assert seen["exit"] == 0, (out / f"stderr_rank{rank}.txt").read_text()[-3000:]
@@ -309,7 +317,7 @@ def test_a_signal_to_any_process_stops_every_process_and_the_resumes_end_as_the_
     dev curve, best/ and parameters, bit for bit. Where only the signalled process recorded the stop, process 0 wrote
     a completed run (interrupted false, no test scores), deleted last/ and exited 0."""
     launched, out, parts = two_processes["launch"], two_processes["stopped"], two_processes["stopped"].parent
-    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert launched.returncode == 0, launch_failure(two_processes)
 
     def seen(i, rank):
         return json.loads((parts / f"part{i}" / f"seen_rank{rank}.json").read_text())

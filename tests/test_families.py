@@ -263,7 +263,11 @@ def test_a_family_without_gradient_checkpointing_is_offered_micro_batches_alone(
     assert not memory.checkpointing(config) and memory.checkpointing(hub.local_config(str(family_models["bert"])))
     assert memory.settings(16, memory.checkpointing(config)) == [{"micro_batch_size": 8}]
     args = simcse.parse_args(["--model_name_or_path", path, "--batch_size", "16"])
-    assert memory.first_fit(args, config, 0) == (None, None)  # nothing fits 0 bytes; no exception
+    # nothing fits 0 bytes: the evaluations alone exceed it (no setting traced), and with evaluations of 0 bytes
+    # the one setting, micro-batches of 8, is traced and does not fit either; no exception
+    assert memory.first_fit(args, config, 0) == (None, None)
+    found = {**memory.estimate(args, config), "dev_gate": 0, "final_eval": 0}
+    assert memory.first_fit(args, config, 0, found=found) == (None, None)
     code, err = cli_in_process(bench, "--memory", "--recipes", "simcse", "--model_name_or_path", path,
                                "--gradient_checkpointing")
     assert code == 2 and len(err.strip().splitlines()) == 1, err
