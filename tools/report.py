@@ -602,10 +602,10 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs:
     with --wait; each run's results.json, with its wall and CPU time under "report", goes to results/<name>/. Every
     command line is read by its script's parser first (but one submitted before as it is, which was read then): a
     mistake is one line, before anything runs or is queued."""
-    every = protocols.runs(protocol, extra)
-    folder = RESULTS / protocol["name"] / "jobs"  # a command submitted before as it is was read then (its note)
-    protocols.check_commands([run for run in every if cluster.status_of(cluster.attach(
-        run, RESULTS / protocol["name"], folder)).get("argv") != run["argv"]])  # else each `run` imports torch: 4 s
+    folder = RESULTS / protocol["name"] / "jobs"  # the runs' submission notes (cluster.attach)
+    every = [cluster.attach(run, RESULTS / protocol["name"], folder) for run in protocols.runs(protocol, extra)]
+    # a command submitted before as it is was read then (its note holds it): else each `run` imports torch, 4 s
+    protocols.check_commands([run for run in every if cluster.status_of(run).get("argv") != run["argv"]])
     done = protocols.collect(protocol, RESULTS)
     todo = [run for run in every if run["seed"] not in done.get(run["row"], {})]
 
@@ -616,7 +616,6 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs:
               f"{protocols.estimate(todo, RESULTS)}", flush=True)
     if jobs:
         with cluster.holding(folder):  # what is queued, then the rest submitted: one `run` command at a time
-            todo = [cluster.attach(run, RESULTS / protocol["name"], folder) for run in todo]
             queued = cluster.queued(todo)  # pending, requeued or running: a second `run` resubmits none of them
             waiting = [run for run, is_queued in zip(todo, queued) if is_queued]
             todo = [run for run, is_queued in zip(todo, queued) if not is_queued]
