@@ -156,8 +156,9 @@ def test_the_sbatch_script_submitit_writes_for_the_flags(tmp_path, monkeypatch):
 
 
 def test_bad_input_is_one_line_before_anything_is_submitted(protocol_files, tmp_path, monkeypatch, capsys):
-    """No submitit, --executor slurm without srun, a Slurm parameter submitit does not know, a protocol folder whose
-    jobs another user submitted: one line each, exit 2, nothing submitted."""
+    """No submitit, --executor slurm without srun, a Slurm parameter submitit does not know, a warning that could
+    come as the job starts, a protocol folder whose jobs another user submitted: one line each, exit 2, nothing
+    submitted."""
     import sys
     import report
     jobs = tmp_path / "results" / "tiny" / "jobs"
@@ -175,6 +176,7 @@ def test_bad_input_is_one_line_before_anything_is_submitted(protocol_files, tmp_
     refused(["--executor", "slurm"], "--executor slurm: this machine has no srun")
     fake_slurm(tmp_path, monkeypatch)
     refused(["--executor", "slurm", "--slurm", "not_a_parameter=1"], "submitit refuses a parameter")
+    refused(["--executor", "slurm", "--timeout_min", "1", "--signal_delay_s", "30"], "give less than 30")
     jobs.mkdir(parents=True)
     (jobs / "owner.json").write_text(json.dumps({"user": "someone-else"}))
     refused(["--executor", "local"], "holds the jobs of user someone-else")

@@ -325,9 +325,12 @@ def array_task_killed(place: Place, setting: dict) -> None:
 
 def time_limit_keeps_coming(place: Place, setting: dict) -> None:
     """(a, g) a real time limit: --timeout_min 1 on a run that needs far longer, --max_timeouts 1. Slurm's warning
-    (USR2, 30 s before the limit) stops the run and submitit requeues it once; the second warning ends it: failed,
-    with submitit's reason; `run --wait` returns, and a second `run` would resubmit it."""
-    done = place.submit("--timeout_min", "1", "--signal_delay_s", "30", "--max_timeouts", "1", wait=True,
+    (USR2, 20 s before the limit) stops the run and submitit requeues it once; the second warning ends it: failed,
+    with submitit's reason; `run --wait` returns, and a second `run` would resubmit it. Slurm checks its time limits
+    every 30 s and sends the warning at the first check within 30 s of its time: 10 to 40 s after the job's start
+    here (30 s before the limit was 0 to 30 s: a warning in the job's first second killed its interpreter before
+    submitit's handler, once in CI)."""
+    done = place.submit("--timeout_min", "1", "--signal_delay_s", "20", "--max_timeouts", "1", wait=True,
                         check=False)
     assert done.returncode == 1, (done.stdout, done.stderr)
     line = place.line()

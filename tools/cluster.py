@@ -476,9 +476,9 @@ def options(args, gpus) -> dict | None:
     if extra and executor != "slurm":
         raise plumbing.UsageError("--slurm's parameters go with --executor slurm")
     timeout = args.timeout_min or (240 if executor == "slurm" else 7 * 24 * 60)
-    if executor == "slurm" and args.signal_delay_s >= timeout * 60:
-        raise plumbing.UsageError(f"--signal_delay_s {args.signal_delay_s}: the warning would come before the job "
-                                  f"starts (--timeout_min {timeout}); give less than {timeout * 60}")
+    if executor == "slurm" and args.signal_delay_s + 30 >= timeout * 60:  # Slurm checks its limits every 30 s
+        raise plumbing.UsageError(f"--signal_delay_s {args.signal_delay_s}: the warning (up to 30 s early) could come "
+                                  f"as the job starts (--timeout_min {timeout}); give less than {timeout * 60 - 30}")
     if (args.tasks_per_node or 1) < 1 or args.nodes < 1 or args.max_timeouts < 0:
         raise plumbing.UsageError("--tasks_per_node and --nodes are at least 1, --max_timeouts at least 0")
     return {"executor": executor, "wait": args.wait, "runs_per_gpu": args.runs_per_gpu,
