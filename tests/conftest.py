@@ -190,6 +190,17 @@ def cli_in_process(module, *args):
     return code, err.getvalue()
 
 
+def offline_cli(module, monkeypatch, cache, *args):
+    """cli_in_process on a machine without the network and with an empty Hugging Face cache at `cache` (the hub's
+    and transformers' lookups read it at each call): what a first offline run of the command meets, as
+    HF_HUB_OFFLINE=1 and a fresh HF_HOME give it in a new process."""
+    from huggingface_hub import constants
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    return cli_in_process(module, *args)
+
+
 def in_process_scores(evaluator, *args):
     """An evaluator's main() run in this process (each CLI has its own subprocess tests): the scores it writes."""
     with tempfile.TemporaryDirectory() as tmp:

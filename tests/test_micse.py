@@ -12,7 +12,7 @@ import eval_sts
 import micse
 import plumbing
 from plumbing import hub
-from conftest import SHARED, in_process_scores, needs_shared, run_script, smoke_args
+from conftest import SHARED, in_process_scores, needs_shared, offline_cli, run_script, smoke_args
 
 
 def random_attention(n=3, layers=4, heads=2, length=4, seed=0, padded_keys=None):
@@ -425,12 +425,14 @@ def test_smoke_run(tiny_model, corpus, senteval_dir, tmp_path):
                              "--pooler", "cls_before_pooler") == results["test"]
 
 
-def test_released_subset_offline_names_the_file_and_the_flag(tiny_model, tmp_path):
-    proc = run_script("micse.py", "--fraction", "0.01", "--seed", "48", "--output_dir", tmp_path / "o",
-                      "--model_name_or_path", tiny_model, env_extra={"HF_HOME": str(tmp_path / "hf")})
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    line = proc.stderr.strip().splitlines()
-    assert len(line) == 1 and "wiki_subset_1M_001.00percent_seed48.txt" in line[0] and "--train_file" in line[0]
+def test_released_subset_offline_names_the_file_and_the_flag(tiny_model, tmp_path, monkeypatch):
+    """In this process (offline, an empty cache: conftest.offline_cli); the CLI's own subprocess test: the smoke
+    run."""
+    code, stderr = offline_cli(micse, monkeypatch, tmp_path / "hf", "--fraction", "0.01", "--seed", "48",
+                               "--output_dir", tmp_path / "o", "--model_name_or_path", tiny_model)
+    line = stderr.strip().splitlines()
+    assert code == 2 and len(line) == 1, stderr
+    assert "wiki_subset_1M_001.00percent_seed48.txt" in line[0] and "--train_file" in line[0]
 
 
 def test_a_local_copy_of_the_authors_subset_is_read_whole_under_its_name(tmp_path):
@@ -451,12 +453,12 @@ def test_a_local_copy_of_the_authors_subset_is_read_whole_under_its_name(tmp_pat
         assert subset is None and len(examples) == 3 and set(examples["text"]) < set(lines)
 
 
-def test_headline_command_offline_names_the_local_path_flags(tmp_path):
-    proc = run_script("micse.py", "--fraction", "0.01", "--seed", "3", "--output_dir", tmp_path,
-                      env_extra={"HF_HOME": str(tmp_path / "hf")})
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    line = proc.stderr.strip().splitlines()
-    assert len(line) == 1 and all(f in line[0] for f in ("--model_name_or_path", "--train_file", "--senteval_dir"))
+def test_headline_command_offline_names_the_local_path_flags(tmp_path, monkeypatch):
+    code, stderr = offline_cli(micse, monkeypatch, tmp_path / "hf", "--fraction", "0.01", "--seed", "3",
+                               "--output_dir", tmp_path)
+    line = stderr.strip().splitlines()
+    assert code == 2 and len(line) == 1, stderr
+    assert all(f in line[0] for f in ("--model_name_or_path", "--train_file", "--senteval_dir"))
 
 
 def test_no_negatives_runs_positive_pairs_alone(tiny_model, corpus, senteval_dir, tmp_path):
