@@ -14,7 +14,7 @@ import common
 import eval_sts
 import plumbing
 from plumbing import checkpoint, hub, run
-from conftest import ROOT, gates, run_script, smoke_args
+from conftest import ROOT, cli_in_process, gates, run_script, smoke_args
 
 SCRIPTS = ["simcse", "simcsepp", "sscl", "whitenedcse", "micse"]
 METHOD_FLAGS = {"whitenedcse": ["--num_groups", "16"]}
@@ -152,23 +152,35 @@ def test_a_failing_save_leaves_the_previous_best_intact(tiny_model, tmp_path, mo
 
 @pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_signal_stops_at_a_step_boundary_and_keeps_what_the_run_reached(signum, code, tiny_model, corpus,
-                                                                        senteval_dir, tmp_path):
+                                                                        senteval_dir, tmp_path, monkeypatch):
+    """SIGTERM (a cluster's stop) to the real CLI's process once training is under way; Ctrl-C's SIGINT to this
+    process from within step 6, main() run as plumbing.cli runs it (SIGINT to one process of torchrun's two:
+    test_distributed.py)."""
     out = tmp_path / "run"
     args = smoke_args(tiny_model, corpus, senteval_dir, out)
-    args[args.index("--max_steps") + 1] = 100_000
-    proc = subprocess.Popen([sys.executable, str(ROOT / "simcse.py"), *map(str, args), "--eval_steps", "5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
-    for line in proc.stdout:  # wait until training is under way and one checkpoint exists
-        if line.startswith("step 5/"):
-            break
-    proc.send_signal(signum)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == code, stderr
+    steps = args[args.index("--max_steps") + 1] = 100_000 if signum == signal.SIGTERM else 50  # not reached
+    if signum == signal.SIGINT:
+        import os
+        import simcse
+        record = run.Run.record
+        monkeypatch.setattr(run.Run, "record", lambda self, *a, **k: (
+            self.current_step == 6 and os.kill(os.getpid(), signum)) or record(self, *a, **k))
+        returncode, stderr = cli_in_process(simcse, *args, "--eval_steps", "5")
+    else:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "simcse.py"), *map(str, args), "--eval_steps", "5"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+        for line in proc.stdout:  # wait until training is under way and one checkpoint exists
+            if line.startswith("step 5/"):
+                break
+        proc.send_signal(signum)
+        stderr = proc.communicate(timeout=120)[1]
+        returncode = proc.returncode
+    assert returncode == code, stderr
     assert "Traceback" not in stderr
     results = json.loads((out / "results.json").read_text())
     assert results["interrupted"] is True and results["interrupted_during"] == "training" and "test" not in results
-    assert 5 <= results["steps"] < 100_000 and len(results["train_loss"]) == results["steps"]
+    assert 5 <= results["steps"] < steps and len(results["train_loss"]) == results["steps"]
     assert [s for s, _ in gates(results)][:2] == [0, 5]
     assert results["best_step"] in [s for s, _ in gates(results)]
     from transformers import AutoModel

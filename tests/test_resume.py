@@ -228,15 +228,15 @@ def test_resume_with_a_changed_lr_is_one_line_naming_it(tiny_model, corpus, sent
 
 
 def test_resume_without_last_is_one_line_and_the_guards_stay(tiny_model, corpus, senteval_dir, tmp_path):
-    out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "simcse.py"),
-                           *case_args("simcse", tiny_model, corpus, senteval_dir, out, tmp_path), "--resume"],
-                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --resume: {out} has no last/ to resume from")
-    assert proc.stderr.strip().endswith("the same command with --auto_resume instead starts a run that stopped "
-                                        "before its first save again")
+    """In this process, as plumbing.cli runs main() (simcse.py's CLI: its subprocess tests)."""
     import simcse
+    out = tmp_path / "run"
+    code, stderr = cli_in_process(simcse, *case_args("simcse", tiny_model, corpus, senteval_dir, out, tmp_path),
+                                  "--resume")
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert stderr.strip().startswith(f"error: --resume: {out} has no last/ to resume from")
+    assert stderr.strip().endswith("the same command with --auto_resume instead starts a run that stopped before its "
+                                   "first save again")
     argv = case_args("simcse", tiny_model, corpus, senteval_dir, out, tmp_path)
     with pytest.raises(plumbing.UsageError, match="give one of them"):
         simcse.main(argv + ["--resume", "--overwrite_output_dir"])
