@@ -118,9 +118,9 @@ class Place:
         return json.loads((self.folder / "results" / self.name / f"{row}.seed1.json").read_text())
 
     def until(self, what, timeout=240, why="", every=0.5):
-        """what()'s value once it is true, asked every `every` s (2 where it asks status: a new interpreter, squeue
-        and sacct each time, which at 0.5 s took 100 s of CPU beside the jobs); else the scenario fails, naming `why`
-        and the status."""
+        """what()'s value once it is true, asked every `every` s (3 where it asks status: a new interpreter, squeue
+        and sacct each time, which at 0.5 s took 100 s of CPU beside the jobs, at 2 s 17 s); else the scenario
+        fails, naming `why` and the status."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             value = what()
@@ -130,9 +130,9 @@ class Place:
         raise AssertionError(f"{self.name}: not {why} within {timeout} s; status: {self.status()}")
 
     def says(self, *words: str, row: str = "simcse", timeout=240) -> str:
-        """Until status's line for the row has one of `words`: the line (status asked every 2 s)."""
+        """Until status's line for the row has one of `words`: the line (status asked every 3 s)."""
         return self.until(lambda: next((s for s in [self.line(row)] if any(w in s for w in words)), None), timeout,
-                          f"{row} {' or '.join(words)}", 2)
+                          f"{row} {' or '.join(words)}", 3)
 
     def training(self, row: str = "simcse", start: int = 1):
         """Until the run trains in its job's `start`-th start: the job's note says so, and last/ was saved since."""
