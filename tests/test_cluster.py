@@ -176,7 +176,13 @@ def test_bad_input_is_one_line_before_anything_is_submitted(protocol_files, tmp_
     refused(["--executor", "slurm"], "--executor slurm: this machine has no srun")
     fake_slurm(tmp_path, monkeypatch)
     refused(["--executor", "slurm", "--slurm", "not_a_parameter=1"], "submitit refuses a parameter")
-    refused(["--executor", "slurm", "--timeout_min", "1", "--signal_delay_s", "30"], "give less than 30")
+    refused(["--executor", "slurm", "--timeout_min", "1", "--signal_delay_s", "21"], "give at most 20")
+    import argparse
+    import cluster
+    parser = argparse.ArgumentParser()
+    cluster.add_arguments(parser)  # the limit itself is taken: test_slurm.py's time limit
+    accepted = parser.parse_args(["--executor", "slurm", "--timeout_min", "1", "--signal_delay_s", "20"])
+    assert cluster.options(accepted, None)["signal_delay_s"] == 20
     jobs.mkdir(parents=True)
     (jobs / "owner.json").write_text(json.dumps({"user": "someone-else"}))
     refused(["--executor", "local"], "holds the jobs of user someone-else")

@@ -457,7 +457,8 @@ def add_arguments(parser) -> None:
                    help="Slurm: a job that reaches its time limit is requeued this many times, then ends failed "
                         "(submitit's count; a pre-emption is always requeued)")
     g.add_argument("--signal_delay_s", type=int, default=120,
-                   help="Slurm: the signal this long before the time limit (a run saves last/ at its step's end)")
+                   help="Slurm: the signal this long before the time limit (a run saves last/ at its step's end); "
+                        "Slurm sends it up to 30 s early, so at most the limit less 40 s")
     g.add_argument("--slurm", nargs="*", default=[], metavar="KEY=VALUE",
                    help="more of submitit's Slurm parameters, e.g. qos=high constraint=a100 (slurm_ prefixed)")
 
@@ -476,9 +477,10 @@ def options(args, gpus) -> dict | None:
     if extra and executor != "slurm":
         raise plumbing.UsageError("--slurm's parameters go with --executor slurm")
     timeout = args.timeout_min or (240 if executor == "slurm" else 7 * 24 * 60)
-    if executor == "slurm" and args.signal_delay_s + 30 >= timeout * 60:  # Slurm checks its limits every 30 s
+    if executor == "slurm" and args.signal_delay_s > timeout * 60 - 40:  # Slurm checks its limits every 30 s
         raise plumbing.UsageError(f"--signal_delay_s {args.signal_delay_s}: the warning (up to 30 s early) could come "
-                                  f"as the job starts (--timeout_min {timeout}); give less than {timeout * 60 - 30}")
+                                  f"before the job has started (--timeout_min {timeout}); give at most "
+                                  f"{timeout * 60 - 40}")
     if (args.tasks_per_node or 1) < 1 or args.nodes < 1 or args.max_timeouts < 0:
         raise plumbing.UsageError("--tasks_per_node and --nodes are at least 1, --max_timeouts at least 0")
     return {"executor": executor, "wait": args.wait, "runs_per_gpu": args.runs_per_gpu,
