@@ -3,6 +3,7 @@ atomic saves; Ctrl-C / SIGTERM keep what the run reached; the same seed gives th
 import hashlib
 import importlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -160,7 +161,6 @@ def test_signal_stops_at_a_step_boundary_and_keeps_what_the_run_reached(signum, 
     args = smoke_args(tiny_model, corpus, senteval_dir, out)
     steps = args[args.index("--max_steps") + 1] = 100_000 if signum == signal.SIGTERM else 50  # not reached
     if signum == signal.SIGINT:
-        import os
         import simcse
         record = run.Run.record
         monkeypatch.setattr(run.Run, "record", lambda self, *a, **k: (
@@ -169,7 +169,7 @@ def test_signal_stops_at_a_step_boundary_and_keeps_what_the_run_reached(signum, 
     else:
         proc = subprocess.Popen([sys.executable, str(ROOT / "simcse.py"), *map(str, args), "--eval_steps", "5"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
         for line in proc.stdout:  # wait until training is under way and one checkpoint exists
             if line.startswith("step 5/"):
                 break
@@ -261,7 +261,6 @@ def test_nli_triplets_given_to_an_unsupervised_run_are_refused(tiny_model, sente
 
 
 def test_checkpoint_files_get_the_users_umask(tiny_model, tmp_path):
-    import os
     from transformers import AutoModel, AutoTokenizer
     tokenizer, backbone = AutoTokenizer.from_pretrained(tiny_model), AutoModel.from_pretrained(tiny_model)
     saved = os.umask(0o022)
@@ -294,7 +293,6 @@ def test_a_signal_during_the_final_evaluation_stops_it_and_is_recorded(tiny_mode
                                                                        monkeypatch, capsys):
     """A SIGTERM after training (a cluster's time limit during the test evaluation) stops the evaluation at once,
     says so, keeps best/ and writes results.json with what was done, then exits 143."""
-    import os
     import eval_sts
     import simcse
     evaluate = eval_sts.evaluate
