@@ -310,9 +310,10 @@ def micse_step(encoder, batch: dict, head=None, queue=None, generator=None, temp
 
 
 def momentum_copy(encoder, dropout: float = 0.3):
-    """The momentum encoder: a copy of `encoder`, no gradients, every nn.Dropout at `dropout` (a
-    module's float rate, as ModernBERT's attention's, stays: the suite sets it with set_dropout)"""
-    momentum = copy.deepcopy(encoder).requires_grad_(False)
+    """The momentum encoder: a copy of `encoder` in train mode whatever its mode (a loaded model's
+    is eval), no gradients, every nn.Dropout at `dropout` (a module's float rate, as ModernBERT's
+    attention's, stays: the suite sets it with set_dropout)"""
+    momentum = copy.deepcopy(encoder).requires_grad_(False).train()
     for module in momentum.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = dropout

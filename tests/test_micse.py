@@ -381,6 +381,19 @@ def test_momentum_encoder_copy_runs_sdpa_and_the_online_encoder_keeps_its_attent
                                atol=1e-5, rtol=1e-5)
 
 
+def test_momentum_copy_of_an_eval_mode_model_is_in_train_mode_with_its_dropout_acting(tiny_model):
+    """A model loaded for sentence-transformers (or one a student put in eval mode) is in eval mode: momentum_copy
+    returns its copy in train mode, so its keys get miCSE's dropout of 0.3 (two passes differ). Fails where the copy
+    keeps its source's mode: every dropout's training flag False, p = 0.3 never acting."""
+    _, backbone = hub.load_pretrained(str(tiny_model), micse.ATTN_IMPLEMENTATION)
+    momentum = micse.momentum_copy(backbone.eval())
+    dropouts = [m for m in momentum.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.training and m.p == 0.3 for m in dropouts) and momentum.training
+    assert not backbone.training  # its source's mode stays
+    ids = torch.tensor([[2, 7, 8, 9, 3]])
+    assert not torch.equal(momentum(input_ids=ids).last_hidden_state, momentum(input_ids=ids).last_hidden_state)
+
+
 def test_default_ami_layers():
     assert micse.ami_layers(12) == (7, 11) and micse.ami_layers(12, 0, 4) == (0, 4)
     assert micse.ami_layers(6) == (1, 5)
