@@ -5,7 +5,7 @@ the other sentences of the batch are the negatives (InfoNCE, Eq. 4). Supervised,
 entailments are the positives and the contradictions extra hard negatives (Eq. 5, weighted as in
 Eq. 8).
 
-Headline (Table 5, BERT-base, 7-task STS average): unsupervised 76.25, supervised 81.57.
+Headline (Table 5, BERT-base, 7-task STS average): 76.25 unsupervised; supervised 81.57.
 
     python simcse.py                                   # BERT-base on wiki1m, Table A.1's settings
     python simcse.py --supervised                      # NLI triplets: batch 512, lr 5e-5, 3 epochs

@@ -6,7 +6,7 @@ over-smoothing, measured by SetSim, Eq. 2). SSCL takes the encoder's own interme
 representations of the batch as extra negatives for the last layer's (Eq. 4), a plug-in to any
 contrastive objective.
 
-Headline (Table 2, BERT-base, 7-task STS average): SimCSE 76.25 -> SSCL-SimCSE 77.90.
+Headline (Table 2, BERT-base, 7-task STS average): 77.90 for SSCL-SimCSE (SimCSE: 76.25).
 
     python sscl.py                         # layers L-1 and L-2 as negatives (Figure 3b's best)
     python sscl.py --neg_layer_index 10    # one chosen layer (Figure 3a)
