@@ -43,13 +43,15 @@ STS_SUBSETS = {
 TASKS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness"]
 DEV_TASKS = ["STSBenchmark", "SICKRelatedness"]
 
+# what an offline machine passes to the evaluators (eval_sts.py, eval_transfer.py, tools/): their own flags alone
+OFFLINE_FLAGS = "--model_name_or_path and --senteval_dir"
 
 # -------------------------------------------------------------------------------------------- loading
-def load_encode(name_or_path: str, pooler: str, device):
+def load_encode(name_or_path: str, pooler: str, device, offline: str = OFFLINE_FLAGS):
     """encode(list[str]) of a saved model (local directory or hub id) with one of SimCSE's poolers, eval mode; "cls"
     is a run's trained MLP head on the last [CLS] where one is saved beside the model, else the model's pooler layer.
     A linear projection saved beside the model (SSCL Table 5's output dimension) follows the pooler."""
-    tokenizer, backbone = hub.load_pretrained(name_or_path)
+    tokenizer, backbone = hub.load_pretrained(name_or_path, offline=offline)
     head = None
     if pooler == "cls":
         linear = files.load_linear(name_or_path, files.HEAD_FILE)
@@ -268,13 +270,13 @@ def print_table(scores: dict) -> None:
     print(line)
 
 
-def resolve_senteval_dir(senteval_dir: str | None, check=()) -> Path:
+def resolve_senteval_dir(senteval_dir: str | None, check=(), offline: str = OFFLINE_FLAGS) -> Path:
     """The given folder, or senteval.tar from the HF dataset repo (downloaded with huggingface_hub, unpacked once).
 
     The tasks in `check` are read once (test split, and dev for STS-B and SICK-R), so that a training run finds a
     missing or malformed file before it trains, not after.
     """
-    root = hub.senteval_folder(senteval_dir)  # the given folder, or senteval.tar from the hub
+    root = hub.senteval_folder(senteval_dir, offline)  # the given folder, or senteval.tar from the hub
     for task in check:
         for split in ("test", "dev") if task in DEV_TASKS else ("test",):
             load_pairs(root, task, split)

@@ -30,9 +30,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
     except OSError:
         return False
 
-def hub_file(repo: str, filename: str, flag: str, local: str = "file") -> str:
+def hub_file(repo: str, filename: str, flag: str, local: str = "file", offline: str = LOCAL_FLAGS) -> str:
     """Path of `filename` in the HF dataset repo `repo`: cached copy, else a download, else a one-line error
-    naming `flag`, which takes a local `local` ("file" or "folder")."""
+    naming `flag`, which takes a local `local` ("file" or "folder"), and `offline`, the script's local-path flags."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import logging as hub_logging
     hub_logging.set_verbosity_error()
@@ -42,7 +42,7 @@ def hub_file(repo: str, filename: str, flag: str, local: str = "file") -> str:
         pass
     if not hub_reachable():
         raise UsageError(f"cannot reach the Hugging Face Hub to download {filename} and no cached copy exists; "
-                         f"pass a local {local} with {flag} (offline runs need {LOCAL_FLAGS})")
+                         f"pass a local {local} with {flag} (offline runs need {offline})")
     try:
         return hf_hub_download(repo, filename, repo_type="dataset")
     except Exception as err:
@@ -104,13 +104,13 @@ def check_local_model(name_or_path: str, flag: str = "--model_name_or_path") -> 
 
 
 def load_pretrained(name_or_path: str, attn_implementation: str | None = None, auto_class=None,
-                    flag: str = "--model_name_or_path"):
+                    flag: str = "--model_name_or_path", offline: str = LOCAL_FLAGS):
     """(tokenizer, model) with AutoModel (or `auto_class`, e.g. AutoModelForMaskedLM): a local directory, a cached
     hub copy, else a download.
 
-    Offline and not cached is one clear error naming `flag`, the option that gave the model; so is a local folder
-    with a missing or damaged file, and a model that is not a bidirectional encoder (read from its config, before
-    its weights).
+    Offline and not cached is one clear error naming `flag`, the option that gave the model, and `offline`, the
+    script's local-path flags; so is a local folder with a missing or damaged file, and a model that is not a
+    bidirectional encoder (read from its config, before its weights).
     """
     from transformers import AutoConfig, AutoModel, AutoTokenizer
     from transformers.utils import logging as tf_logging
@@ -141,7 +141,7 @@ def load_pretrained(name_or_path: str, attn_implementation: str | None = None, a
         if not hub_reachable():
             raise UsageError(f"cannot reach the Hugging Face Hub to download '{name_or_path}' and no cached copy "
                              f"exists; pass a local model directory with {flag} "
-                             f"(offline runs need {LOCAL_FLAGS})")
+                             f"(offline runs need {offline})")
         return load(local_files_only=False)
     except (OSError, ValueError) as err:
         if isinstance(err, UsageError):
@@ -170,7 +170,7 @@ def _find_data_root(folder: Path, marker: str = "STS") -> Path | None:
             return candidate
     return None
 
-def senteval_folder(senteval_dir: str | None) -> Path:
+def senteval_folder(senteval_dir: str | None, offline: str = LOCAL_FLAGS) -> Path:
     """SentEval's data folder: the given one (or the folder holding STS/ a few levels down), else senteval.tar
     from the HF dataset repo, downloaded with huggingface_hub and unpacked once next to the cached file."""
     if senteval_dir is not None:
@@ -181,7 +181,7 @@ def senteval_folder(senteval_dir: str | None) -> Path:
         if root is None:
             raise UsageError(f"--senteval_dir {senteval_dir}: no SentEval STS/ folder found there")
         return root
-    tar_path = Path(hub_file(SIMCSE_DATA_REPO, "senteval.tar", "--senteval_dir", local="folder"))
+    tar_path = Path(hub_file(SIMCSE_DATA_REPO, "senteval.tar", "--senteval_dir", local="folder", offline=offline))
     target = tar_path.parent / "senteval_unpacked"
     if _find_data_root(target) is None:
         with tarfile.open(tar_path) as tar:

@@ -38,7 +38,7 @@ import common
 import data
 import eval_sts
 import plumbing
-from plumbing import (backbones, checkpoint, distributed, files, graph, lock, memory, options, outdir,
+from plumbing import (backbones, checkpoint, distributed, files, graph, hub, lock, memory, options, outdir,
                       progress, provenance, resume, syncs, tracking)
 
 
@@ -167,7 +167,8 @@ class Run:
         generators) restored from last/ under --resume, the RNG streams last of all."""
         args = self.args
         with distributed.main_process_first():  # every SentEval file read once: a bad one stops the run now
-            self.senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS)
+            self.senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=eval_sts.TASKS,
+                                                            offline=hub.LOCAL_FLAGS)
             if args.eval_transfer:  # the transfer tasks' files too, before training
                 import eval_transfer
                 for task in eval_transfer.TASKS:
@@ -397,8 +398,8 @@ class Run:
         if not self.resumable or due or stopping or every_save or kept:  # W&B and MLflow: what no resume trains again
             self.history.trackers.release()
         distributed.log(message)
-        losses = self.history.losses
-        self.bar.set_postfix(loss=losses[-1] if losses else None, best_dev=self.best_dev)
+        losses = self.history.losses  # read at log steps only: the last one's step named
+        self.bar.set_postfix(loss=f"{losses[-1]:.4g} (step {len(losses)})" if losses else None, best_dev=self.best_dev)
         self.clock = time.perf_counter()  # the dev gate and the log are not training time
         self.bar.unpause()  # nor in the bar's speed and ETA
         return stopping
@@ -660,6 +661,8 @@ def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device, 
         if k else []
     execution += ["--gradient_checkpointing (each layer recomputed in the backward pass)"] \
         if args.gradient_checkpointing else []
+    if getattr(args, "ami_min_layer", None) is not None:  # miCSE's layers, scaled to this encoder's depth
+        model += f"; AMI on attention layers {args.ami_min_layer}:{args.ami_max_layer} (0-based, the end excluded)"
     execution += ["--compile (torch.compile)"] if args.compile else []
     execution += ["--cuda_graph (the step replayed from one CUDA graph after 3 eager ones)"] \
         if getattr(args, "cuda_graph", False) else []

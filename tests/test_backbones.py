@@ -79,6 +79,13 @@ def test_an_unknown_backbone_gets_the_bert_base_settings_and_says_so(configs, ca
     summary = run.summary(args, {"num_train_examples": 10, "micse_subset": None, "train_file": "wiki.txt"}, 1, 5, "cpu")
     assert summary["backbone"] == "bert, 512 wide, 4 layers: no preset for this backbone, the BERT-base settings"
     assert "no preset for this backbone" in capsys.readouterr().out
+    # miCSE on the same encoder: the summary names the AMI layers it scaled to the depth (on MiniLM's 6 layers a
+    # user read "the BERT-base settings" and got 1:5, not BERT-base's 7:11, with no word)
+    args = micse.parse_args(["--model_name_or_path", configs["other"]])
+    args.ami_min_layer, args.ami_max_layer = micse.ami_layers(4)
+    summary = run.summary(args, {"num_train_examples": 10, "micse_subset": None, "train_file": "wiki.txt"}, 1, 5, "cpu")
+    assert summary["backbone"].endswith("the BERT-base settings; AMI on attention layers 0:4 (0-based, the end "
+                                        "excluded)"), summary["backbone"]
 
 
 def test_micse_takes_the_ami_layers_from_the_depth():

@@ -4,6 +4,7 @@ import argparse
 import fcntl
 import json
 import os
+import re
 import pty
 import struct
 import subprocess
@@ -124,6 +125,9 @@ def test_a_run_in_a_log_file_has_the_summary_plain_progress_and_no_redraws(tiny_
     for phase in ("training: 1/4 steps", "dev gate: STS-B dev: ", "STS test: encoding: ", "alignment/uniformity: "):
         assert phase in printed, phase
     assert "ETA" in next(line for line in lines if line.startswith("step 2/4"))
+    # the bar's loss is the last logged step's, and says which (it read "loss 0.3452" for ten steps, no step named)
+    after_log = [line for line in lines if line.startswith("training: 3/4 steps")]
+    assert after_log and re.search(r"  loss -?[\d.]+(e-?\d+)? \(step 2\), best_dev ", after_log[0]), after_log
     results = json.loads((out / "results.json").read_text())
     assert set(results["summary"]) == {"presets", "backbone", "data", "model", "encoder", "device", "execution",
                                        "schedule", "output"}

@@ -130,11 +130,17 @@ def one_line_error(outcome, needle):
 def test_offline_without_local_paths_names_the_flags(tmp_path, monkeypatch):
     """simcse.py as a user runs it, offline with an empty cache: one line, nothing else on stderr (a library's
     warning written there at import, which a test in this process would not see, fails it); eval_sts.py the same
-    in this process (conftest.offline_cli; its real CLI's one line: test_missing_senteval_dir_is_one_line)."""
+    in this process (conftest.offline_cli; its real CLI's one line: test_missing_senteval_dir_is_one_line), naming
+    its own flags only (it named --train_file, which eval_sts.py does not have)."""
     proc = run_script("simcse.py", "--output_dir", tmp_path, env_extra={"HF_HOME": str(tmp_path / "hf")})
     one_line_error((proc.returncode, proc.stderr), "--train_file")
-    one_line_error(offline_cli(eval_sts, monkeypatch, tmp_path / "hf", "--model_name_or_path", "bert-base-uncased"),
-                   "--senteval_dir")
+    assert "--model_name_or_path, --train_file and --senteval_dir" in proc.stderr
+    local_senteval = ["--senteval_dir", str(SHARED / "data" / "senteval")] if SHARED.is_dir() else None
+    for args in filter(None, (["--model_name_or_path", "bert-base-uncased"],
+                              local_senteval and ["--model_name_or_path", "bert-base-uncased", *local_senteval])):
+        code, stderr = offline_cli(eval_sts, monkeypatch, tmp_path / "hf", *args)
+        one_line_error((code, stderr), "--model_name_or_path and --senteval_dir")
+        assert "--train_file" not in stderr
 
 
 def test_diverging_loss_stops_with_the_first_bad_step(tiny_model, corpus, senteval_dir, tmp_path, capsys):
