@@ -292,12 +292,28 @@ def micse_step(encoder, batch: dict, head=None, queue=None, generator=None, temp
                ami_lambda: float = 2.5e-3, ami_samples: int = 150, layers=None, *, pool=None,
                dtype=None, gather=None, positives_only: bool = False, terms=None) -> torch.Tensor:
     """One step's miCSE loss, to back-propagate, from a transformers encoder (AutoModel loaded with
-    attn_implementation="eager", in train mode) and its tokenizer's output for some sentences:
+    attn_implementation="eager", in train mode) and its tokenizer's output for some sentences. A
+    whole step, as a program:
 
+        from transformers import AutoModel, AutoTokenizer
+        path = "bert-base-uncased"  # the encoder: a Hub id or a local folder
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModel.from_pretrained(path, attn_implementation="eager")  # attention maps
+        d = model.config.hidden_size
+        head = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh())  # SimCSE's MLP
+        optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=1e-5)
         momentum_model, queue = momentum_copy(model), EmbeddingQueue(384, d)  # before the loop
-        loss = micse_step(model, batch, head, queue, generator)  # batch = tokenizer(sentences,
-        loss.backward(); optimizer.step(); optimizer.zero_grad()  # padding=True, ...)
-        micse_momentum_update(momentum_model, model, batch, queue, head)
+        generator = torch.Generator().manual_seed(0)  # AMI's samples are drawn from it
+        sentences = ["A man plays a guitar.", "A woman slices an onion.", "Two dogs run."]
+        batch = tokenizer(sentences, padding="max_length", truncation=True, max_length=32,
+                          return_tensors="pt")  # every batch 32 wide, as micse.py pads it
+        loss = micse_step(model.train(), batch, head, queue, generator)
+        loss.backward(); optimizer.step(); optimizer.zero_grad()
+        micse_momentum_update(momentum_model, model, batch, queue, head)  # after the step
+
+    micse.py pads every batch to --max_seq_length (32): AMI draws its entries by random keys over
+    the maps' whole width, so a batch padded to its longest row draws other entries and gives
+    other numbers than the suite's (padding=True trains the same objective, not the same run).
 
     The recipes (the authors' README; Section 3.1 for all of wiki1m): temp 0.05, 150 samples a
     tile, layers L-5 to L-1, 384 keys, momentum 0.995 and dropout 0.3; by the fraction of wiki1m

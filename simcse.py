@@ -188,11 +188,18 @@ def simcse_step(encoder, batch: dict, head=None, temp: float = 0.05, columns: in
                 hard_negative_weight: float = 0.0, *, pool=None, dtype=None, gather=None,
                 fixed_dropout_mask: bool = False, positives_only: bool = False) -> torch.Tensor:
     """One step's SimCSE loss, to back-propagate: a transformers encoder (AutoModel, in train mode)
-    and its tokenizer's output for a list of sentences (padding=True, return_tensors="pt").
+    and its tokenizer's output for a list of sentences. A whole step, as a program:
 
-        head = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh())  # in the optimizer too
-        loss = simcse_step(model, tokenizer(sentences, padding=True, truncation=True,
-                                            max_length=32, return_tensors="pt"), head)
+        from transformers import AutoModel, AutoTokenizer
+        path = "bert-base-uncased"  # the encoder: a Hub id or a local folder
+        tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
+        d = model.config.hidden_size
+        head = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh())  # SimCSE's MLP
+        optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=3e-5)
+        sentences = ["A man plays a guitar.", "A woman slices an onion.", "Two dogs run."]
+        batch = tokenizer(sentences, padding=True, truncation=True, max_length=32,
+                          return_tensors="pt")
+        loss = simcse_step(model.train(), batch, head)
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
     The recipes (Table A.1; the defaults are unsupervised BERT-base's): temp 0.05 always; batch 64,

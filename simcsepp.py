@@ -180,11 +180,18 @@ def simcsepp_step(encoder, batch: dict, head=None, temp: float = 0.05, m: float 
                   gather=None, off_dropout: bool = True, dcl_only: bool = False,
                   terms=None) -> torch.Tensor:
     """One step's SimCSE++ loss, to back-propagate: a transformers encoder (AutoModel, in train
-    mode) and its tokenizer's output for a list of sentences (padding=True, return_tensors="pt").
+    mode) and its tokenizer's output for a list of sentences. A whole step, as a program:
 
-        head = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh())  # --pooler cls's MLP
-        loss = simcsepp_step(model, tokenizer(sentences, padding=True, truncation=True,
-                                              max_length=32, return_tensors="pt"), head)
+        from transformers import AutoModel, AutoTokenizer
+        path = "bert-base-uncased"  # the encoder: a Hub id or a local folder
+        tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
+        d = model.config.hidden_size
+        head = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Tanh())  # --pooler cls's
+        optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=3e-5)
+        sentences = ["A man plays a guitar.", "A woman slices an onion.", "Two dogs run."]
+        batch = tokenizer(sentences, padding=True, truncation=True, max_length=32,
+                          return_tensors="pt")
+        loss = simcsepp_step(model.train(), batch, head)
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
     Three passes of the batch a step: two dropout views (the positives) and one with dropout off

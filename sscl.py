@@ -149,10 +149,16 @@ def sscl_step(encoder, batch: dict, layers=None, head=None, temp: float = 0.05, 
               dtype=None, gather=None, projection=None, dropout_positive: bool = True,
               both_views: bool = True) -> torch.Tensor:
     """One step's SSCL loss, to back-propagate: a transformers encoder (AutoModel, in train mode)
-    and its tokenizer's output for a list of sentences (padding=True, return_tensors="pt").
+    and its tokenizer's output for a list of sentences. A whole step, as a program:
 
-        loss = sscl_step(model, tokenizer(sentences, padding=True, truncation=True,
-                                          max_length=32, return_tensors="pt"))
+        from transformers import AutoModel, AutoTokenizer
+        path = "bert-base-uncased"  # the encoder: a Hub id or a local folder
+        tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-5)
+        sentences = ["A man plays a guitar.", "A woman slices an onion.", "Two dogs run."]
+        batch = tokenizer(sentences, padding=True, truncation=True, max_length=32,
+                          return_tensors="pt")
+        loss = sscl_step(model.train(), batch)  # the average pooler: no head
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
     The recipe (Section 4.2 and the released scripts; the defaults): the average pooler, layers L-1

@@ -187,11 +187,17 @@ def whitenedcse_step(encoder, batch: dict, head: WhitenedHead, generator=None, n
                      temp: float = 0.05, *, dtype=None, gather=None, shuffle: bool = True,
                      whiten: bool = True, global_whitening: bool = False) -> torch.Tensor:
     """One step's WhitenedCSE loss, to back-propagate: a transformers encoder (AutoModel, in train
-    mode) and its tokenizer's output for a list of sentences (padding=True, return_tensors="pt").
+    mode) and its tokenizer's output for a list of sentences. A whole step, as a program:
 
-        head = WhitenedHead(d)  # groups of 2 channels; its Linear in the optimizer too
-        loss = whitenedcse_step(model, tokenizer(sentences, padding=True, truncation=True,
-                                                 max_length=32, return_tensors="pt"), head)
+        from transformers import AutoModel, AutoTokenizer
+        path = "bert-base-uncased"  # the encoder: a Hub id or a local folder
+        tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path)
+        head = WhitenedHead(model.config.hidden_size)  # groups of 2 channels, then the MLP
+        optimizer = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=3e-5)
+        sentences = ["A man plays a guitar.", "A woman slices an onion.", "Two dogs run."]
+        batch = tokenizer(sentences, padding=True, truncation=True, max_length=32,
+                          return_tensors="pt")
+        loss = whitenedcse_step(model.train(), batch, head)
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
     The recipe (Section 4.1, Tables 4-5; the defaults): 3 views (one anchor, two positives), groups

@@ -293,3 +293,26 @@ def test_the_pasted_micse_block_updates_the_momentum_encoder_and_queue_and_reads
         assert torch.equal(suite_keys, block_queue.tensor) and torch.equal(suite_filled, block_queue.filled)
     assert [int(update[3].sum()) for update in seen["updates"]] == [8, 16]  # each step's batch of 8 queued
     assert torch.equal(*seen["step 2"]), seen["step 2"]
+
+
+@pytest.mark.parametrize("module", [simcse, simcsepp, sscl, whitenedcse, micse], ids=lambda m: m.__name__)
+def test_each_step_docstrings_sketch_runs_as_a_whole_program(module, tiny_model, tmp_path):
+    """Each `<method>_step` docstring's sketch, as written, beside its pasted block (torch alone imported): its
+    model read from its one named path (set here to the tiny model), every other name defined in the sketch, one
+    step taken. Catches a sketch that used a name it never defined (`head`, `generator`, `d` in miCSE's) or cut a
+    call short (the tokenizer's arguments), and one that no longer matches its step's signature."""
+    import inspect
+    import textwrap
+    doc = inspect.cleandoc(getattr(module, f"{module.__name__}_step").__doc__)
+    sketch = textwrap.dedent(doc.split("as a program:\n\n", 1)[1].split("\n\n", 1)[0])
+    assert sketch.startswith("from transformers import") and sketch.count('path = "bert-base-uncased"') == 1
+    if module is sscl:  # its recipe's negatives, layers L-1 and L-2, are intermediate: 3 layers at least
+        from conftest import write_tiny_model
+        tiny_model = write_tiny_model(tmp_path / "three_layers", num_layers=3)
+    sketch = sketch.replace('path = "bert-base-uncased"', f"path = {str(tiny_model)!r}")
+    namespace = dict(vars(lifted(module)))  # the block and `torch`, `F`: nothing else
+    torch.manual_seed(0)
+    exec(compile(sketch, f"<{module.__name__}_step's sketch>", "exec"), namespace)
+    assert torch.isfinite(namespace["loss"]) and namespace["optimizer"].state  # a loss, and AdamW stepped
+    if module is micse:  # the momentum update after the step queued the batch's keys
+        assert int(namespace["queue"].filled.sum()) == 3 and namespace["momentum_model"].training
