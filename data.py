@@ -179,12 +179,12 @@ def pad_multiple(args) -> int:
     return args.max_seq_length if args.pad_to_max_length else 8 if args.compile else 1
 
 
-def part_of(batch: dict, part: slice | None, blocks: int = 1) -> dict:
-    """Some of a batch's examples (part None: all of it), for a batch laid out in `blocks` blocks
-    of rows (NLI's columns, repeated views): each block's rows of those examples."""
+def part_of(batch: dict, part: slice | None, sections: int = 1) -> dict:
+    """Some of a batch's examples (part None: all of it), for a batch laid out in `sections` stacked
+    sections of rows (NLI's columns, repeated views): each section's rows of those examples."""
     if part is None:
         return batch
-    return {k: torch.cat([block[part] for block in v.chunk(blocks)]) for k, v in batch.items()}
+    return {k: torch.cat([rows[part] for rows in v.chunk(sections)]) for k, v in batch.items()}
 
 
 def batches(loader):

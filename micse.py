@@ -132,6 +132,8 @@ def ami_loss(attn1, attn2, num_samples: int = 150, generator: torch.Generator | 
 
 def attention_tiles(attn) -> torch.Tensor:
     """(N, K, H, n, n) -> (N * H * 2, K/2 * n * n): a tile per sample, head and layer parity."""
+    # Code over paper: Section 3.1 pools pairs of adjacent heads; the released einops pattern pools
+    # each head's layers of one parity (layers 7, 9 and 8, 10 of BERT-base's 7:11) into a tile
     n_batch, _, heads = attn.shape[:3]
     per_parity = [attn[:, parity::2].transpose(1, 2).reshape(n_batch, heads, -1)
                   for parity in (0, 1)]
@@ -182,7 +184,7 @@ def moco_info_nce(z1, z2, queue, temp: float = 0.05, own_keys=None) -> torch.Ten
     if queue.dim() != 2 or queue.shape[1] != z1.shape[1]:
         raise ValueError(f"queue: (Q, {z1.shape[1]}) keys as wide as z1, got {tuple(queue.shape)}")
     logits = torch.cat([cos_sim(z1, z2), cos_sim(z1, queue)], dim=1) / temp
-    if own_keys is not None:  # none in the in-batch block
+    if own_keys is not None:  # none among the in-batch negatives
         logits = logits.masked_fill(F.pad(own_keys, (len(z2), 0)), -torch.inf)
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
 
@@ -190,10 +192,10 @@ def moco_info_nce(z1, z2, queue, temp: float = 0.05, own_keys=None) -> torch.Ten
 def micse_loss(z1, z2, attn1, attn2, queue, temp=0.05, ami_lambda=2.5e-3, ami_samples=150,
                own_keys=None, generator=None, positives_only=False, terms=None,
                attention_mask=None) -> torch.Tensor:
-    """miCSE's objective: InfoNCE over the batch and `queue`'s negatives (Eq. 2, moco_info_nce) +
-    ami_lambda x AMI of the views' attention (Eq. 4); `positives_only`: Table 4's pairs alone, with
-    AMI. z1, z2 (N, D), maps (N, K, H, n, n) of the same N sentences, fp32; a dict given as `terms`
-    gets the two terms ("info_nce", "ami") for a log. The recipes' values: micse_step."""
+    """miCSE's objective: InfoNCE at temperature `temp` over the batch and `queue`'s negatives (Eq.
+    2) + ami_lambda x AMI of the views' attention (Eq. 4); `positives_only`: Table 4's pairs alone,
+    with AMI. z1, z2 (N, D), maps (N, K, H, n, n) of the same N sentences, fp32; a dict given as
+    `terms` gets the two terms ("info_nce", "ami") for a log. The recipes' values: micse_step."""
     if z1.dim() != 2 or z1.shape != z2.shape or attn1.shape[:1] != z1.shape[:1]:
         shapes = ", ".join(str(tuple(t.shape)) for t in (z1, z2, attn1))
         raise ValueError(f"z1, z2 (N, D), attn1 (N, K, H, n, n) of N sentences, got {shapes} "
@@ -359,7 +361,7 @@ def micse_momentum_update(momentum_encoder, encoder, batch: dict, queue: Embeddi
 
 
 def ami_layers(num_layers: int, first: int | None = None, end: int | None = None) -> tuple:
-    """--ami_min_layer/--ami_max_layer, checked; by default the block's (default_ami_layers)."""
+    """--ami_min_layer/--ami_max_layer, checked; by default the block's default_ami_layers."""
     default = default_ami_layers(num_layers)
     first, end = default[0] if first is None else first, default[1] if end is None else end
     if not 0 <= first < end <= num_layers or (end - first) % 2:
@@ -373,24 +375,24 @@ def train_step(ddp_model, backbone, head, momentum_model, queue, generator, para
     """One optimizer step on this process's rows of the global batch: the views' pass, the loss,
     backward, clip, the step; the momentum EMA, the keys queued; (loss, grad norm, {term: value})"""
     terms = {}  # the loss's two terms, logged beside it
-    # the block's options from the flags: the pooler, autocast's dtype, torchrun's gather
-    feeding = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision))
-    weighting = dict(temp=args.temp, ami_lambda=args.ami_lambda, ami_samples=args.ami_samples,
+    # the objective's options from the flags: the pooler, autocast's dtype, torchrun's gather
+    view_options = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision))
+    loss_options = dict(temp=args.temp, ami_lambda=args.ami_lambda, ami_samples=args.ami_samples,
                      positives_only=args.no_negatives, terms=terms,
                      gather=functools.partial(distributed.gather, rows=global_rows))
     layers = (args.ami_min_layer, args.ami_max_layer)  # the attention layers AMI scores
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-    if not args.micro_batch_size:  # the paper's step: the block's micse_step, then backward
-        loss = micse_step(ddp_model, batch, head, queue, generator, layers=layers, **feeding,
-                          **weighting)
+    if not args.micro_batch_size:  # the paper's step: micse_step, then backward
+        loss = micse_step(ddp_model, batch, head, queue, generator, layers=layers, **view_options,
+                          **loss_options)
         scaler.scale(loss).backward()
-    else:  # GradCache: the same loss and gradients, K sentences at once (the block's two halves)
+    else:  # GradCache: the same loss and gradients, K sentences at once (views, then objective)
         loss = common.grad_cache(
             lambda part: micse_views(ddp_model, data.part_of(batch, part), head, layers,
-                                     **feeding),
+                                     **view_options),
             functools.partial(micse_objective, queue=queue, ids=batch["example_ids"],
                               attention_mask=batch["attention_mask"], generator=generator,
-                              **weighting),
+                              **loss_options),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
@@ -399,7 +401,7 @@ def train_step(ddp_model, backbone, head, momentum_model, queue, generator, para
     scaler.update()
     if momentum_model is not None:  # after the step: the EMA, then this batch's keys queued
         micse_momentum_update(momentum_model, backbone, batch, queue, head, args.momentum,
-                              **feeding, gather=weighting["gather"])
+                              **view_options, gather=loss_options["gather"])
     return loss, grad_norm, terms
 
 

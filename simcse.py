@@ -112,16 +112,17 @@ def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def info_nce(z1, z2, temp: float = 0.05, z3=None,
              hard_negative_weight: float = 0.0) -> torch.Tensor:
-    """SimCSE InfoNCE with in-batch negatives (Eq. 1, 4); with hard negatives `z3` Eq. 5, Eq. 8's
-    alpha as the authors add it (`hard_negative_weight` on anchor i's own, row i of each block of
-    N in `z3`: Table 7's contradictions, then neutrals). Inputs in fp32 (after autocast)."""
+    """SimCSE InfoNCE with in-batch negatives at temperature `temp` (Eq. 1, 4); with hard negatives
+    `z3` Eq. 5, Eq. 8's alpha as the authors add it (`hard_negative_weight` on anchor i's own, row i
+    of each set of N rows in `z3`: Table 7's contradictions, then neutrals). Inputs in fp32 (after
+    autocast)."""
     if z1.dim() != 2 or z1.shape != z2.shape:
         raise ValueError(f"z1 and z2 are two (N, D) views of the same N sentences, got "
                          f"{tuple(z1.shape)} and {tuple(z2.shape)}")
     logits = cos_sim(z1, z2) / temp
     if z3 is not None:
         if z3.dim() != 2 or z3.shape[1] != z1.shape[1] or len(z3) % len(z1):
-            raise ValueError(f"z3: blocks of N = {len(z1)} hard negatives of width "
+            raise ValueError(f"z3: sets of N = {len(z1)} hard negatives of width "
                              f"{z1.shape[1]}, got {tuple(z3.shape)}")
         hard = cos_sim(z1, z3) / temp
         own = torch.eye(len(z1), device=hard.device, dtype=hard.dtype)
@@ -263,13 +264,13 @@ def mask_tokens(input_ids, special_ids, probability: float, mask_token_id: int, 
     return torch.where(as_random, words, masked), labels
 
 
-def mlm_loss(masked: dict, ddp_model, lm_head, blocks: int, args, part=None,
+def mlm_loss(masked: dict, ddp_model, lm_head, sections: int, args, part=None,
              terms=None) -> torch.Tensor:
-    """lambda x the MLM loss of `part`'s rows of the masked views (laid out in `blocks` blocks of
-    rows: NLI's columns, or the repeated views; the mean over the whole batch's masked tokens),
-    the head under autocast, as the released fp16 runs.
+    """lambda x the MLM loss of `part`'s rows of the masked views (laid out in `sections` stacked
+    sections of rows: NLI's columns, or the repeated views; the mean over the whole batch's masked
+    tokens), the head under autocast, as the released fp16 runs.
     A dict given as `terms` gets it added to its "mlm" (the parts' sum: the term), for the log."""
-    rows = data.part_of(masked, part, blocks)
+    rows = data.part_of(masked, part, sections)
     inputs = {k: v for k, v in rows.items() if k != "labels"}
     with common.autocast(inputs["input_ids"].device, args.precision):
         prediction_scores = lm_head(ddp_model(**inputs).last_hidden_state)
@@ -286,8 +287,8 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
     InfoNCE (+ lambda MLM), backward, unscale and clip, the optimizer step; (loss, gradient norm,
     {term: value}) on the device. `columns`: NLI's (1: sentences); `mlm`: --do_mlm's (lm_head,
     generator, special ids, [MASK]'s id, vocabulary size), else None."""
-    # the block's options from the flags: the pooler, autocast's dtype, torchrun's gather
-    feeding = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision),
+    # the objective's options from the flags: the pooler, autocast's dtype, torchrun's gather
+    view_options = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision),
                    fixed_dropout_mask=args.fixed_dropout_mask)
     gather = functools.partial(distributed.gather, rows=global_rows)  # one process: as it is
     if mlm is not None:  # Appendix D.2: masked copies of the views' rows, from the MLM's generator
@@ -297,24 +298,24 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
         input_ids, labels = mask_tokens(views["input_ids"], special_ids, args.mlm_probability,
                                         mask_token_id, vocab_size, generator)
         masked = dict(views, input_ids=input_ids, labels=labels)
-        blocks = len(input_ids) // len(batch["input_ids"]) * columns  # NLI's columns, or the views
+        sections = len(input_ids) // len(batch["input_ids"]) * columns  # NLI's columns or the views
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     terms = {}  # --do_mlm's term, logged beside the loss
-    if not args.micro_batch_size:  # the paper's step: the block's simcse_step, then backward
+    if not args.micro_batch_size:  # the paper's step: simcse_step, then backward
         loss = simcse_step(ddp_model, batch, head, args.temp, columns, args.hard_negative_weight,
-                           **feeding, gather=gather, positives_only=args.no_negatives)
+                           **view_options, gather=gather, positives_only=args.no_negatives)
         if mlm is not None:
-            loss = loss + mlm_loss(masked, ddp_model, lm_head, blocks, args, terms=terms)
+            loss = loss + mlm_loss(masked, ddp_model, lm_head, sections, args, terms=terms)
         scaler.scale(loss).backward()
-    else:  # GradCache: the same loss and gradients, K examples at once (the block's two halves)
+    else:  # GradCache: the same loss and gradients, K examples at once (views, then objective)
         loss = common.grad_cache(
             lambda part: simcse_views(ddp_model, data.part_of(batch, part, columns), head,
-                                      columns, **feeding),
+                                      columns, **view_options),
             functools.partial(simcse_objective, temp=args.temp, gather=gather,
                               hard_negative_weight=args.hard_negative_weight,
                               positives_only=args.no_negatives),
             len(batch["input_ids"]) // columns, args.micro_batch_size, scaler.scale, ddp_model,
-            mlm and functools.partial(mlm_loss, masked, ddp_model, lm_head, blocks, args,
+            mlm and functools.partial(mlm_loss, masked, ddp_model, lm_head, sections, args,
                                       terms=terms))
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)

@@ -78,7 +78,7 @@ def off_dropout_info_nce(z1, z2, z_dropout_off, temp: float = 0.05, m: float = 0
     """Off-dropout InfoNCE (Eq. 3 as the authors implemented it).
 
     loss_i = -m s(z1_i, z2_i) + log(e^{m s(z1_i, z2_i)} + sum_{j != i} e^{s(z0_i, z0_j)}), s = cos /
-    temp, where z0 = `z_dropout_off` is the batch encoded with dropout off.
+    temp (the temperature), where z0 = `z_dropout_off` is the batch encoded with dropout off.
     """
     if z1.dim() != 2 or not z1.shape == z2.shape == z_dropout_off.shape:
         raise ValueError(f"z1, z2 and z_dropout_off are three (N, D) encodings of the same N "
@@ -213,20 +213,20 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, batch: dict,
     backward, unscale and clip, the optimizer step; (loss, gradient norm, {term: value})."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     terms = {}  # the loss's two terms, logged beside it
-    # the block's options from the flags: the pooler, autocast's dtype, torchrun's gather
-    feeding = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision))
-    weighting = dict(temp=args.temp, m=args.m, dcl_weight=args.dcl_weight, dcl_temp=args.dcl_temp,
-                     dcl_only=args.dcl_only, terms=terms,
+    # the objective's options from the flags: the pooler, autocast's dtype, torchrun's gather
+    view_options = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision))
+    loss_options = dict(temp=args.temp, m=args.m, dcl_weight=args.dcl_weight,
+                        dcl_temp=args.dcl_temp, dcl_only=args.dcl_only, terms=terms,
                      gather=functools.partial(distributed.gather, rows=global_rows))
-    if not args.micro_batch_size:  # the paper's step: the block's simcsepp_step, then backward
-        loss = simcsepp_step(ddp_model, batch, head, **feeding, **weighting,
+    if not args.micro_batch_size:  # the paper's step: simcsepp_step, then backward
+        loss = simcsepp_step(ddp_model, batch, head, **view_options, **loss_options,
                              off_dropout=not args.no_off_dropout)
         scaler.scale(loss).backward()  # through both views' pass and the dropout-off one
-    else:  # GradCache: the same loss and gradients, K sentences at once (the block's two halves)
+    else:  # GradCache: the same loss and gradients, K sentences at once (views, then objective)
         loss = common.grad_cache(
-            lambda part: simcsepp_views(ddp_model, data.part_of(batch, part), head, **feeding,
+            lambda part: simcsepp_views(ddp_model, data.part_of(batch, part), head, **view_options,
                                         off_dropout=not (args.no_off_dropout or args.dcl_only)),
-            functools.partial(simcsepp_objective, **weighting),
+            functools.partial(simcsepp_objective, **loss_options),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)

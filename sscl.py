@@ -77,9 +77,9 @@ def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def sscl_loss(z1, z2, layer_negatives, temp: float = 0.05) -> torch.Tensor:
     """SSCL's contrastive loss with intermediate-layer negatives (Eq. 4).
 
-    logits = [s(z1, z2) | s(z1, n1_l) | s(z1, n2_l) for each layer l], s = cos / temp, target i for
-    row i; `layer_negatives` is a list of tuples, one a layer: that layer's representations of the
-    two dropout views (n1, n2), or of the anchor's view only (n1,).
+    logits = [s(z1, z2) | s(z1, n1_l) | s(z1, n2_l) for each layer l], s = cos / temp (temp: the
+    temperature), target i for row i; `layer_negatives` is a list of tuples, one a layer: that
+    layer's representations of the two dropout views (n1, n2), or of the anchor's view only (n1,).
     """
     if z1.dim() != 2 or z1.shape != z2.shape:
         raise ValueError(f"z1 and z2 are two (N, D) views of the same N sentences, got "
@@ -217,19 +217,20 @@ def train_step(ddp_model, head, projection, neg_layers, params, optimizer, scale
     """One optimizer step on this process's rows of the global batch: the views' pass, the loss,
     backward, unscale and clip, the optimizer step; (loss, gradient norm) on the device."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-    # the block's options from the flags: the pooler, autocast's dtype, Table 5's projection, ...
-    feeding = dict(pool=common.block_pool(args.pooler, head, "avg"), projection=projection,
-                   dtype=common.amp_dtype(args.precision), dropout_positive=not
-                   args.no_dropout_positive, both_views=args.layer_negatives == "both")
+    # the objective's options from the flags: the pooler, autocast's dtype, Table 5's projection
+    view_options = dict(pool=common.block_pool(args.pooler, head, "avg"), projection=projection,
+                        dtype=common.amp_dtype(args.precision), dropout_positive=not
+                        args.no_dropout_positive, both_views=args.layer_negatives == "both")
     gather = functools.partial(distributed.gather, rows=global_rows)  # one process: as it is
-    if not args.micro_batch_size:  # the paper's step: the block's sscl_step, then backward
-        loss = sscl_step(ddp_model, batch, neg_layers, head, args.temp, **feeding, gather=gather)
+    if not args.micro_batch_size:  # the paper's step: sscl_step, then backward
+        loss = sscl_step(ddp_model, batch, neg_layers, head, args.temp, **view_options,
+                         gather=gather)
         scaler.scale(loss).backward()  # into the last layer and the negatives' layers
-    else:  # GradCache: the same loss and gradients, K sentences at once (the block's two halves)
-        per_layer = 2 if feeding["dropout_positive"] and feeding["both_views"] else 1
+    else:  # GradCache: the same loss and gradients, K sentences at once (views, then objective)
+        per_layer = 2 if view_options["dropout_positive"] and view_options["both_views"] else 1
         loss = common.grad_cache(
             lambda part: sscl_views(ddp_model, data.part_of(batch, part), neg_layers, head,
-                                    **feeding),
+                                    **view_options),
             functools.partial(sscl_objective, temp=args.temp, per_layer=per_layer, gather=gather),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients

@@ -70,14 +70,14 @@ def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tensor,
                              eps: float = 0.0) -> torch.Tensor:
-    """Shuffled group whitening (Section 3.2; ZCA per group, W = U diag(lambda^-1/2) U^T): the
-    channels x[:, perm] in `num_groups` consecutive groups, each centred over the batch and times
-    the ZCA matrix of its covariance X^T X / N (+ eps I), then put back in their order. W comes from
-    the detached covariance, as the authors' code has it: gradients flow through X only. Computed
-    in float64, also inside an autocast block, and returned in fp32 (fp64 for fp64 input): a real
-    encoder has channels that barely vary over a batch (variance 1e-10 beside 0.04, or dead ones),
-    and fp32's rounding of their covariance would decide their gain (19x off, losses of 18). Apple's
-    MPS has no float64: there, run the whitening on the CPU."""
+    """Shuffled group whitening, SGW (Section 3.2, Eq. 6: H = shuffle^-1(GW(shuffle(Z)))): the
+    channels x[:, perm] in `num_groups` consecutive groups (Eq. 5), each centred over the batch and
+    times the ZCA (zero-phase component analysis) matrix of its covariance C = X^T X / N (+ eps I),
+    W = U diag(lambda^-1/2) U^T (Eq. 3), then put back in their order. W comes from the detached
+    covariance, as the authors' code has it: gradients flow through X only. In float64 (fp32 out,
+    even under autocast), because a real encoder's nearly constant channels (variance 1e-10 beside
+    0.04) make fp32's rounding of their covariance decide their gain (19x off, losses of 18).
+    Apple's MPS has no float64: there, run the whitening on the CPU."""
     n, d = x.shape
     if d % num_groups:
         raise ValueError(f"{d} channels cannot be split into {num_groups} equal groups")
@@ -86,20 +86,20 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
         raise ValueError(f"groups of {width} channels need a batch of more than {width} (got {n}): "
                          "the covariance is singular; use more groups, a larger batch or eps > 0")
     with torch.autocast(device_type=x.device.type, enabled=False):  # a few kB: float64 is cheap
-        groups = x.double()[:, perm].reshape(n, num_groups, width).transpose(0, 1)  # (G, N, width)
+        groups = x.double()[:, perm].reshape(n, num_groups, width).transpose(0, 1)  # Eq. 5, 6
         centred = groups - groups.mean(dim=1, keepdim=True)
         c = centred.detach()
         identity = torch.eye(width, dtype=c.dtype, device=c.device)
         covariance = c.transpose(1, 2) @ c / n + eps * identity
-        if width == 2:  # the recipes' groups: C^-1/2 in closed form, no host sync (CUDA graphs)
+        if width == 2:  # the recipes' groups: Eq. 3 in closed form, no host sync (CUDA graphs)
             whitening = inverse_sqrt_2x2(covariance)
-        else:  # eigh checks its convergence on the host: one sync
+        else:  # Eq. 3 as written; eigh checks its convergence on the host: one sync
             eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
             inverse_sqrt = torch.diag_embed(eigenvalues.clamp_min(1e-12).rsqrt())
             whitening = eigenvectors @ inverse_sqrt @ eigenvectors.transpose(1, 2)
         whitened = centred @ whitening
     whitened = whitened if x.dtype == torch.float64 else whitened.float()  # fp32 out
-    return whitened.transpose(0, 1).reshape(n, d)[:, torch.argsort(perm)]
+    return whitened.transpose(0, 1).reshape(n, d)[:, torch.argsort(perm)]  # Eq. 6: unshuffled
 
 
 def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
@@ -125,7 +125,7 @@ def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
 
 def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
     """Multi-positive InfoNCE (Eq. 7 with lambda_m = 1): sum over p = 2..m of CE(s(z_1, z_p)), s =
-    cos / temp."""
+    cos / temp, temp the temperature."""
     if len(views) < 2 or any(z.dim() != 2 or z.shape != views[0].shape for z in views):
         raise ValueError(f"views: m >= 2 (N, D) views of the same N sentences, got "
                          f"{[tuple(z.shape) for z in views]}")
@@ -222,19 +222,19 @@ def train_step(ddp_model, head, generator, params, optimizer, scaler, args, batc
     """One optimizer step on this process's rows of the global batch: the views' pass, whitening,
     the loss, backward, unscale and clip, the optimizer step; (loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-    # the block's options from the flags: the tables' studies, torchrun's gather
-    options = dict(head=head, generator=generator, temp=args.temp, shuffle=not args.no_shuffle,
-                   whiten=not args.no_whitening, global_whitening=args.global_whitening,
-                   gather=functools.partial(distributed.gather, rows=global_rows))
+    # the objective's options from the flags: the tables' studies, torchrun's gather
+    loss_options = dict(head=head, generator=generator, temp=args.temp, shuffle=not args.no_shuffle,
+                        whiten=not args.no_whitening, global_whitening=args.global_whitening,
+                        gather=functools.partial(distributed.gather, rows=global_rows))
     dtype = common.amp_dtype(args.precision)  # autocast's, for the encoder's pass
-    if not args.micro_batch_size:  # the paper's step: the block's whitenedcse_step, then backward
-        loss = whitenedcse_step(ddp_model, batch, num_pos=args.num_pos, dtype=dtype, **options)
+    if not args.micro_batch_size:  # the paper's step: whitenedcse_step, then backward
+        loss = whitenedcse_step(ddp_model, batch, num_pos=args.num_pos, dtype=dtype, **loss_options)
         scaler.scale(loss).backward()  # through the whitening (not its covariance)
-    else:  # GradCache: the same loss and gradients, K sentences at once (the block's two halves)
+    else:  # GradCache: the same loss and gradients, K sentences at once (views, then objective)
         loss = common.grad_cache(
             lambda part: whitenedcse_views(ddp_model, data.part_of(batch, part), args.num_pos,
                                            dtype=dtype),
-            functools.partial(whitenedcse_objective, **options),
+            functools.partial(whitenedcse_objective, **loss_options),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
