@@ -44,12 +44,19 @@ READER_FACING = {"common", "data", "eval_sts", "eval_transfer"}
 
 def test_the_top_level_shows_the_papers():
     assert sorted(p.name for p in ROOT.glob("*.py")) == sorted(
-        METHOD_FILES + ["common.py", "data.py", "eval_sts.py", "eval_transfer.py"])
+        METHOD_FILES + ["common.py", "data.py", "eval_sts.py", "eval_transfer.py", "st_losses.py"])
     assert {p.name for p in (ROOT / "tools").glob("*.py")} == {"report.py", "protocols.py", "analyze.py", "bench.py",
                                                                     "parity.py", "tables.py", "memory.py",
                                                                     "mteb_eval.py", "mutants.py", "cluster.py",
                                                                     "slurm.py"}
     assert "what a first reading skips" in (ROOT / "plumbing" / "__init__.py").read_text().lower()
+
+
+def test_only_st_losses_imports_sentence_transformers():
+    """sentence-transformers stays optional: the method files, common.py, data.py, the evaluators and plumbing/ run
+    without it; st_losses.py (its losses and trainer) is the one top-level file that imports it."""
+    found = {p.name for p in [*ROOT.glob("*.py"), *ROOT.glob("plumbing/*.py")] if "sentence_transformers" in imports(p)}
+    assert found == {"st_losses.py"}
 
 
 def imports(path) -> set[str]:

@@ -1,0 +1,129 @@
+"""st_losses.py against the real sentence-transformers trainer: each loss, trained a few steps by ContrastiveTrainer,
+equals its method file's own block loop (<method>_step, backward, clipping, AdamW, the schedule, miCSE's momentum
+update) on the same batches and RNG states, bit for bit on CPU in fp32; a checkpoint resumes bit for bit; what the
+trainer cannot do right is refused in one line."""
+import copy
+import random
+import types
+
+import pytest
+import torch
+
+st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is a test requirement")
+pytest.importorskip("accelerate", reason="accelerate is a test requirement (the transformers Trainer's)")
+import datasets  # noqa: E402
+
+import common  # noqa: E402
+import micse  # noqa: E402
+import simcse  # noqa: E402
+import simcsepp  # noqa: E402
+import sscl  # noqa: E402
+import st_losses  # noqa: E402
+import whitenedcse  # noqa: E402
+from conftest import random_sentence, write_tiny_model  # noqa: E402
+
+BATCH, LR = 16, 3e-5
+CASES = {  # case: (the loss, its keywords, the columns of the dataset)
+    "simcse": (st_losses.SimCSELoss, {}, 1), "simcse-supervised": (st_losses.SimCSELoss, {"supervised": True}, 3),
+    "simcsepp": (st_losses.SimCSEPlusPlusLoss, {}, 1), "sscl": (st_losses.SSCLLoss, {}, 1),
+    "whitenedcse": (st_losses.WhitenedCSELoss, {"num_groups": 16}, 1),
+    "micse": (st_losses.MiCSELoss, {"queue_size": 24}, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_st(tmp_path_factory):
+    """A tiny random BERT of 4 layers (SSCL's L-1 and L-2, AMI's layers: all four) as a plain transformers folder:
+    SentenceTransformer(dir) gives it mean pooling, which each loss switches to its method's."""
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny_st"), num_layers=4))
+
+
+def dataset(columns: int, rows: int = 4 * BATCH, seed: int = 0):
+    rng = random.Random(seed)
+    names = ["anchor", "positive", "negative"][:columns] if columns > 1 else ["text"]
+    return datasets.Dataset.from_dict({n: [random_sentence(rng) for _ in range(rows)] for n in names})
+
+
+def trainer(model, loss, out, steps=3, columns=1, **arguments):
+    args = st.SentenceTransformerTrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=LR,
+        save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, logging_steps=1, seed=42,
+        **arguments)
+    return st_losses.ContrastiveTrainer(model=model, args=args, train_dataset=dataset(columns), loss=loss)
+
+
+def recorded(loss):
+    """What each step's block was given, kept: the batch and the RNG states it started from (the trainer's)."""
+    steps, real = [], loss.step
+
+    def spy(encoder, batch, **options):
+        generator = None if loss.generator is None else loss.generator.get_state()
+        steps.append(({k: v.clone() for k, v in batch.items()}, torch.get_rng_state(), generator))
+        out = real(encoder, batch, **options)
+        steps[-1] += (out.detach().clone(),)
+        return out
+    loss.step = spy
+    return steps
+
+
+def block_loop(case, start, steps):
+    """The method file's own block in a student's loop from the same start: the transformers model, the head, the
+    queue and momentum encoder of the block, AdamW and the schedule of common.py, clipping at 1.0."""
+    backbone, head = copy.deepcopy(start.backbone).train(), copy.deepcopy(start.head)
+    generator = None if start.generator is None else torch.Generator().manual_seed(42)
+    queue = momentum = None
+    if case == "micse":
+        queue, momentum = micse.EmbeddingQueue(24, backbone.config.hidden_size), micse.momentum_copy(backbone)
+    params = [p for p in backbone.parameters() if p.requires_grad] + list(head.parameters() if head else [])
+    optimizer, scheduler = common.make_optimizer(params, types.SimpleNamespace(lr=LR, warmup_steps=0), len(steps))
+    losses = []
+    for batch, rng, generator_state, _ in steps:
+        torch.set_rng_state(rng)
+        if case == "simcse" or case == "simcse-supervised":
+            loss = simcse.simcse_step(backbone, batch, head, columns=3 if "supervised" in case else 1)
+        elif case == "simcsepp":
+            loss = simcsepp.simcsepp_step(backbone, batch, head)
+        elif case == "sscl":
+            loss = sscl.sscl_step(backbone, batch)
+        elif case == "whitenedcse":
+            loss = whitenedcse.whitenedcse_step(backbone, batch, head, generator)
+        else:
+            loss = micse.micse_step(backbone, batch, head, queue, generator)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if momentum is not None:
+            micse.micse_momentum_update(momentum, backbone, batch, queue, head)
+        losses.append(loss.detach())
+    return types.SimpleNamespace(backbone=backbone, head=head, queue=queue, momentum_encoder=momentum, losses=losses)
+
+
+def assert_same_state(ours, theirs):
+    for name in ("backbone", "head", "momentum_encoder"):
+        a, b = getattr(ours, name), getattr(theirs, name)
+        if a is not None or b is not None:
+            for (key, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+                assert torch.equal(x, y), (name, key)
+    if ours.queue is not None:
+        for key, value in ours.queue.state_dict().items():
+            assert torch.equal(value, theirs.queue.state_dict()[key]), ("queue", key)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_three_steps_of_contrastive_trainer_equal_the_method_files_block_loop_bit_for_bit(case, tiny_st, tmp_path):
+    """Each loss through the real ContrastiveTrainer (its collator, optimizer, schedule, clipping and callbacks), 3
+    steps, against its method file's block in a plain loop on the same batches and RNG states: the losses, the
+    encoder's weights, the head, and miCSE's queue and momentum encoder, bit for bit. Fails where the trainer leaves
+    the head out of the clipping, runs miCSE's EMA before the optimizer step (or not at all), pools, pads or feeds
+    the block other than the block says, or steps its schedule otherwise."""
+    loss_class, keywords, columns = CASES[case]
+    model = st.SentenceTransformer(tiny_st, device="cpu")
+    loss = loss_class(model, **keywords)
+    start = copy.deepcopy(types.SimpleNamespace(backbone=loss.backbone, head=loss.head, generator=loss.generator))
+    steps = recorded(loss)
+    trainer(model, loss, tmp_path, columns=columns).train()
+    reference = block_loop(case, start, steps)
+    assert [s[-1] for s in steps] == reference.losses
+    assert_same_state(loss, reference)
