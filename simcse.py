@@ -389,7 +389,7 @@ def main(argv=None):
             scheduler.step()  # outside the step (and its graph): the next step's lr
             run.record(loss, grad_norm, terms)  # on the device till a log: no host sync
         if step % args.eval_steps == 0 or step == total_steps:  # the dev gate: STS-B dev
-            if run.dev_gate(step) > run.best_dev or run.best_step is None:  # the first one saves
+            if run.dev_gate(step) > run.best_dev:  # the first defined score saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 
     # The end: best/ reloaded as eval_sts.py loads it, evaluated by process 0 (the 7 STS test tasks,

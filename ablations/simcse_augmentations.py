@@ -256,7 +256,7 @@ def main(argv=None):
             scheduler.step()
             run.record(loss, grad_norm)
         if step % args.eval_steps == 0 or step == total_steps:  # the dev gate: the anchor's encoder
-            if run.dev_gate(step) > run.best_dev or run.best_step is None:
+            if run.dev_gate(step) > run.best_dev:
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)
 
     run.write(run.evaluate_best(eval_pooler, table="SimCSE Tables 1-2",

@@ -6,7 +6,7 @@
         ... the method's training step ...
         run.record(loss, grad_norm)    # kept on the device until a log step: no host sync
         if <a dev gate>:
-            if run.dev_gate(step) > run.best_dev or run.best_step is None:   # STS-B dev
+            if run.dev_gate(step) > run.best_dev:   # STS-B dev (an undefined one: -inf)
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)    # best/
     run.write(run.evaluate_best(eval_pooler))   # best/ reloaded and evaluated; results.json
 
@@ -284,7 +284,7 @@ class Run:
 
     def dev_gate(self, step: int) -> float:
         """STS-B dev at a dev gate (dev_measures: eval mode, fp32, one encoding, with l_align / l_uniform),
-        after the steps so far are done (their time is the training time): the score."""
+        after the steps so far are done (their time is the training time): the score (-inf where undefined)."""
         self._read()
         self.measures, self.gate_step = dev_measures(self.modules, self.encode, self.dev_set), step
         return self.measures["stsb_dev"]
@@ -424,6 +424,9 @@ class Run:
         self.eval_pooler = self.eval_pooler or eval_pooler
         results = self.final_results = self._results(eval_pooler, **extra)  # out_of_memory keeps what it holds
         if self.last_step < self.total_steps:  # a signal stopped the training: last/ holds it
+            return results
+        if self.best_step is None:  # every dev gate's score undefined: no model was kept
+            distributed.log("no best/: every dev gate's STS-B dev was undefined (null); nothing to evaluate")
             return results
         # the training ended: if anything stops the evaluation, results.json says it is what remains
         results.update(interrupted=True, interrupted_during="final evaluation")
@@ -604,16 +607,16 @@ def peak_memory(device) -> dict:
 
 def dev_measures(modules, encode, dev_set) -> dict:
     """The dev gate, on process 0 (every process gets the score): STS-B dev in eval mode and fp32, one encoding (the
-    metric of eval_sts.py; `dev_set`: eval_sts.DevGate): {"stsb_dev": Spearman x 100 (-inf if undefined), "align",
-    "uniform"}."""
+    metric of eval_sts.py; `dev_set`: eval_sts.DevGate): {"stsb_dev": Spearman x 100, "align", "uniform"}. An undefined
+    Spearman (scipy's NaN) is -inf: never above the best so far, not even the first gate's; results.json's null."""
     measures = {"stsb_dev": math.nan}
     if distributed.rank() == 0:
         for m in modules:
             m.eval()
         measures = dev_set(encode)
-        if not math.isfinite(measures["stsb_dev"]):  # constant embeddings have no Spearman
-            distributed.log("note: the STS-B dev score is undefined (constant embeddings: a collapsed or degenerate "
-                            "model); it counts as the worst score")
+        if not math.isfinite(measures["stsb_dev"]):  # constant or NaN cosines have no Spearman
+            distributed.log("note: the STS-B dev score is undefined (constant or NaN embeddings: a collapsed or "
+                            "diverged model); recorded as null, this model is never the best")
             measures["stsb_dev"] = -math.inf
         for m in modules:
             m.train()

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from scipy.stats import rankdata, spearmanr
+from scipy.stats import spearmanr
 
 import common
 import eval_sts
@@ -60,9 +60,9 @@ def test_aggregation_matches_scipy(senteval_dir):
 
 
 def test_spearman_is_scipys_to_the_last_bit_ties_included():
-    """eval_sts.spearman computes scipy.stats.spearmanr without importing it (1.3 s of CPU in every run's process):
-    the same average ranks and np.corrcoef, so every dev and test score is scipy's, bit for bit, on cosines with and
-    without ties, gold scores continuous and in SICK's and STS-B's steps; a constant input is NaN, as scipy's."""
+    """eval_sts.spearman is scipy.stats.spearmanr as SentEval calls it on the pairs' cosines: every dev and test score
+    scipy's, bit for bit, on cosines with and without ties, gold scores continuous and in SICK's and STS-B's steps
+    (what catches another correlation, Pearson's, or another rounding of the x 100)."""
     rng = np.random.default_rng(0)
     for trial in range(300):
         n = int(rng.integers(3, 300))
@@ -78,8 +78,46 @@ def test_spearman_is_scipys_to_the_last_bit_ties_included():
         left, right = embed([p[0] for p in pairs]), embed([p[1] for p in pairs])
         cosines = (eval_sts.unit_rows(left) * eval_sts.unit_rows(right)).sum(axis=1)
         assert eval_sts.spearman(pairs, embed) == round(float(spearmanr(cosines, gold).correlation) * 100, 2)
-        assert (eval_sts.average_ranks(cosines.astype(float)) == rankdata(cosines)).all()
-    assert np.isnan(eval_sts.spearman([("x", "y", 1.0), ("x", "z", 2.0)], lambda s: np.ones((len(s), 2))))
+
+
+def test_spearman_is_scipys_where_it_is_undefined_too():
+    """Where scipy.stats.spearmanr is NaN, so is eval_sts.spearman (which the dev gate records as null): a NaN cosine
+    (a diverged model's NaN embedding), all embeddings NaN, a NaN gold score, constant cosines (a collapsed model),
+    constant gold scores, a single pair; two pairs give +-100, as scipy's. The hand-written ranks gave each NaN a rank
+    of its own: 40.0 for one NaN cosine, -8.59 for all-NaN embeddings. No warning escapes it (scipy's
+    ConstantInputWarning, numpy's invalid value): the run's own line says why."""
+    import warnings
+    rng = np.random.default_rng(1)
+    cases = {}
+    for name, n in (("one NaN cosine", 10), ("all NaN", 10), ("a NaN gold score", 10), ("constant cosines", 10),
+                    ("constant gold", 10), ("one pair", 1), ("two pairs", 2), ("two pairs, reversed", 2)):
+        a, b, gold = rng.normal(size=(n, 4)), rng.normal(size=(n, 4)), rng.uniform(0, 5, n)
+        if name == "one NaN cosine":
+            a[3, 1] = np.nan
+        if name == "all NaN":
+            a[:], b[:] = np.nan, np.nan
+        if name == "a NaN gold score":
+            gold[5] = np.nan
+        if name == "constant cosines":
+            a[:], b[:] = a[0], b[0]
+        if name == "constant gold":
+            gold[:] = 2.5
+        if name.startswith("two pairs"):
+            gold = np.array([1.0, 2.0]) if name == "two pairs" else np.array([2.0, 1.0])
+            a, b = np.array([[1.0, 0.0], [1.0, 0.0]]), np.array([[0.0, 1.0], [1.0, 1.0]])  # cosines 0 and 0.71
+        table = {**{f"a{i}": row for i, row in enumerate(a)}, **{f"b{i}": row for i, row in enumerate(b)}}
+        pairs = [(f"a{i}", f"b{i}", float(g)) for i, g in enumerate(gold)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # none may reach the run's log
+            got = eval_sts.spearman(pairs, lambda sentences: np.stack([table[s] for s in sentences]))
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cosine = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+            expected = round(float(spearmanr(cosine, gold)[0]) * 100, 2)
+        cases[name] = (got, expected)
+    assert all(got == expected or (np.isnan(got) and np.isnan(expected)) for got, expected in cases.values()), cases
+    assert [name for name, (got, _) in cases.items() if not np.isnan(got)] == ["two pairs", "two pairs, reversed"]
+    assert (cases["two pairs"][0], cases["two pairs, reversed"][0]) == (100.0, -100.0)
 
 
 def test_empty_gold_lines_are_dropped(senteval_dir):

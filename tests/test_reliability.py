@@ -273,20 +273,42 @@ def test_checkpoint_files_get_the_users_umask(tiny_model, tmp_path):
     assert modes["model.safetensors"] == modes["config.json"] == 0o644 and modes["2_Dense"] == 0o755, modes
 
 
-def test_an_undefined_dev_score_counts_as_the_worst_and_results_stay_valid_json(tiny_model, corpus, senteval_dir,
-                                                                                tmp_path, monkeypatch, capsys):
-    """Constant embeddings (a collapsed model) have no Spearman: the step-0 model is still saved, the log says why,
-    and results.json holds null, not a bare NaN."""
+def test_an_undefined_dev_score_is_null_and_never_the_best_not_even_the_first(tiny_model, corpus, senteval_dir,
+                                                                              tmp_path, monkeypatch, capsys):
+    """A NaN Spearman (constant or NaN embeddings: a collapsed or diverged model) is null in results.json (valid JSON,
+    no bare NaN), never wins a dev gate, not even the first (the loop's former `or run.best_step is None` kept step 0's
+    NaN as the best), and each gate says why in one line. A run whose every gate is undefined keeps no best/, evaluates
+    nothing and says so."""
     import simcse
-    monkeypatch.setattr(eval_sts, "spearman", lambda pairs, embed: float("nan"))  # the gate's Spearman
-    out = tmp_path / "run"
-    simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval")])
-    assert "the STS-B dev score is undefined" in capsys.readouterr().out
-    text = (out / "results.json").read_text()
-    results = json.loads(text, parse_constant=lambda c: pytest.fail(f"results.json holds {c}"))
-    assert results["best_step"] == 0 and results["best_dev_stsb"] is None
-    assert gates(results) == [[0, None], [2, None], [4, None]] and (out / "best" / "config.json").is_file()
-    assert "align_uniform" in results  # the final evaluation found best/
+    nan = float("nan")
+    for name, scores, best in (("later", [nan, -5.0, nan], 2), ("never", [nan, nan, nan], None)):
+        given = iter(scores)
+        monkeypatch.setattr(eval_sts, "spearman", lambda pairs, embed: next(given))  # the gate's Spearman
+        out = tmp_path / name
+        simcse.main([str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--no_test_eval")])
+        log = capsys.readouterr().out
+        assert log.count("the STS-B dev score is undefined") == sum(s != s for s in scores), log
+        results = json.loads((out / "results.json").read_text(),
+                             parse_constant=lambda c: pytest.fail(f"results.json holds {c}"))
+        assert gates(results) == [[0, None], [2, None if best is None else -5.0], [4, None]]
+        assert results["best_step"] == best and results["interrupted"] is False
+        assert results["best_dev_stsb"] == (None if best is None else -5.0)
+        assert (out / "best" / "config.json").is_file() == ("align_uniform" in results) == (best is not None)
+    assert "no best/: every dev gate's STS-B dev was undefined" in log
+
+
+def test_a_run_that_diverges_at_step_1_records_its_next_dev_score_as_null(tiny_model, corpus, senteval_dir,
+                                                                          tmp_path):
+    """--lr 1e30: step 1 makes the weights overflow, so the dev gate after it encodes NaN embeddings. Their Spearman is
+    scipy's NaN, recorded as null; the hand-written ranks gave each NaN a rank of its own and a made-up -12.9 that
+    could have won the gate. best/ stays step 0's; the loss's NaN at step 2 then stops the run."""
+    import simcse
+    out = tmp_path / "diverged"
+    code, err = cli_in_process(simcse, *smoke_args(tiny_model, corpus, senteval_dir, out, "--lr", "1e30",
+                                                   "--eval_steps", 1, "--no_test_eval"))
+    results = json.loads((out / "results.json").read_text())
+    assert code == 2 and results["stop"]["by"] == "divergence" and results["stop"]["step"] == 2, err
+    assert [step for step, score in gates(results) if score is None] == [1] and results["best_step"] == 0
 
 
 def test_a_signal_during_the_final_evaluation_stops_it_and_is_recorded(tiny_model, corpus, senteval_dir, tmp_path,
