@@ -151,7 +151,9 @@ class AMISample(NamedTuple):
 def ami_sample(tiles1, tiles2, num_samples: int, generator=None, inside=None) -> AMISample:
     """Which entries AMI reads, every shape fixed (no host sync): `used`, the tiles that count (the
     released code drops the rest); sampled without replacement: the k valid entries of largest
-    random keys, topk-sorted (a tile's first k columns); `inside`: the batch's entries, else all."""
+    random keys, topk-sorted (a tile's first k columns); `inside`: the batch's entries, else all.
+    The paper's draw, per tile: entries = tile[valid]; entries[torch.randperm(len(entries))[:k]],
+    a uniform k-subset of the valid entries, as the keys' top k are (tests/test_micse.py)."""
     # Not the released code's > 0: log's gradient 1/p overflows fp32 for the subnormal probabilities
     # a real encoder's first layers give (MiniLM's layer 0: 2.8e-45); none above 1e-30 overflows
     valid = (tiles1 > 1e-30) & (tiles2 > 1e-30) & (True if inside is None else inside)
@@ -211,7 +213,9 @@ def micse_loss(z1, z2, attn1, attn2, queue, temp=0.05, ami_lambda=2.5e-3, ami_sa
 class EmbeddingQueue:
     """The newest `size` keys (the momentum encoder's embeddings of past batches: Eq. 2's queue)
     and their sentences' ids, a ring buffer written in place (a CUDA graph replays it); `filled`:
-    the slots that hold a key (the others left out: Eq. 2's growing queue), `position`: the next."""
+    the slots that hold a key (the others left out: Eq. 2's growing queue), `position`: the next.
+    The paper's queue is first in, first out, queue = torch.cat([queue, keys])[-size:]: the same
+    keys, here rotated by `position` (tests/test_micse.py holds the two equal, bit for bit)."""
 
     def __init__(self, size: int, dim: int, device=None):
         self.size, self.tensor = size, torch.zeros(size, dim, device=device)

@@ -164,6 +164,26 @@ def padded_wider(attn, width, seed):
     return wider
 
 
+def test_ami_samples_a_uniform_subset_of_the_valid_entries_as_the_papers_randperm_draw():
+    """ami_sample's draw (the k valid entries of largest random keys, fixed shapes for a CUDA graph) is the paper's
+    draw in distribution: a uniform k-subset of a tile's valid entries, as tile[valid][randperm(count)[:k]] gives.
+    3 of a tile's 6 valid entries (of 10), 4,000 draws: each of the 20 subsets within 5 standard deviations of 1/20,
+    and no invalid entry ever drawn. Catches keys that favour some entries (invalid ones filled with a key above
+    the valid ones', a sort that keeps the lowest keys, a draw with replacement)."""
+    tile = torch.tensor([[0.1, 0.0, 0.2, 0.3, 0.0, 0.1, 0.0, 0.2, 0.05, 0.0]])
+    valid = (tile > 1e-30).squeeze(0).nonzero().squeeze(1).tolist()
+    g, counts, draws = torch.Generator().manual_seed(0), {}, 4000
+    for _ in range(draws):
+        sample = micse.ami_sample(tile, tile, 3, g)
+        chosen = tuple(sorted(sample.index[0][sample.sampled[0]].tolist()))
+        assert len(chosen) == 3 and set(chosen) <= set(valid)
+        counts[chosen] = counts.get(chosen, 0) + 1
+    assert len(counts) == math.comb(len(valid), 3)  # every subset drawn
+    p = 1 / math.comb(len(valid), 3)
+    spread = 5 * math.sqrt(draws * p * (1 - p))
+    assert all(abs(count - draws * p) <= spread for count in counts.values()), counts
+
+
 def test_ami_of_a_batch_padded_wider_scores_its_sentences_alone_whatever_its_padding_holds():
     """miCSE pads every batch to --max_seq_length (12 here: a CUDA graph's one shape, and eagerly too, so that both draw
     AMI's sample in one layout), the released code to the batch's longest sentence. Given the attention mask, AMI

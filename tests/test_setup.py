@@ -401,7 +401,7 @@ README_CELLS = {
     "idea": r"[a-z][^|0-9]*[a-zA-Z]",
     "BERT-base STS avg (paper)": rf"{NUMBERS}(; [a-z 0-9%]+ {NUMBERS})?",
     "path": r"`[^`]+`(, `[^`]+`)*( … `[^`]+`)?",
-    "what it holds": r"[a-z`][^|]*[a-zA-Z)]",
+    "what it holds": r"[a-z`\[][^|]*[a-zA-Z)]",
     "page": r"\[docs/[a-z]+\.md\]\(docs/[a-z]+\.md\)",
     "topic": r"[a-z`][^|]*",
 }
