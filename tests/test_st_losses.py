@@ -45,10 +45,10 @@ def dataset(columns: int, rows: int = 4 * BATCH, seed: int = 0):
 
 
 def trainer(model, loss, out, steps=3, columns=1, **arguments):
-    args = st.SentenceTransformerTrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=LR,
-        save_strategy="no", report_to="none", use_cpu=True, disable_tqdm=True, logging_steps=1, seed=42,
-        **arguments)
+    args = st.SentenceTransformerTrainingArguments(**{
+        "output_dir": str(out), "per_device_train_batch_size": BATCH, "max_steps": steps, "learning_rate": LR,
+        "save_strategy": "no", "report_to": "none", "use_cpu": True, "disable_tqdm": True, "logging_steps": 1,
+        "seed": 42, **arguments})
     return st_losses.ContrastiveTrainer(model=model, args=args, train_dataset=dataset(columns), loss=loss)
 
 
@@ -127,3 +127,80 @@ def test_three_steps_of_contrastive_trainer_equal_the_method_files_block_loop_bi
     reference = block_loop(case, start, steps)
     assert [s[-1] for s in steps] == reference.losses
     assert_same_state(loss, reference)
+
+
+@pytest.mark.parametrize("case", ["micse", "whitenedcse"])
+def test_resume_from_checkpoint_at_step_2_of_4_equals_the_straight_run_bit_for_bit(case, tiny_st, tmp_path):
+    """checkpoint-2/ holds the loss's state (STATE_FILE: the head, miCSE's queue and momentum encoder, the generator
+    of AMI's draws or WhitenedCSE's shuffles) beside the trainer's: a new model and loss resumed from it give steps
+    3 and 4 of the straight run, the losses and every state bit for bit. Fails where a checkpoint leaves out the
+    queue, the head (the trainer would put Adam's moments on a fresh head), or a generator's state."""
+    loss_class, keywords, _ = CASES[case]
+
+    def run(out, resume=None):
+        torch.manual_seed(0)  # the head's initialisation alike (the resumed one's is overwritten)
+        model = st.SentenceTransformer(tiny_st, device="cpu")
+        loss = loss_class(model, **keywords)
+        steps = recorded(loss)
+        trainer(model, loss, out, steps=4, save_strategy="steps", save_steps=2).train(
+            resume_from_checkpoint=resume)
+        return loss, [s[-1] for s in steps]
+    straight, straight_losses = run(tmp_path / "straight")
+    resumed, resumed_losses = run(tmp_path / "resumed", str(tmp_path / "straight" / "checkpoint-2"))
+    assert resumed_losses == straight_losses[2:]
+    assert_same_state(resumed, straight)
+    assert torch.equal(resumed.generator.get_state(), straight.generator.get_state())
+
+
+def test_a_plain_trainer_and_gradient_accumulation_are_refused_in_one_line(tiny_st, tmp_path):
+    """A plain SentenceTransformerTrainer given one of these losses would train without the head in its clipping,
+    its state in checkpoints or miCSE's EMA: the loss refuses, naming ContrastiveTrainer. gradient_accumulation_steps
+    > 1 would give each micro-batch fewer negatives: refused, naming the loss's micro_batch_size=."""
+    model = st.SentenceTransformer(tiny_st, device="cpu")
+    loss = st_losses.SimCSELoss(model)
+    args = st.SentenceTransformerTrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none",
+                                                   use_cpu=True, per_device_train_batch_size=BATCH)
+    plain = st.SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset(1), loss=loss)
+    with pytest.raises(RuntimeError, match="ContrastiveTrainer") as refused:
+        plain.train()
+    assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"micro_batch_size=") as refused:
+        trainer(model, loss, tmp_path, gradient_accumulation_steps=2)
+    assert "\n" not in str(refused.value) and "gradient_accumulation_steps=2" in str(refused.value)
+
+
+def test_without_sentence_transformers_the_import_is_one_line_naming_the_pip_command(monkeypatch):
+    """The method files keep no sentence-transformers import (test_setup); st_losses.py, imported without it, says in
+    one line what to install, not a traceback into sentence-transformers' absence."""
+    import importlib.util
+    monkeypatch.setitem(__import__("sys").modules, "sentence_transformers", None)  # as if not installed
+    spec = importlib.util.spec_from_file_location("st_losses_without", st_losses.__file__)
+    with pytest.raises(ImportError, match="pip install sentence-transformers") as refused:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    assert "\n" not in str(refused.value) and refused.value.__cause__ is None
+
+
+def test_a_step_makes_no_host_sync(tiny_st, tmp_path):
+    """Steps 2 and 3 of ContrastiveTrainer's miCSE (the loss, backward, clipping, the optimizer, the schedule, the
+    EMA and the queue), counted by plumbing/syncs.py's dispatch mode: none. The trainer's own NaN filter read each
+    step's loss on the host (torch.isnan in a bool), and transformers' 2-D attention mask is checked on the host each
+    pass: either fails it."""
+    from plumbing import syncs
+    model = st.SentenceTransformer(tiny_st, device="cpu")
+    loss = st_losses.MiCSELoss(model, queue_size=24)
+    counted = []
+
+    class Window(__import__("transformers").TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step >= 1:
+                self.counter = syncs.HostSyncCounter("cpu").__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if getattr(self, "counter", None) is not None:
+                self.counter.__exit__(None, None, None)
+                counted.append(dict(self.counter.ops))
+                self.counter = None
+    run = trainer(model, loss, tmp_path)
+    run.add_callback(Window())
+    run.train()
+    assert counted == [{}, {}]
