@@ -66,9 +66,6 @@ def parse_args(argv=None):
     g.add_argument("--no_hard_negatives", action="store_true",
                    help="with --supervised: the (sent0, sent1) pairs alone, in-batch negatives "
                         "only (Table 4's entailment pairs; as a CSV without hard_neg trains)")
-    g.add_argument("--no_negatives", action="store_true",
-                   help="unsupervised: the positive pairs alone, no in-batch negatives (miCSE "
-                        "Table 4's 'SimCSE w/o negatives'; positive_only_loss)")
     g.add_argument("--hard_negative_weight", type=float, default=0.0,
                    help="Eq. 8: added to an anchor's own hard negative's logit (alpha = e^weight)")
     g.add_argument("--neutral_hard_negatives", action="store_true",
@@ -82,6 +79,9 @@ def parse_args(argv=None):
                    help="share of tokens masked for the MLM term (BERT's 15%%)")
     g.add_argument("--num_layers", type=int, default=None,
                    help="keep only the encoder's first k layers (SSCL Table 1: SimCSE (10))")
+    g.add_argument("--no_negatives", action="store_true",
+                   help="unsupervised: the positive pairs alone, no in-batch negatives (miCSE "
+                        "Table 4's 'SimCSE w/o negatives'; positive_only_loss)")
     known, _ = parser.parse_known_args(argv)
     plumbing.check_range(known, "fraction", lambda v: 0 < v <= 1, "0 < fraction <= 1")
     if known.supervised and known.fixed_dropout_mask:
@@ -129,12 +129,6 @@ def info_nce(z1, z2, temp: float = 0.05, z3=None,
         hard = hard + hard_negative_weight * own.repeat(1, len(z3) // len(z1))
         logits = torch.cat([logits, hard], dim=1)
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
-
-
-def positive_only_loss(z1, z2, temp: float = 0.05) -> torch.Tensor:
-    """InfoNCE's positive term alone, -cos(z1_i, z2_i) / temp (miCSE Table 4's "w/o negatives"; no
-    formula is given: Eq. 1 without its denominator)."""
-    return -(F.cosine_similarity(z1, z2, dim=-1) / temp).mean()
 
 
 def masked_lm_loss(prediction_scores, labels, num_masked=None) -> torch.Tensor:
@@ -212,6 +206,12 @@ def simcse_step(encoder, batch: dict, head=None, temp: float = 0.05, columns: in
                                  fixed_dropout_mask=fixed_dropout_mask)
     return simcse_objective(z1, z2, *hard, temp=temp, hard_negative_weight=hard_negative_weight,
                             positives_only=positives_only, gather=gather)
+
+
+def positive_only_loss(z1, z2, temp: float = 0.05) -> torch.Tensor:
+    """miCSE Table 4's baseline (--no_negatives), after SimCSE's own path: InfoNCE's positive term
+    alone, -cos(z1_i, z2_i) / temp (Eq. 1 without its denominator; miCSE gives no formula)."""
+    return -(F.cosine_similarity(z1, z2, dim=-1) / temp).mean()
 # --- end of the objective ---
 
 
