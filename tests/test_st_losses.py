@@ -66,7 +66,7 @@ def recorded(loss):
     return steps
 
 
-def block_loop(case, start, steps):
+def block_loop(case, start, steps, dtype=None):
     """The method file's own block in a student's loop from the same start: the transformers model, the head, the
     queue and momentum encoder of the block, AdamW and the schedule of common.py, clipping at 1.0."""
     backbone, head = copy.deepcopy(start.backbone).train(), copy.deepcopy(start.head)
@@ -80,22 +80,22 @@ def block_loop(case, start, steps):
     for batch, rng, generator_state, _ in steps:
         torch.set_rng_state(rng)
         if case == "simcse" or case == "simcse-supervised":
-            loss = simcse.simcse_step(backbone, batch, head, columns=3 if "supervised" in case else 1)
+            loss = simcse.simcse_step(backbone, batch, head, columns=3 if "supervised" in case else 1, dtype=dtype)
         elif case == "simcsepp":
-            loss = simcsepp.simcsepp_step(backbone, batch, head)
+            loss = simcsepp.simcsepp_step(backbone, batch, head, dtype=dtype)
         elif case == "sscl":
-            loss = sscl.sscl_step(backbone, batch)
+            loss = sscl.sscl_step(backbone, batch, dtype=dtype)
         elif case == "whitenedcse":
-            loss = whitenedcse.whitenedcse_step(backbone, batch, head, generator)
+            loss = whitenedcse.whitenedcse_step(backbone, batch, head, generator, dtype=dtype)
         else:
-            loss = micse.micse_step(backbone, batch, head, queue, generator)
+            loss = micse.micse_step(backbone, batch, head, queue, generator, dtype=dtype)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
         if momentum is not None:
-            micse.micse_momentum_update(momentum, backbone, batch, queue, head)
+            micse.micse_momentum_update(momentum, backbone, batch, queue, head, dtype=dtype)
         losses.append(loss.detach())
     return types.SimpleNamespace(backbone=backbone, head=head, queue=queue, momentum_encoder=momentum, losses=losses)
 
@@ -123,10 +123,52 @@ def test_three_steps_of_contrastive_trainer_equal_the_method_files_block_loop_bi
     loss = loss_class(model, **keywords)
     start = copy.deepcopy(types.SimpleNamespace(backbone=loss.backbone, head=loss.head, generator=loss.generator))
     steps = recorded(loss)
-    trainer(model, loss, tmp_path, columns=columns).train()
+    run = trainer(model, loss, tmp_path, columns=columns)
+    run.train()
     reference = block_loop(case, start, steps)
     assert [s[-1] for s in steps] == reference.losses
     assert_same_state(loss, reference)
+    the_saved_model_encodes_as_eval_sts_reads_it(run, tmp_path / "out")
+
+
+def the_saved_model_encodes_as_eval_sts_reads_it(run, out):
+    """The trainer's output_dir gives the same embeddings through SentenceTransformer(out) as through eval_sts.py's
+    loader with the pooler the run recorded (the method's: [CLS] before the MLP, supervised SimCSE's MLP, SSCL's
+    average), so the same STS scores. Fails where the saved pooling or head is not the method's evaluation."""
+    import eval_sts
+    run.save_model(str(out))
+    sentences = [random_sentence(random.Random(i)) for i in range(6)]
+    encode = eval_sts.load_encode(str(out), eval_sts.checkpoint_pooler(str(out), None), torch.device("cpu"))
+    torch.testing.assert_close(torch.as_tensor(st.SentenceTransformer(str(out), device="cpu").encode(sentences)),
+                               torch.as_tensor(encode(sentences)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["simcse", "whitenedcse", "micse"])
+def test_micro_batch_size_trains_the_whole_batchs_objective(case, well_conditioned, tmp_path):
+    """micro_batch_size=8 of a batch of 16 (GradCache through the block's two halves, as the suite's
+    --micro_batch_size), dropout off (a pass of 8 rows draws other masks than one of 16, as in the suite's test):
+    two steps' losses (miCSE's second with its queue) and the gradient norms the trainer logs are the whole batch's,
+    to fp32's rounding of sums in another order. Fails where a micro-batch is its own contrastive problem (8
+    negatives, not 16), or the head's gradient (WhitenedCSE's, in the objective) is dropped or counted twice."""
+    loss_class, keywords, _ = CASES[case]
+    runs = []
+    for micro in (None, 8):
+        torch.manual_seed(0)
+        model = st.SentenceTransformer(well_conditioned, device="cpu")
+        loss = loss_class(model, **keywords, micro_batch_size=micro,
+                          **({"momentum_dropout": 0.0} if case == "micse" else {}))
+        run = trainer(model, loss, tmp_path / str(micro), steps=2)
+        run.train()
+        runs.append([v for h in run.state.log_history if "loss" in h for v in (h["loss"], h["grad_norm"])])
+    assert runs[1] == pytest.approx(runs[0], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def well_conditioned(tmp_path_factory):
+    """The tiny BERT of weights of std 0.2 and no dropout (tests/test_memory.py's): its sentences' embeddings spread,
+    so that the contrastive gradients are no differences of nearly equal vectors (fp32's rounding would decide)."""
+    return str(write_tiny_model(tmp_path_factory.mktemp("well_conditioned_st"), num_layers=4, dropout=0.0,
+                                initializer_range=0.2))
 
 
 @pytest.mark.parametrize("case", ["micse", "whitenedcse"])
@@ -204,3 +246,20 @@ def test_a_step_makes_no_host_sync(tiny_st, tmp_path):
     run.add_callback(Window())
     run.train()
     assert counted == [{}, {}]
+
+
+@pytest.mark.parametrize("case", ["simcse", "micse"])
+def test_bf16_through_the_trainers_flag_is_the_blocks_autocast_of_the_encoder_alone(case, tiny_st, tmp_path):
+    """bf16=True (the trainer's flag, accelerate's autocast on CPU) equals the block loop given dtype=torch.bfloat16:
+    autocast around the encoder's passes only (miCSE's momentum pass too), the head, AMI and the loss in fp32, as
+    the suite's GPU rules say, bit for bit. Fails where the loss or the head run under autocast (bf16 logits), or
+    the momentum encoder's keys are encoded in fp32 where micse.py's are in bf16."""
+    loss_class, keywords, columns = CASES[case]
+    model = st.SentenceTransformer(tiny_st, device="cpu")
+    loss = loss_class(model, **keywords)
+    start = copy.deepcopy(types.SimpleNamespace(backbone=loss.backbone, head=loss.head, generator=loss.generator))
+    steps = recorded(loss)
+    trainer(model, loss, tmp_path, steps=2, bf16=True).train()
+    reference = block_loop(case, start, steps, dtype=torch.bfloat16)
+    assert [s[-1] for s in steps] == reference.losses and all(s[-1].dtype == torch.float32 for s in steps)
+    assert_same_state(loss, reference)
