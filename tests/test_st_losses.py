@@ -20,7 +20,7 @@ import simcsepp  # noqa: E402
 import sscl  # noqa: E402
 import st_losses  # noqa: E402
 import whitenedcse  # noqa: E402
-from conftest import random_sentence, write_tiny_model  # noqa: E402
+from conftest import SHARED, needs_shared, random_sentence, write_tiny_model  # noqa: E402
 
 BATCH, LR = 16, 3e-5
 CASES = {  # case: (the loss, its keywords, the columns of the dataset)
@@ -134,13 +134,16 @@ def test_three_steps_of_contrastive_trainer_equal_the_method_files_block_loop_bi
 def the_saved_model_encodes_as_eval_sts_reads_it(run, out):
     """The trainer's output_dir gives the same embeddings through SentenceTransformer(out) as through eval_sts.py's
     loader with the pooler the run recorded (the method's: [CLS] before the MLP, supervised SimCSE's MLP, SSCL's
-    average), so the same STS scores. Fails where the saved pooling or head is not the method's evaluation."""
+    average), so the same STS scores (cosines: MiniLM's saved Normalize stays). Fails where the saved pooling or head
+    is not the method's evaluation."""
     import eval_sts
     run.save_model(str(out))
     sentences = [random_sentence(random.Random(i)) for i in range(6)]
     encode = eval_sts.load_encode(str(out), eval_sts.checkpoint_pooler(str(out), None), torch.device("cpu"))
-    torch.testing.assert_close(torch.as_tensor(st.SentenceTransformer(str(out), device="cpu").encode(sentences)),
-                               torch.as_tensor(encode(sentences)), atol=1e-5, rtol=1e-5)
+    ours = torch.as_tensor(st.SentenceTransformer(str(out), device="cpu").encode(sentences))
+    normalised = torch.nn.functional.normalize  # (MiniLM's Normalize module: no cosine moves)
+    torch.testing.assert_close(normalised(ours, dim=-1), normalised(torch.as_tensor(encode(sentences)), dim=-1),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["simcse", "whitenedcse", "micse"])
@@ -263,3 +266,28 @@ def test_bf16_through_the_trainers_flag_is_the_blocks_autocast_of_the_encoder_al
     reference = block_loop(case, start, steps, dtype=torch.bfloat16)
     assert [s[-1] for s in steps] == reference.losses and all(s[-1].dtype == torch.float32 for s in steps)
     assert_same_state(loss, reference)
+
+
+@needs_shared
+def test_micse_on_minilm_equals_its_block_loop_and_saves_what_eval_sts_reads(tmp_path, capsys):
+    """The real encoder, offline: MiniLM as sentence-transformers loads it (eval mode, SDPA, mean pooling, Normalize,
+    max_seq_length 256) trained 2 steps by MiCSELoss + ContrastiveTrainer equals micse.py's block loop on the same
+    batches bit for bit (AMI over MiniLM's own attention maps, its layers 1:5, the queue, the momentum encoder in
+    train mode); its pooling switched to [CLS], its attention to eager and its truncation to 32, each said in one
+    printed line; the saved model encodes as eval_sts.py reads it."""
+    model = st.SentenceTransformer(str(SHARED / "models" / "all-MiniLM-L6-v2"), device="cpu")
+    assert not model[0].auto_model.training  # as loaded
+    loss = st_losses.MiCSELoss(model, queue_size=24)
+    said = capsys.readouterr().out.splitlines()
+    assert [line for line in said if "mean pooling switched to cls" in line or "eager" in line
+            or "max_seq_length=32" in line] == said and len(said) == 3
+    assert loss.layers == (1, 5) and loss.momentum_encoder.training
+    start = copy.deepcopy(types.SimpleNamespace(backbone=loss.backbone, head=loss.head, generator=loss.generator))
+    steps = recorded(loss)
+    run = trainer(model, loss, tmp_path, steps=2)
+    run.train()
+    assert max(batch["input_ids"].shape[1] for batch, *_ in steps) == 32  # padded to it, as micse.py pads
+    reference = block_loop("micse", start, steps)
+    assert [s[-1] for s in steps] == reference.losses
+    assert_same_state(loss, reference)
+    the_saved_model_encodes_as_eval_sts_reads_it(run, tmp_path / "out")
