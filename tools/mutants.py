@@ -33,6 +33,7 @@ PIN_RULE = ("tests/test_behaviour.py::test_the_rule_is_bit_for_bit_where_the_pro
             "anywhere")
 ANOTHER_CPU = "SUITE_BEHAVIOUR_ANOTHER_CPU=1"  # a test list's NAME=value entries are the tests' environment
 CLUSTER = "tests/test_cluster.py::test_"
+ST_LOSSES = "tests/test_st_losses.py::"
 
 # name: (file, the line's text, its mutation, the tests that should catch it)
 MUTANTS = {
@@ -166,6 +167,18 @@ MUTANTS = {
     "local-job-ends-at-first-task": ("tools/cluster.py", 'if all((folder / f"{note.get(',
                                      'if any((folder / f"{note.get(',
                                      [f"{CLUSTER}a_local_job_has_ended_only_when_every_task_has"]),
+    # #88: what ContrastiveTrainer does for a loss's own state (st_losses.py)
+    "st-head-not-clipped": ("st_losses.py", "return self.accelerator.clip_grad_norm_(self.all_parameters(model), ",
+                            "return self.accelerator.clip_grad_norm_(model.parameters(), ",
+                            [f"{ST_LOSSES}test_three_steps_of_contrastive_trainer_equal_the_method_files_block_loop_"
+                             "bit_for_bit[simcse]"]),
+    "st-ema-before-the-step": ("st_losses.py", "    def on_optimizer_step(self, args, state, control, **kwargs):",
+                               "    def on_pre_optimizer_step(self, args, state, control, **kwargs):",
+                               [f"{ST_LOSSES}test_three_steps_of_contrastive_trainer_equal_the_method_files_block_"
+                                "loop_bit_for_bit[micse]"]),
+    "st-queue-not-checkpointed": ("st_losses.py", '            self.queue.load_state_dict(state["queue"])',
+                                  "            pass", [f"{ST_LOSSES}test_resume_from_checkpoint_at_step_2_of_4_"
+                                                      "equals_the_straight_run_bit_for_bit[micse]"]),
 }
 
 
