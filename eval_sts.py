@@ -43,9 +43,9 @@ STS_SUBSETS = {
 }
 TASKS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness"]
 DEV_TASKS = ["STSBenchmark", "SICKRelatedness"]
-
 # what an offline machine passes to the evaluators (eval_sts.py, eval_transfer.py, tools/): their own flags alone
 OFFLINE_FLAGS = "--model_name_or_path and --senteval_dir"
+
 
 # -------------------------------------------------------------------------------------------- loading
 def load_encode(name_or_path: str, pooler: str, device, offline: str = OFFLINE_FLAGS):

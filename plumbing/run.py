@@ -664,8 +664,6 @@ def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device, 
         if k else []
     execution += ["--gradient_checkpointing (each layer recomputed in the backward pass)"] \
         if args.gradient_checkpointing else []
-    if getattr(args, "ami_min_layer", None) is not None:  # miCSE's layers, scaled to this encoder's depth
-        model += f"; AMI on attention layers {args.ami_min_layer}:{args.ami_max_layer} (0-based, the end excluded)"
     execution += ["--compile (torch.compile)"] if args.compile else []
     execution += ["--cuda_graph (the step replayed from one CUDA graph after 3 eager ones)"] \
         if getattr(args, "cuda_graph", False) else []
@@ -673,6 +671,8 @@ def summary(args, corpus: dict, steps_per_epoch: int, total_steps: int, device, 
         if args.pad_to_max_length else []
     model = f"{args.backbone} ({args.backbone_config})" if args.backbone else \
         f"{args.backbone_config}: no preset for this backbone, the BERT-base settings"
+    if getattr(args, "ami_min_layer", None) is not None:  # miCSE's layers, scaled to this encoder's depth
+        model += f"; AMI on attention layers {args.ami_min_layer}:{args.ami_max_layer} (0-based, the end excluded)"
     result = {"presets": presets, "backbone": model, "data": text,
               "model": f"{args.model_name_or_path}, trained with pooler {args.pooler}, evaluated with "
                        f"{common.eval_pooler(args)}",
