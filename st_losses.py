@@ -332,6 +332,10 @@ class ContrastiveTrainer(st.SentenceTransformerTrainer):
             names = ", ".join(c.__name__ for c in LOSSES)
             raise ValueError(f"ContrastiveTrainer trains one of {names}; got {len(found)}")
         self.contrastive = loss = found[0]
+        if loss is not self.loss:  # MatryoshkaLoss, AdaptiveLayerLoss: tried, they fail obscurely
+            raise ValueError(f"{type(self.loss).__name__} around {type(loss).__name__}: it changes "
+                             "the model's sentence_embedding, which these losses do not read (they "
+                             "pool the encoder's hidden states as their block does): train it alone")
         if self.args.gradient_accumulation_steps > 1:
             steps = self.args.gradient_accumulation_steps
             raise ValueError(f"gradient_accumulation_steps={steps}: a "

@@ -200,7 +200,8 @@ def test_resume_from_checkpoint_at_step_2_of_4_equals_the_straight_run_bit_for_b
 def test_a_plain_trainer_and_gradient_accumulation_are_refused_in_one_line(tiny_st, tmp_path):
     """A plain SentenceTransformerTrainer given one of these losses would train without the head in its clipping,
     its state in checkpoints or miCSE's EMA: the loss refuses, naming ContrastiveTrainer. gradient_accumulation_steps
-    > 1 would give each micro-batch fewer negatives: refused, naming the loss's micro_batch_size=."""
+    > 1 would give each micro-batch fewer negatives: refused, naming the loss's micro_batch_size=. MatryoshkaLoss and
+    AdaptiveLayerLoss change the model's sentence_embedding, which these losses never read: refused too."""
     model = st.SentenceTransformer(tiny_st, device="cpu")
     loss = st_losses.SimCSELoss(model)
     args = st.SentenceTransformerTrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none",
@@ -212,6 +213,11 @@ def test_a_plain_trainer_and_gradient_accumulation_are_refused_in_one_line(tiny_
     with pytest.raises(ValueError, match=r"micro_batch_size=") as refused:
         trainer(model, loss, tmp_path, gradient_accumulation_steps=2)
     assert "\n" not in str(refused.value) and "gradient_accumulation_steps=2" in str(refused.value)
+    from sentence_transformers.sentence_transformer import losses
+    for wrapped in (losses.MatryoshkaLoss(model, loss, [32, 16]), losses.AdaptiveLayerLoss(model, loss)):
+        with pytest.raises(ValueError, match=f"{type(wrapped).__name__} around SimCSELoss") as refused:
+            trainer(model, wrapped, tmp_path)  # tried: an IndexError, a KeyError inside the trainer's step
+        assert "\n" not in str(refused.value)
 
 
 def test_without_sentence_transformers_the_import_is_one_line_naming_the_pip_command(monkeypatch):
