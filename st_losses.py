@@ -335,7 +335,7 @@ class ContrastiveTrainer(st.SentenceTransformerTrainer):
         if loss is not self.loss:  # MatryoshkaLoss, AdaptiveLayerLoss: tried, they fail obscurely
             raise ValueError(f"{type(self.loss).__name__} around {type(loss).__name__}: it changes "
                              "the model's sentence_embedding, which these losses do not read (they "
-                             "pool the encoder's hidden states as their block does): train it alone")
+                             "pool the hidden states as their blocks do): train it alone")
         if self.args.gradient_accumulation_steps > 1:
             steps = self.args.gradient_accumulation_steps
             raise ValueError(f"gradient_accumulation_steps={steps}: a "
