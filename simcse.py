@@ -34,8 +34,12 @@ import plumbing
 from plumbing import backbones, distributed, graph, hub, options
 from plumbing.run import Run
 
-# The paper's settings, one row a condition (parse_args picks the rows; flags the user gives win).
-# Unsupervised BERT-base (Table A.1) is common.FLAGS' defaults.
+# The recipe, read first: unsupervised SimCSE on BERT-base (Table A.1), trained by AdamW without
+# weight decay, its lr decayed linearly; every flag's default comes from here.
+RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
+              eval_steps=125, pooler="cls", mlp_only_train=True, hard_negative_weight=0.0,
+              mlm_weight=0.1, mlm_probability=0.15)
+# The paper's other settings, one row a condition (parse_args picks the rows; your flags win).
 PRESETS = {
     "supervised": ({"batch_size": 512, "lr": 5e-5, "epochs": 3, "eval_steps": 250,
                     "mlp_only_train": False}, "supervised SimCSE (Table A.1, Appendix A)"),
@@ -56,7 +60,7 @@ FEW_SHOT_FRACTIONS = (0.1, 0.01, 0.001, 0.0001)  # the "fraction" rows above
 
 
 def parse_args(argv=None):
-    parser = options.parser(__doc__, method="simcse")
+    parser = options.parser(__doc__, method="simcse", recipe=RECIPE)
     g = parser.add_argument_group("SimCSE")
     g.add_argument("--supervised", action="store_true",
                    help="train on NLI triplets (sent0, sent1, hard_neg; nli_for_simcse.csv): batch "
@@ -66,16 +70,16 @@ def parse_args(argv=None):
     g.add_argument("--no_hard_negatives", action="store_true",
                    help="with --supervised: the (sent0, sent1) pairs alone, in-batch negatives "
                         "only (Table 4's entailment pairs; as a CSV without hard_neg trains)")
-    g.add_argument("--hard_negative_weight", type=float, default=0.0,
+    g.add_argument("--hard_negative_weight", type=float,
                    help="Eq. 8: added to an anchor's own hard negative's logit (alpha = e^weight)")
     g.add_argument("--neutral_hard_negatives", action="store_true",
                    help="with --supervised: a CSV's neutral column as a second hard negative "
                         "(Table 7's 'Contra. + Neutral'; nli_for_simcse.csv has none)")
     g.add_argument("--do_mlm", action="store_true",
                    help="+ the masked-LM loss of masked copies of the inputs (Appendix D.2)")
-    g.add_argument("--mlm_weight", type=float, default=0.1,
+    g.add_argument("--mlm_weight", type=float,
                    help="lambda of the MLM term (Table D.2: 0.01, 0.1, 1; released default 0.1)")
-    g.add_argument("--mlm_probability", type=float, default=0.15,
+    g.add_argument("--mlm_probability", type=float,
                    help="share of tokens masked for the MLM term (BERT's 15%%)")
     g.add_argument("--num_layers", type=int, default=None,
                    help="keep only the encoder's first k layers (SSCL Table 1: SimCSE (10))")

@@ -32,6 +32,10 @@ import plumbing
 from plumbing import distributed, graph, hub, options
 from plumbing.run import Run
 
+# The recipe, read first: WhitenedCSE on BERT-base (Section 4.1), trained by AdamW without weight
+# decay, its lr decayed linearly; every flag's default comes from here (num_groups None: d / 2).
+RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
+              eval_steps=125, pooler="cls", mlp_only_train=True, num_pos=3)
 # The paper's settings (flags win): --num_groups, Section 4.1: "384" for BERT-base and -large, "256"
 # for RoBERTa; 384 does not divide BERT-large's 1024: groups of 2 channels (512). Else hidden / 2.
 PRESETS = {
@@ -42,12 +46,12 @@ PRESETS = {
 
 
 def parse_args(argv=None):
-    parser = options.parser(__doc__, method="whitenedcse")
+    parser = options.parser(__doc__, method="whitenedcse", recipe=RECIPE)
     g = parser.add_argument_group("WhitenedCSE (Section 4.1 defaults)")
     g.add_argument("--num_groups", type=int, default=None,
                    help="SGW groups (default: the backbone's, else groups of 2 channels, "
                         "hidden_size / 2: BERT-base's 384, Table 4's best)")
-    g.add_argument("--num_pos", type=int, default=3,
+    g.add_argument("--num_pos", type=int,
                    help="m, the number of whitened views (Table 5: 3)")
     g.add_argument("--no_shuffle", action="store_true",
                    help="identity permutation for every view (Table 4 ablation)")

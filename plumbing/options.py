@@ -97,12 +97,13 @@ def add_run_flags(parser) -> None:
                         "(plumbing/syncs.py; slow while it counts: for tests and bench.py)")
 
 
-def parser(doc: str, method: str) -> plumbing.Parser:
-    """A method's parser: common.FLAGS (unsupervised SimCSE's defaults), the pooler and the precision, then the
-    run's flags; the method adds its own group."""
+def parser(doc: str, method: str, recipe: dict | None = None) -> plumbing.Parser:
+    """A method's parser: common.FLAGS, the pooler and the precision, then the run's flags, every default the
+    method's `recipe` gives (its RECIPE; else unsupervised SimCSE's); the method adds its own group, whose flags
+    without a default take theirs from `recipe` too (argparse's set_defaults)."""
     import common
     p = plumbing.Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("shared arguments (SimCSE unsupervised defaults)")
+    g = p.add_argument_group("shared arguments (defaults: the method file's RECIPE)")
     for name, kind, default, text in common.FLAGS:
         g.add_argument(f"--{name}", type=kind, default=default, help=text)
     g.add_argument("--pooler", default="cls", choices=common.POOLERS,
@@ -114,7 +115,7 @@ def parser(doc: str, method: str) -> plumbing.Parser:
                         "fp16 with a GradScaler, fp32 on CPU (where bf16 and fp16 are for testing "
                         "their paths); losses are always fp32")
     add_run_flags(p)
-    p.set_defaults(method=method, presets=None, backbone=None, backbone_config=None)
+    p.set_defaults(method=method, presets=None, backbone=None, backbone_config=None, **(recipe or {}))
     return p
 
 

@@ -1,5 +1,6 @@
 """Per-backbone presets (#26): what a model is comes from its config, not its name; each method's
 paper settings for that backbone apply unless the user's flags say otherwise."""
+import ast
 import json
 
 import pytest
@@ -173,3 +174,18 @@ def test_a_24_layer_encoder_gets_its_layer_defaults(tmp_path, corpus, senteval_d
     setsim = json.loads((out / "results.json").read_text())["setsim"]
     assert list(setsim["before"]) == [f"{layer}-{layer + 1}" for layer in range(1, 24)]
     assert sscl.negative_layers(24, 2) == [23, 22]
+
+
+@pytest.mark.parametrize("module", [simcse, simcsepp, sscl, whitenedcse, micse], ids=lambda m: m.__name__)
+def test_each_method_files_recipe_is_the_one_place_its_defaults_come_from(module, configs):
+    """A method file's RECIPE (read first) is what a run on BERT-base trains with when no flag is given, and its
+    argparse group declares no default of its own for a RECIPE key: a second default beside the recipe (as
+    --ami_lambda's default=2.5e-3 beside the presets once was) fails here, and so does a recipe that a BERT-base
+    preset row silently changes."""
+    tree = ast.parse(open(module.__file__).read())
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and getattr(call.func, "attr", None) == "add_argument":
+            dest = call.args[0].value.lstrip("-")
+            assert not (dest in module.RECIPE and any(k.arg == "default" for k in call.keywords)), dest
+    args = module.parse_args(["--model_name_or_path", configs["bert-base"]])
+    assert {key: getattr(args, key) for key in module.RECIPE} == module.RECIPE

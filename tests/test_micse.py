@@ -368,7 +368,7 @@ def test_few_shot_settings_and_overrides(capsys):
     assert args.presets["applied"]["warmup_steps"] == 250 and "Section 3.1" in args.presets["source"]
     args = micse.parse_args(["--fraction", "0.01", "--lr", "2e-5", "--epochs", "3"])
     assert (args.lr, args.epochs, args.ami_lambda) == (2e-5, 3, 1e-4)
-    assert args.presets["applied"] == {"batch_size": 64, "ami_lambda": 1e-4, "eval_steps": 500}
+    assert args.presets["applied"] == {"batch_size": 64, "warmup_steps": 0, "ami_lambda": 1e-4, "eval_steps": 500}
     assert args.presets["overridden"] == {"lr": 2e-5, "epochs": 3}
     assert "fraction 0.01 (the authors' README)" in args.presets["source"]
     args = micse.parse_args(["--fraction", "0.02"])

@@ -183,7 +183,8 @@ def test_the_summary_names_the_presets_and_what_replaced_them():
     summary = run.summary(args, {"num_train_examples": 10, "train_file": "wiki1m.txt", "micse_subset": None}, 1, 50,
                           "cpu")
     assert summary["presets"] == ("miCSE's settings for fraction 0.01 (the authors' README): batch_size 64, epochs 50, "
-                                  "ami_lambda 0.0001, eval_steps 500; your flags replaced lr (now 2e-05)")
+                                  "warmup_steps 0, ami_lambda 0.0001, eval_steps 500; your flags replaced lr (now "
+                                  "2e-05)")
 
 
 def test_the_summary_echoes_what_changes_a_steps_memory_and_time(capsys):
