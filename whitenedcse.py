@@ -106,27 +106,6 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
     return whitened.transpose(0, 1).reshape(n, d)[:, torch.argsort(perm)]  # Eq. 6: unshuffled
 
 
-def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
-    """C^-1/2 of each 2 x 2 covariance [[a, b], [b, c]] (G, 2, 2), the ZCA matrix eigh gives,
-    written out: W = f(l1) u u^T + f(l2) w w^T, f(l) = max(l, 1e-12)^-1/2 (eigh's floor), l1 >= l2
-    the eigenvalues, u the eigenvector of l1, w its normal. l1 = (a + c) / 2 + |((a - c) / 2, b)|
-    adds two positive numbers; l2 = det C / l1, not (a + c) / 2 - |...|, a difference that cancels
-    (to 0 in fp32 for l2 = 4e-10 beside l1 = 0.036). Call it in float64, as the whitening does."""
-    a, b, c = covariance[:, 0, 0], covariance[:, 0, 1], covariance[:, 1, 1]
-    half_gap = torch.hypot((a - c) / 2, b)
-    high = (a + c) / 2 + half_gap
-    low = (a * c - b * b) / high.clamp_min(torch.finfo(high.dtype).tiny)  # 0 / tiny for a 0 group
-    # u ~ (high - c, b) or (b, high - a), whichever has no cancellation; (1, 0) where l1 = l2
-    u = torch.where((a >= c)[:, None], torch.stack([(a - c) / 2 + half_gap, b], -1),
-                    torch.stack([b, (c - a) / 2 + half_gap], -1))
-    u = u / u.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(u.dtype).tiny)  # no underflow
-    u = torch.where((half_gap > 0)[:, None], u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30),
-                    torch.stack([torch.ones_like(b), torch.zeros_like(b)], -1))  # no host copy
-    w = torch.stack([-u[:, 1], u[:, 0]], -1)
-    return sum(f.clamp_min(1e-12).rsqrt()[:, None, None] * v[:, :, None] * v[:, None, :]
-               for f, v in ((high, u), (low, w)))
-
-
 def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
     """Multi-positive InfoNCE (Eq. 7 with lambda_m = 1): sum over p = 2..m of CE(s(z_1, z_p)), s =
     cos / temp, temp the temperature."""
@@ -210,6 +189,28 @@ def whitenedcse_step(encoder, batch: dict, head: WhitenedHead, generator=None, n
     cls = whitenedcse_views(encoder, batch, num_pos, dtype=dtype)
     return whitenedcse_objective(*cls, head=head, generator=generator, temp=temp, shuffle=shuffle,
                                  whiten=whiten, gather=gather, global_whitening=global_whitening)
+
+
+def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
+    """The whitening's Eq. 3 for the recipes' groups of 2, after the paper's path: C^-1/2 of each
+    2 x 2 covariance [[a, b], [b, c]] (G, 2, 2), the ZCA matrix eigh gives, written out: W = f(l1)
+    u u^T + f(l2) w w^T, f(l) = max(l, 1e-12)^-1/2 (eigh's floor), l1 >= l2 the eigenvalues, u the
+    eigenvector of l1, w its normal. l1 = (a + c) / 2 + |((a - c) / 2, b)| adds two positive
+    numbers; l2 = det C / l1, not (a + c) / 2 - |...|, a difference that cancels (to 0 in fp32 for
+    l2 = 4e-10 beside l1 = 0.036). Call it in float64, as the whitening does."""
+    a, b, c = covariance[:, 0, 0], covariance[:, 0, 1], covariance[:, 1, 1]
+    half_gap = torch.hypot((a - c) / 2, b)
+    high = (a + c) / 2 + half_gap
+    low = (a * c - b * b) / high.clamp_min(torch.finfo(high.dtype).tiny)  # 0 / tiny for a 0 group
+    # u ~ (high - c, b) or (b, high - a), whichever has no cancellation; (1, 0) where l1 = l2
+    u = torch.where((a >= c)[:, None], torch.stack([(a - c) / 2 + half_gap, b], -1),
+                    torch.stack([b, (c - a) / 2 + half_gap], -1))
+    u = u / u.abs().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(u.dtype).tiny)  # no underflow
+    u = torch.where((half_gap > 0)[:, None], u / u.norm(dim=-1, keepdim=True).clamp_min(1e-30),
+                    torch.stack([torch.ones_like(b), torch.zeros_like(b)], -1))  # no host copy
+    w = torch.stack([-u[:, 1], u[:, 0]], -1)
+    return sum(f.clamp_min(1e-12).rsqrt()[:, None, None] * v[:, :, None] * v[:, None, :]
+               for f, v in ((high, u), (low, w)))
 # --- end of the objective ---
 
 
