@@ -97,6 +97,7 @@ class ContrastiveLoss(torch.nn.Module):
         self.micro_batch_size = micro_batch_size
         self.head = self.generator = self.queue = self.momentum_encoder = None
         self.trainer, self.last_batch = None, None  # ContrastiveTrainer's; the step's batch
+        self.pad_token_id = model.tokenizer.pad_token_id or 0  # (self.model: DDP's, in training)
         backbone = self.__dict__["backbone"] = model[0].auto_model  # (not registered twice)
         wanted = self.attn_implementation
         if wanted and backbone.config._attn_implementation != wanted:
@@ -140,7 +141,7 @@ class ContrastiveLoss(torch.nn.Module):
         keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in features[0]]
         width = max(self.max_seq_length * self.pad_to_max_length,
                     *(f["input_ids"].shape[1] for f in features))
-        fill = {"input_ids": self.model.tokenizer.pad_token_id or 0}
+        fill = {"input_ids": self.pad_token_id}
         return {k: torch.cat([torch.nn.functional.pad(f[k], (0, width - f[k].shape[1]),
                                                       value=fill.get(k, 0)) for f in features])
                 for k in keys}

@@ -297,3 +297,60 @@ def test_micse_on_minilm_equals_its_block_loop_and_saves_what_eval_sts_reads(tmp
     assert [s[-1] for s in steps] == reference.losses
     assert_same_state(loss, reference)
     the_saved_model_encodes_as_eval_sts_reads_it(run, tmp_path / "out")
+
+
+DRIVER = '''
+import os, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import torch
+import test_st_losses
+for case in ("simcse", "micse"):
+    state = test_st_losses.two_step_run(case, {model!r}, {out!r} + "/" + case, per_device=8)
+    torch.save(state, {out!r} + f"/{{case}}_rank{{os.environ['RANK']}}.pt")
+'''
+
+
+def two_step_run(case, model_dir, out, per_device):
+    """2 steps of SimCSELoss or MiCSELoss (its momentum encoder's dropout off) on `model_dir`: every parameter of
+    the loss (the model's, the head's, the momentum encoder's) and miCSE's queue, by name, and each step's loss."""
+    torch.manual_seed(0)
+    model = st.SentenceTransformer(model_dir, device="cpu")
+    loss = st_losses.MiCSELoss(model, queue_size=24, momentum_dropout=0.0) if case == "micse" else \
+        st_losses.SimCSELoss(model)
+    steps = recorded(loss)
+    run = trainer(model, loss, out, steps=2)
+    run.args.per_device_train_batch_size = per_device
+    run.train()
+    state = {k.replace("module.", ""): v.detach().clone() for k, v in loss.named_parameters()}
+    state.update({f"queue.{k}": v.clone() for k, v in (loss.queue.state_dict() if loss.queue else {}).items()})
+    return {"state": state, "losses": [s[-1] for s in steps]}
+
+
+def test_two_processes_under_torchrun_train_like_one_on_the_global_batch(well_conditioned, tmp_path):
+    """ContrastiveTrainer under torchrun (2 gloo processes, 8 rows each; accelerate's DDP) against one process of 16,
+    in the conditions of test_distributed's two-processes-equal-one test (dropout off, a well-conditioned tiny BERT):
+    the losses and every parameter, the head's and miCSE's queue and momentum encoder included, to 1e-5, and both
+    processes alike bit for bit. Fails where the head's gradients are not averaged (the processes drift apart, step
+    2's loss by 2e-4), or where a process's negatives, AMI maps or queued keys are its own rows alone (no gather)."""
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests"), model=well_conditioned,
+                                    out=str(tmp_path / "two")))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    launched = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               str(driver)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    for case in ("simcse", "micse"):
+        one = two_step_run(case, well_conditioned, tmp_path / "one" / case, per_device=16)
+        rank0, rank1 = (torch.load(tmp_path / "two" / f"{case}_rank{r}.pt") for r in (0, 1))
+        assert one["state"].keys() == rank0["state"].keys() == rank1["state"].keys()
+        assert [float(v) for v in rank0["losses"]] == pytest.approx([float(v) for v in one["losses"]], rel=1e-5)
+        for name, value in one["state"].items():
+            torch.testing.assert_close(rank0["state"][name], rank1["state"][name], atol=0, rtol=0)
+            if value.is_floating_point():
+                torch.testing.assert_close(rank0["state"][name], value, atol=1e-5, rtol=1e-5, msg=name)
+            else:
+                assert torch.equal(rank0["state"][name], value), name
