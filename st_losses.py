@@ -1,20 +1,10 @@
-"""The five objectives as sentence-transformers losses, trained by ContrastiveTrainer exactly as the
-method files train them: each loss calls its method file's own block (<method>_step and its two
-halves), imported, never copied, so that the two cannot drift.
-
-    model = SentenceTransformer("../shared/models/all-MiniLM-L6-v2")
-    loss = MiCSELoss(model, queue_size=384, ami_lambda=2.5e-3)  # micse.py's flags and defaults
-    args = SentenceTransformerTrainingArguments("out", per_device_train_batch_size=50)
-    ContrastiveTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": lines}),
-                       loss=loss).train()
-
-A loss keeps its block's state in public: loss.head, loss.generator, loss.queue and
-loss.momentum_encoder (None where the method has none). ContrastiveTrainer does for that state what
-the trainer does for the model: the head clipped with the encoder and averaged under DDP, miCSE's
-EMA and queue after each optimizer step, all of it in each checkpoint-N/ and back on
-resume_from_checkpoint, with no host sync in a step. The model trains as the method's: the pooling
-the method evaluates (switched, with one printed line), max_seq_length=32 (miCSE pads every batch
-to it) and miCSE's eager attention. docs/using.md says what differs from the method file's loop."""
+"""The five objectives as sentence-transformers losses, trained by ContrastiveTrainer as the method
+files train them: each loss calls its method file's own block (<method>_step; its two halves for
+GradCache), imported, never copied, so that the two cannot drift. A loss keeps its block's state in
+public (loss.head, loss.generator, loss.queue, loss.momentum_encoder: None where the method has
+none); ContrastiveTrainer does for it what the trainer does for the model: the head clipped and
+averaged under DDP, miCSE's EMA and queue after each optimizer step, all of it in checkpoint-N/ and
+back on resume, no host sync in a step. The README's example; docs/using.md says what differs."""
 from __future__ import annotations
 
 import functools
@@ -49,13 +39,7 @@ class BlockEncoder:
 
     def __init__(self, loss):
         self.loss = loss
-
-    @property
-    def training(self):
-        return self.loss.model.training
-
-    def train(self, mode: bool = True):
-        self.loss.model.train(mode)
+        self.training, self.train = loss.model.training, loss.model.train
 
     def eval(self):
         self.loss.model.train(False)
@@ -160,13 +144,9 @@ class ContrastiveLoss(torch.nn.Module):
         """miCSE's EMA and queue; nothing of the other four moves after the optimizer's step."""
 
     def training_state(self) -> dict:
-        own = {k: v for k, v in self.state_dict().items() if not k.startswith("model.")}
-        state = {"modules": own}
-        if self.generator is not None:
-            state["generator"] = self.generator.get_state()
-        if self.queue is not None:
-            state["queue"] = self.queue.state_dict()
-        return state
+        return {"modules": {k: v for k, v in self.state_dict().items() if not k.startswith("model.")},
+                "generator": None if self.generator is None else self.generator.get_state(),
+                "queue": None if self.queue is None else self.queue.state_dict()}
 
     def load_training_state(self, state: dict) -> None:
         self.load_state_dict(state["modules"], strict=False)  # (the model: the trainer's files)
