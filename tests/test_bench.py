@@ -53,14 +53,14 @@ def test_compare_steps_times_each_way_of_the_same_step_on_cpu(tiny_model, thousa
     and the bare graph say they need CUDA, sentence-transformers' trainer runs where it is
     installed (with accelerate) and says it is not otherwise; the table's examples/s and ratios are its steps/s'."""
     import importlib.util
-    rows = ["suite", "suite-graph", "bare", "bare-graph", "sentence-transformers"]
+    rows = ["suite", "suite-graph", "bare", "bare-graph", "sentence-transformers", "contrastive-trainer"]
     found = bench.main(["--compare_steps", "--model_name_or_path", str(tiny_model), "--train_file",
                         str(thousand_sentences), "--senteval_dir", str(senteval_dir), "--device", "cpu",
                         "--batch_size", "8", "--max_seq_length", "16", "--steps", "2", "--warmup", "1", "--rows", *rows])
     assert list(found) == rows and found["suite"] > 0 and found["bare"] > 0
     assert found["suite-graph"].startswith("needs CUDA") and found["bare-graph"].startswith("needs CUDA")
     if all(importlib.util.find_spec(name) for name in ("sentence_transformers", "accelerate")):
-        assert found["sentence-transformers"] > 0
+        assert found["sentence-transformers"] > 0 and found["contrastive-trainer"] > 0
     else:
         assert found["sentence-transformers"].startswith("not installed here: ")
     table = table_rows(capsys.readouterr().out, "the same SimCSE step")

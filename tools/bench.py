@@ -519,11 +519,12 @@ def gate_floor(args) -> dict:
     return times
 
 
-def sentence_transformers_trainer(args, model: str, device, precision: str, workdir) -> float | str:
+def sentence_transformers_trainer(args, model: str, device, precision: str, workdir, contrastive=False) -> float | str:
     """sentence-transformers' own trainer on the same step: MultipleNegativesRankingLoss at scale 20 (1 / tau),
     [CLS] pooling, each sentence its own positive (dropout makes the views: two passes of the batch, the same
     tokens), the same batch, --max_seq_length, learning rate, clipping at 1.0 and precision; steps/s between the
-    ends of step --warmup and of the last step (the device's queue drained at those two points only)."""
+    ends of step --warmup and of the last step (the device's queue drained at those two points only). `contrastive`:
+    st_losses.SimCSELoss through ContrastiveTrainer instead (simcse.py's block: one pass of 2N rows, the MLP head)."""
     import importlib.util
     missing = [name for name in ("sentence_transformers", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
@@ -560,10 +561,17 @@ def sentence_transformers_trainer(args, model: str, device, precision: str, work
         max_steps=total, learning_rate=LR, warmup_steps=0, max_grad_norm=1.0, bf16=precision == "bf16",
         fp16=precision == "fp16", save_strategy="no", report_to="none", logging_steps=total, seed=args.seed,
         use_cpu=device.type == "cpu", disable_tqdm=True, dataloader_drop_last=True)
-    trainer = st.SentenceTransformerTrainer(
-        model=network, args=training, train_dataset=datasets.Dataset.from_dict({"anchor": sentences,
-                                                                                "positive": sentences}),
-        loss=losses.MultipleNegativesRankingLoss(network, scale=1 / TEMP), callbacks=[Clock()])
+    if contrastive:
+        import st_losses
+        with contextlib.redirect_stdout(io.StringIO()):  # its lines: the pooling and truncation it keeps
+            loss = st_losses.SimCSELoss(network, TEMP, max_seq_length=args.max_seq_length)
+        trainer = st_losses.ContrastiveTrainer(model=network, args=training, loss=loss, callbacks=[Clock()],
+                                               train_dataset=datasets.Dataset.from_dict({"text": sentences}))
+    else:
+        trainer = st.SentenceTransformerTrainer(
+            model=network, args=training, train_dataset=datasets.Dataset.from_dict({"anchor": sentences,
+                                                                                    "positive": sentences}),
+            loss=losses.MultipleNegativesRankingLoss(network, scale=1 / TEMP), callbacks=[Clock()])
     with contextlib.redirect_stdout(io.StringIO()):  # its log lines: this table has its figures
         trainer.train()
     return args.steps / (marks[total] - marks[args.warmup])
@@ -577,6 +585,7 @@ COMPARE_ROWS = {  # --rows: what each row of the comparison is
     "bare": "a bare eager step (the batch on the device, fused AdamW, SDPA, autocast)",
     "bare-graph": "the bare step in one `torch.cuda.CUDAGraph`, replayed (AdamW capturable, lr a tensor)",
     "sentence-transformers": "sentence-transformers' trainer (MultipleNegativesRankingLoss, scale 20, CLS)",
+    "contrastive-trainer": "st_losses' `SimCSELoss` through `ContrastiveTrainer` (simcse.py's block)",
 }
 
 
@@ -641,7 +650,9 @@ def compare_steps(args) -> dict:
                 "bare": lambda: bare_eager(args, model, batches, device, precision),
                 "bare-graph": lambda: bare_graph(args, model, batches, device, precision),
                 "sentence-transformers": lambda: sentence_transformers_trainer(args, model, device, precision,
-                                                                                workdir)}
+                                                                                workdir),
+                "contrastive-trainer": lambda: sentence_transformers_trainer(args, model, device, precision,
+                                                                              workdir, contrastive=True)}
         for row in args.rows:
             found[row] = one_row(runs[row])
             print(f"measured {row}: {found[row]}", flush=True)  # what is done so far, should a limit stop the rest
