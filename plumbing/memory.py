@@ -152,11 +152,8 @@ def autocast_of(precision: str):
 
 def nbytes(*things) -> int:
     """Bytes of the modules' parameters and buffers, or of tensors."""
-    total = 0
-    for thing in things:
-        tensors = thing.state_dict().values() if isinstance(thing, torch.nn.Module) else [thing]
-        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
-    return total
+    return sum(t.numel() * t.element_size() for thing in things for t in (
+        thing.state_dict().values() if isinstance(thing, torch.nn.Module) else [thing]) if t is not None)
 
 
 # --------------------------------------------------------------------------------------------------- the step
@@ -445,10 +442,7 @@ def settings(batch_per_process: int, checkpointing: bool = True):
     """The settings that train the same objective in less memory, the cheapest first: recomputed layers, then
     GradCache's parts from half the batch down to 8 examples, then both ({flag: value}); GradCache's alone where the
     family has no gradient checkpointing (`checkpointing` False: ALBERT, MPNet)."""
-    sizes, size = [], batch_per_process // 2
-    while size >= 8:
-        sizes.append(size)
-        size //= 2
+    sizes = [batch_per_process >> i for i in range(1, batch_per_process.bit_length()) if batch_per_process >> i >= 8]
     if not checkpointing:
         return [{"micro_batch_size": k} for k in sizes]
     return ([{"gradient_checkpointing": True}] + [{"micro_batch_size": k} for k in sizes]
@@ -473,8 +467,7 @@ def first_fit(args, config, capacity: int, world_size: int = 1, found: dict | No
         return None, None
     for setting in settings(args.batch_size // world_size, checkpointing(config)):
         trial = copy.copy(args)
-        for name, value in setting.items():
-            setattr(trial, name, value)
+        vars(trial).update(setting)
         step = estimate(trial, config, world_size, evaluations=False)
         if max(step["step"], found["dev_gate"], found["final_eval"]) <= capacity:
             return setting, {**found, **step}
@@ -502,8 +495,7 @@ def fit(args, config, device, world_size: int = 1, saved_args: dict | None = Non
     processes, so that all choose alike. (one line or None, the record for results.json)."""
     if saved_args is not None:  # resumed: the start's choice, whatever this GPU has free
         chosen = {k: saved_args[k] for k in ("gradient_checkpointing", "micro_batch_size") if saved_args.get(k)}
-        for name, value in chosen.items():
-            setattr(args, name, value)
+        vars(args).update(chosen)
         return None, {"chose": describe(chosen) if chosen else None, "at": "the run's start"}
     free = device_free(device)
     if free is None:
@@ -523,8 +515,7 @@ def fit(args, config, device, world_size: int = 1, saved_args: dict | None = Non
         return (f"{short}; no setting of --gradient_checkpointing and --micro_batch_size fits: going on (a smaller "
                 "--batch_size or --max_seq_length, or more GPUs, would)"), record
     graph_off = ", and the CUDA graph off (it takes neither memory flag)" if getattr(args, "cuda_graph", False) else ""
-    for name, value in setting.items():
-        setattr(args, name, value)
+    vars(args).update(setting)
     record.update(chose=describe(setting), fitted_gib=round(peak(fitted) / 2**30, 2))
     if graph_off:  # the graph's padding to --max_seq_length stays: the estimate's
         args.cuda_graph = record["cuda_graph"] = False

@@ -56,10 +56,7 @@ def new_run() -> dict:
 def folder(output_dir) -> Path | None:
     """last/, or last.old/ when a kill came between the two renames of a save; None when neither is there. A last/
     that lacks a file is still the run's last/: `check` names what is missing, and nothing deletes it."""
-    for name in ("last", "last.old"):
-        if (Path(output_dir) / name).is_dir():
-            return Path(output_dir) / name
-    return None
+    return next((Path(output_dir) / name for name in ("last", "last.old") if (Path(output_dir) / name).is_dir()), None)
 
 
 def check(args, evaluating: bool = False) -> None:
