@@ -32,9 +32,9 @@ from plumbing.run import Run
 
 ATTN_IMPLEMENTATION = "eager"  # transformers 5's default SDPA returns no attention weights
 
-# The recipe, read first: miCSE on all of wiki1m with BERT-base (Section 3.1; the queue and momentum
-# of the authors' README), trained by AdamW without weight decay, its lr warmed up then decayed
-# linearly; every flag's default comes from here.
+# The recipe, read first: miCSE on all of wiki1m with BERT-base (Section 3.1, its queue and momentum
+# encoder included), trained by AdamW without weight decay, its lr warmed up then decayed linearly;
+# every flag's default comes from here.
 RECIPE = dict(batch_size=50, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=250,
               eval_steps=125, pooler="cls", mlp_only_train=True, ami_lambda=2.5e-3, ami_samples=150,
               queue_size=384, momentum=0.995, momentum_dropout=0.3)
@@ -166,7 +166,7 @@ def ami_sample(tiles1, tiles2, num_samples: int, generator=None, inside=None) ->
     counts = valid.sum(dim=1)
     enough = counts >= num_samples
     some_enough = enough.any()
-    used = enough | ~some_enough
+    used = enough | ~some_enough  # Code over paper: the released code drops the poorer tiles
     k = torch.where(some_enough, num_samples, counts.min())
     # Code over paper: the released code scales by the valid share of the tiles it keeps
     valid_fraction = (counts * used).sum().to(tiles1.dtype) / (used.sum() * (
@@ -268,6 +268,7 @@ def encoded(encoder, inputs: dict, head=None, pool=None, dtype=None, **asked) ->
 
 def default_ami_layers(count: int) -> tuple:
     """AMI's layers (first, end) of `count`: miCSE's 7:11 of 12, L-5:L-1 (under 6: all, even)."""
+    # Code over paper: Section 3.1 names layers 8 to 12 (the last); the released 7:11 leaves it out
     return (count - 5, count - 1) if count >= 6 else (0, count // 2 * 2)
 
 
@@ -388,8 +389,8 @@ def train_step(ddp_model, backbone, head, momentum_model, queue, generator, para
     # the objective's options from the flags: the pooler, autocast's dtype, torchrun's gather
     view_options = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision))
     loss_options = dict(temp=args.temp, ami_lambda=args.ami_lambda, ami_samples=args.ami_samples,
-                     positives_only=args.no_negatives, terms=terms,
-                     gather=functools.partial(distributed.gather, rows=global_rows))
+                        positives_only=args.no_negatives, terms=terms,
+                        gather=functools.partial(distributed.gather, rows=global_rows))
     layers = (args.ami_min_layer, args.ami_max_layer)  # the attention layers AMI scores
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     if not args.micro_batch_size:  # the paper's step: micse_step, then backward
@@ -430,7 +431,7 @@ def main(argv=None):
         vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)  # the authors' subset if any
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length, data.pad_multiple(
-            args), example_ids=True)  # padded to the longest row or alike; the queue's sentence ids
+            args), example_ids=True)  # every batch max_seq_length wide (parse_args); sentence ids
     args.ami_min_layer, args.ami_max_layer = ami_layers(  # the attention layers AMI scores
         backbone.config.num_hidden_layers, args.ami_min_layer, args.ami_max_layer)
     loader = data.make_loader(corpus, args, device)

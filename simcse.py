@@ -36,6 +36,7 @@ from plumbing.run import Run
 
 # The recipe, read first: unsupervised SimCSE on BERT-base (Table A.1), trained by AdamW without
 # weight decay, its lr decayed linearly; every flag's default comes from here.
+# Code over paper: STS-B dev every 125 steps, as run_unsup_example.sh (Appendix A says every 250)
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, pooler="cls", mlp_only_train=True, hard_negative_weight=0.0,
               mlm_weight=0.1, mlm_probability=0.15)
@@ -291,9 +292,9 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
     InfoNCE (+ lambda MLM), backward, unscale and clip, the optimizer step; (loss, gradient norm,
     {term: value}) on the device. `columns`: NLI's (1: sentences); `mlm`: --do_mlm's (lm_head,
     generator, special ids, [MASK]'s id, vocabulary size), else None."""
-    # the objective's options from the flags: the pooler, autocast's dtype, torchrun's gather
+    # the objective's options from the flags: the pooler, autocast's dtype, Table 3's fixed mask
     view_options = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision),
-                   fixed_dropout_mask=args.fixed_dropout_mask)
+                        fixed_dropout_mask=args.fixed_dropout_mask)
     gather = functools.partial(distributed.gather, rows=global_rows)  # one process: as it is
     if mlm is not None:  # Appendix D.2: masked copies of the views' rows, from the MLM's generator
         lm_head, generator, special_ids, mask_token_id, vocab_size = mlm

@@ -222,7 +222,7 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, batch: dict,
     view_options = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision))
     loss_options = dict(temp=args.temp, m=args.m, dcl_weight=args.dcl_weight,
                         dcl_temp=args.dcl_temp, dcl_only=args.dcl_only, terms=terms,
-                     gather=functools.partial(distributed.gather, rows=global_rows))
+                        gather=functools.partial(distributed.gather, rows=global_rows))
     if not args.micro_batch_size:  # the paper's step: simcsepp_step, then backward
         loss = simcsepp_step(ddp_model, batch, head, **view_options, **loss_options,
                              off_dropout=not args.no_off_dropout)

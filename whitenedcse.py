@@ -35,7 +35,7 @@ from plumbing.run import Run
 # The recipe, read first: WhitenedCSE on BERT-base (Section 4.1), trained by AdamW without weight
 # decay, its lr decayed linearly; every flag's default comes from here (num_groups None: d / 2).
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
-              eval_steps=125, pooler="cls", mlp_only_train=True, num_pos=3)
+              eval_steps=125, num_pos=3)
 # The paper's settings (flags win): --num_groups, Section 4.1: "384" for BERT-base and -large, "256"
 # for RoBERTa; 384 does not divide BERT-large's 1024: groups of 2 channels (512). Else hidden / 2.
 PRESETS = {
@@ -61,6 +61,9 @@ def parse_args(argv=None):
                    help="under torchrun: whiten with the global batch's statistics, not each "
                         "process's own rows as the released code does")
     args = options.parse(parser, argv, PRESETS)
+    if args.pooler != "cls" or not args.mlp_only_train:  # it was silently ignored
+        parser.error("WhitenedCSE trains [CLS] through its whitening head and evaluates [CLS] before "
+                     "it (Section 4.1): --pooler and --no-mlp_only_train do not apply")
     plumbing.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
     plumbing.check_range(args, "num_groups", lambda v: v >= 1, "a positive number of groups")
     return args
@@ -288,6 +291,7 @@ def main(argv=None):
     optimizer, scheduler = common.make_optimizer(params, args, total_steps)
     scaler = common.grad_scaler(device, args.precision)  # fp16's loss scaling, else a pass-through
     generator = torch.Generator(device).manual_seed(args.seed)  # the shuffles, alike everywhere
+    # Code over paper: Section 4.1 evaluates the MLP's output; the released code, [CLS] before it
     eval_pooler = "cls_before_pooler"
     eval_encoder = common.Encoder(model, None, tokenizer, eval_pooler, device)
 

@@ -331,3 +331,12 @@ def test_batch_narrower_than_a_group_is_skipped(tiny_model, senteval_dir, tmp_pa
                                        "--output_dir", out, "--device", "cpu", "--no_test_eval"]])
     assert json.loads((out / "results.json").read_text())["steps"] == 2
     assert capsys.readouterr().out.count("it is skipped") == 1
+
+
+@pytest.mark.parametrize("flag", [["--pooler", "avg"], ["--no-mlp_only_train"]])
+def test_a_pooler_flag_whitenedcse_does_not_use_is_refused_not_ignored(flag, capsys):
+    """WhitenedCSE trains [CLS] through its head and evaluates [CLS] before it, whatever --pooler said: the flag
+    was taken and silently ignored (a lecturer's reading found it). One line, exit 2, before any work."""
+    with pytest.raises(SystemExit) as stop:
+        whitenedcse.parse_args(flag)
+    assert stop.value.code == 2 and "--pooler and --no-mlp_only_train do not apply" in capsys.readouterr().err
