@@ -143,8 +143,17 @@ class ContrastiveLoss(torch.nn.Module):
     def after_optimizer_step(self) -> None:
         """miCSE's EMA and queue; nothing of the other four moves after the optimizer's step."""
 
+    def place(self, device) -> None:
+        """The generator and the queue on the device the trainer moved the model to (a GPU's)."""
+        if self.generator is not None and self.generator.device != device:
+            self.generator = torch.Generator(device).manual_seed(self.seed)
+        if self.queue is not None:
+            for name, value in self.queue.state_dict().items():
+                setattr(self.queue, name, value.to(device))
+
     def training_state(self) -> dict:
-        return {"modules": {k: v for k, v in self.state_dict().items() if not k.startswith("model.")},
+        own = {k: v for k, v in self.state_dict().items() if not k.startswith("model.")}
+        return {"modules": own,
                 "generator": None if self.generator is None else self.generator.get_state(),
                 "queue": None if self.queue is None else self.queue.state_dict()}
 
@@ -241,7 +250,7 @@ class WhitenedCSELoss(ContrastiveLoss):
         self.temp, self.num_pos, config = temp, num_pos, self.backbone.config
         self.head = whitenedcse.WhitenedHead(config.hidden_size, num_groups,
                                              config.initializer_range).to(model.device)
-        self.generator = torch.Generator(model.device).manual_seed(seed)
+        self.seed, self.generator = seed, torch.Generator(model.device).manual_seed(seed)
 
     def step(self, encoder, batch, **options):
         return whitenedcse.whitenedcse_step(encoder, batch, self.head, self.generator, self.num_pos,
@@ -270,7 +279,7 @@ class MiCSELoss(ContrastiveLoss):
         config, device, self.momentum = self.backbone.config, model.device, momentum
         self.layers = micse.ami_layers(config.num_hidden_layers, ami_min_layer, ami_max_layer)
         self.head = common.MLPHead(config).to(device)
-        self.generator = torch.Generator(device).manual_seed(seed)
+        self.seed, self.generator = seed, torch.Generator(device).manual_seed(seed)
         if queue_size:  # the block's momentum encoder (train mode) and queue
             self.queue = micse.EmbeddingQueue(queue_size, config.hidden_size, device)
             self.momentum_encoder = micse.momentum_copy(self.backbone, momentum_dropout)
@@ -324,6 +333,7 @@ class ContrastiveTrainer(st.SentenceTransformerTrainer):
                              f"negatives); use {type(loss).__name__}(model, micro_batch_size=K) "
                              "instead, the whole batch's objective exactly (GradCache)")
         loss.trainer = self
+        loss.place(self.model.device)
         self.data_collator.max_length = loss.max_seq_length  # the recipe's, in training alone
         # the trainer's NaN/inf filter reads the loss on the host each step: done on the device
         self.nan_inf_filter = self.args.logging_nan_inf_filter
