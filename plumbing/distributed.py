@@ -135,17 +135,18 @@ class StopSignal:
     """Ctrl-C or SIGTERM asks the loop to stop at the end of the current step (a second one to the same process stops
     it at once); under torchrun every process stops at that step, and `settle` gives each the same stop (`signum`),
     whichever got the signal. Inside `final_evaluation(results)` a signal stops the evaluation at once and is recorded
-    in `results`; after it, a signal lets results.json be written first. `exit_if_stopped()` then exits 130 / 143."""
+    in `results`. While the run finishes (best/'s last write, results.json, the trackers) a signal lets it finish first,
+    and so does every SIGTERM (torchrun sends one to each process when one exits). `exit_if_stopped()`: 130 / 143."""
 
     def __init__(self):
-        self.signum, self.phase, self.answer = None, "training", None
+        self.signum, self.phase, self.answer, self.signalled = None, "training", None, False
         for s in STOP_SIGNALS:
             signal.signal(s, self._handle)
 
     def _handle(self, signum, frame):
-        for s in STOP_SIGNALS:  # the next signal to this process raises KeyboardInterrupt, as Python's own Ctrl-C
-            signal.signal(s, signal.default_int_handler)
-        self.signum = self.signum or signum  # a stop agreed already stays the stop
+        if self.signalled and (signum == signal.SIGINT or self.phase in ("training", "final evaluation")):
+            raise KeyboardInterrupt  # a second signal to this process, as Python's own Ctrl-C
+        self.signalled, self.signum = True, self.signum or signum  # a stop agreed already stays the stop
         name = signal.Signals(signum).name
         if self.phase == "training":
             print(f"signal {name}: stopping at the end of this step", flush=True)

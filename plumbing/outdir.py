@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 
 import plumbing
-from plumbing import progress, resume
+from plumbing import progress, resume, tracking
 
 RESULTS = "results.json"
 RUN_FILES = (RESULTS, "best", "tb", "last", "last.old", resume.STARTED)  # a folder holding one of them holds a run
@@ -167,12 +167,13 @@ def next_step(evaluation: bool) -> str:
 def finished(args, out: Path) -> None:
     """--auto_resume on a completed run: this command's run (its arguments) is done, one line and exit 0, nothing
     rewritten (a requeued job that had finished, a protocol's second pass); another run's is one line, exit 2."""
-    other = resume.difference(vars(args), read_results(out)["args"], skip_unset=True)
+    other = resume.difference(vars(args), (results := read_results(out))["args"], skip_unset=True)
     if other:
         raise plumbing.UsageError(f"--auto_resume: {out} holds a completed run of other arguments ({other}); nothing "
                                   "is rewritten: give another --output_dir, or --overwrite_output_dir to replace it")
     if os.environ.get("RANK", "0") == "0":  # before the process group: torchrun's processes all get here
-        progress.write(f"complete: results in {out / RESULTS} (--auto_resume: nothing left to do)")
+        done = tracking.complete(args, results) if results.get("tracking_unfinished") else "nothing left to do"
+        progress.write(f"complete: results in {out / RESULTS} (--auto_resume: {done})")
     raise SystemExit(0)  # every process, before any work
 
 

@@ -65,16 +65,8 @@ class History:
         self.trajectory, self.resumptions = list(saved["trajectory"]), list(saved["resumptions"])
         self.skipped = list(saved.get("skipped", []))  # fp16: steps whose update the GradScaler skipped
         self.pending, self.trackers, self.fp16 = [], trackers, fp16
-        rows = {}  # a resumed run: its record so far, logged where a tracker lacks it (a kill can lose what W&B had
-        for step, pair in enumerate(zip(self.losses, self.grad_norms), start=1):  # not yet written: every 15 s)
-            rows.setdefault(step, {}).update({"train/loss": pair[0], "train/grad_norm": pair[1]})
-        for name, values in self.terms.items():
-            for step, value in enumerate(values, start=1):
-                rows.setdefault(step, {})[f"train/{name}"] = value
-        for point in self.trajectory:
-            rows.setdefault(point["step"], {}).update(point_scalars(point))
-        for step in sorted(rows):  # each tracker skips what it holds (tracking.Trackers.held)
-            self.scalars(step, rows[step])
+        if trackers is not None:  # a resumed run: its record so far, where a tracker lacks it
+            trackers.log_record(self.losses, self.grad_norms, self.terms, self.trajectory)
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, terms: dict | None = None) -> None:
         self.term_names = list(terms or {})  # the same each step
@@ -113,7 +105,8 @@ class History:
         """A trajectory row: {"step", "train_time_s", "lr"} and, where STS-B dev was encoded, {"stsb_dev", "align",
         "uniform", "gate"}."""
         self.trajectory.append(point)
-        self.scalars(point["step"], point_scalars(point))
+        if self.trackers is not None:
+            self.trackers.log_record([], [], {}, [point])
 
     def scalars(self, step: int, values: dict) -> None:
         if self.trackers is not None:
@@ -527,17 +520,22 @@ class Run:
         """results.json (process 0) with its provenance's end time, best/'s model card with the test scores, the
         numbers in context, last/ deleted (a completed run needs it no more, unless --keep_last); where a signal
         stopped the run, how it goes on (--auto_resume), then exit 130 / 143."""
+        self.stop.phase = "writing results.json"
         if results is not None:
             out = Path(self.args.output_dir)
             results["provenance"]["ended"] = provenance.now()
             if "evaluation_alone" in results:  # its peak, the evaluation done
                 results["evaluation_alone"].update(peak_memory(self.device))
+            if self.history.trackers.names:  # complete once they have finished (else --auto_resume finishes them)
+                results["tracking_unfinished"] = self.history.trackers.names
             self._write_results(results)
             if results.get("test") or not results["interrupted"]:
                 self._rewrite_card(results.get("test"), None if results.get("test") else "the run was given "
                                    "--no_test_eval")
             resume.drop(self.args, results)
             self.history.trackers.finish(results)  # the test scores, the tracked runs closed
+            if results.pop("tracking_unfinished", None):
+                self._write_results(results)
             distributed.log(in_context(results))
             distributed.log(f"wrote {out / 'results.json'} (best checkpoint: {out / 'best'})")
             if getattr(self.args, "hub_model_id", None) and not results["interrupted"]:
@@ -587,12 +585,6 @@ class Run:
                 else:
                     results.pop(key, None)
         return results
-
-
-def point_scalars(point: dict) -> dict:
-    """A trajectory row's scalars for the trackers: train/lr, dev/stsb_dev, dev/align, dev/uniform."""
-    return {f"{'train' if k == 'lr' else 'dev'}/{k}": v for k, v in point.items()
-            if k in ("lr", "stsb_dev", "align", "uniform")}
 
 
 def peak_memory(device) -> dict:

@@ -31,6 +31,7 @@ import re
 import shutil
 import time
 from pathlib import Path
+from unittest import mock
 
 import plumbing
 from plumbing import files
@@ -39,21 +40,16 @@ TRACKERS = ("tensorboard", "wandb", "mlflow")  # --report_to's choices, each the
 PROJECT = "sentence-embeddings"
 
 
-def given(report_to) -> list[str]:
-    """--report_to as a list (a results.json of an earlier version holds one name)."""
-    return [report_to] if isinstance(report_to, str) else list(report_to or [])
-
-
 def chosen(report_to) -> list[str]:
-    """--report_to's trackers ("none" left out)."""
-    return [name for name in given(report_to) if name != "none"]
+    """--report_to's trackers ("none" left out; a results.json of an earlier version holds one name)."""
+    return [name for name in ([report_to] if isinstance(report_to, str) else report_to or []) if name != "none"]
 
 
 def check(report_to, log_model: bool = False) -> None:
     """Each tracker asked for is installed, else one line naming the install, before any work; --log_model has a
     tracker that keeps artifacts."""
     names = chosen(report_to)
-    if "none" in given(report_to) and names:
+    if "none" in (report_to or []) and names:
         raise plumbing.UsageError(f"--report_to none with {' '.join(names)}: give the trackers, or none alone")
     if log_model and not {"wandb", "mlflow"} & set(names):
         raise plumbing.UsageError("--log_model sends best/ to W&B or MLflow: add --report_to wandb or mlflow, or "
@@ -148,6 +144,19 @@ class Trackers:
                 self.mlflow.log_batch(self.ids["mlflow"], metrics=[Metric(k, v, now, step) for k, v in new.items()])
         self.waiting.clear()
 
+    def log_record(self, losses: list, grad_norms: list, terms: dict, trajectory: list) -> None:
+        """A run's record (each step's loss, gradient norm and terms; the trajectory's lr and dev measures), logged
+        where a tracker lacks it: a trajectory row, or a resumed run's (a kill loses what W&B had not written)."""
+        rows = collections.defaultdict(dict)
+        for name, values in {"loss": losses, "grad_norm": grad_norms, **terms}.items():
+            for step, value in enumerate(values, start=1):
+                rows[step][f"train/{name}"] = value
+        for point in trajectory:
+            rows[point["step"]].update({f"{'train' if k == 'lr' else 'dev'}/{k}": v for k, v in point.items()
+                                        if k in ("lr", "stsb_dev", "align", "uniform")})
+        for step in sorted(rows):
+            self.scalars(step, rows[step])
+
     def new(self, tracker: str, step: int, values: dict) -> dict:
         """What `tracker`'s run does not hold yet (held's [] calls its default: online W&B's is every metric's)."""
         return {k: v for k, v in values.items() if tracker not in self.held or step > self.held[tracker][k]}
@@ -157,11 +166,9 @@ class Trackers:
         unless a resume trains them again (`release`), the trackers closed; a run stopped before its end leaves its
         W&B and MLflow runs unfinished, to be resumed."""
         if results is not None:
-            step = results.get("steps", 0)
-            scores = {f"test/{task}": value for task, value in (results.get("test") or {}).items()}
-            scores.update({f"transfer/{task}": value for task, value in (results.get("transfer") or {}).items()
-                           if isinstance(value, (int, float))})
-            self.scalars(step, scores)
+            self.scalars(results.get("steps", 0), {f"{kind}/{task}": value for kind in ("test", "transfer")
+                                                   for task, value in (results.get(kind) or {}).items()
+                                                   if isinstance(value, (int, float))})
         if release:
             self.release()
         ended = results is not None and not results.get("interrupted")
@@ -189,19 +196,28 @@ class Trackers:
         best, results = self.out / "best", self.out / "results.json"
         if self.wandb is not None:
             import wandb
-            data_dir = os.environ.get("WANDB_DATA_DIR")  # where W&B stages the files: the run's wandb/ unless set
-            os.environ["WANDB_DATA_DIR"] = data_dir or str(self.out / "wandb")
-            try:
+            staged = os.environ.get("WANDB_DATA_DIR") or str(self.out / "wandb")  # the run's wandb/ unless set
+            with mock.patch.dict(os.environ, WANDB_DATA_DIR=staged):  # where W&B stages the files; then as it was
                 artifact = wandb.Artifact(f"model-{self.ids['wandb']}", type="model")
                 artifact.add_dir(str(best), name="best")
                 artifact.add_file(str(results))
                 self.wandb.log_artifact(artifact)
-            finally:
-                if data_dir is None:
-                    del os.environ["WANDB_DATA_DIR"]
         if self.mlflow is not None:
             self.mlflow.log_artifacts(self.ids["mlflow"], str(best), "best")
             self.mlflow.log_artifact(self.ids["mlflow"], str(results))
+
+
+def complete(args, results: dict) -> str:
+    """--auto_resume on a completed run whose trackers a kill left unfinished (results.json's "tracking_unfinished"):
+    each tracked run continued, given what it lacks of the record, and finished; then results.json without the mark."""
+    record = type(args)(**{**vars(args), **results["args"], "output_dir": args.output_dir})  # the run's trackers
+    trackers = Trackers(record, True, results["steps"] + 1, results.get("tracking"),
+                        {"args": vars(record), "provenance": results["provenance"]})
+    trackers.log_record(*(results.get(key, {}) for key in ("train_loss", "grad_norm", "train_terms", "trajectory")))
+    trackers.finish(results)
+    names = results.pop("tracking_unfinished")
+    files.write_json(Path(args.output_dir) / "results.json", results)
+    return f"its trackers left unfinished, {', '.join(names)}, finished now"
 
 
 @contextlib.contextmanager
@@ -283,9 +299,8 @@ def flat(config: dict, prefix: str = "") -> dict:
     """A nested dict as one level ("provenance.commit"), lists as JSON: the params MLflow takes."""
     out = {}
     for key, value in config.items():
-        name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(flat(value, f"{name}."))
+            out.update(flat(value, f"{prefix}{key}."))
         else:
-            out[name] = json.dumps(value) if isinstance(value, (list, tuple)) else value
+            out[f"{prefix}{key}"] = json.dumps(value) if isinstance(value, (list, tuple)) else value
     return out

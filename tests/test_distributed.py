@@ -25,11 +25,12 @@ import contextlib, datetime, importlib, json, os, shutil, signal, sys, time, tra
 sys.path[:0] = [{root!r}, {tests!r}]
 import torch.distributed as dist
 import eval_sts, plumbing
-from plumbing import distributed, outdir, run
+from plumbing import distributed, outdir, run, tracking
 from test_distributed import recording_dev_measures
 rank = os.environ["RANK"]
 real_dev_measures, real_largest_next, real_record = run.dev_measures, distributed.largest_next, run.Run.record
 real_evaluate, real_settle = eval_sts.evaluate, distributed.StopSignal.settle
+real_handle, real_finish, received = distributed.StopSignal._handle, tracking.Trackers.finish, []
 seen, signals = {{}}, {{}}
 
 def slow_final_evaluation(timeout, sleep):  # the group's timeout `timeout` s from the training's last exchange on
@@ -42,6 +43,16 @@ def slow_final_evaluation(timeout, sleep):  # the group's timeout `timeout` s fr
             time.sleep(sleep)
         return real_evaluate(encode, senteval_dir, tasks, mode, **kwargs)
     eval_sts.evaluate, distributed.StopSignal.settle = evaluate, settle
+
+def handle(self, signum, frame):  # each signal this process's handler got
+    received.append(signum)
+    return real_handle(self, signum, frame)
+
+def slow_finish(self, *args, **kwargs):  # process 0's trackers finish once torchrun's SIGTERM has come (process 1 has
+    deadline = time.time() + 20  # exited 143), before torchrun's SIGKILL 30 s after it
+    while len(received) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    return real_finish(self, *args, **kwargs)
 
 class CountingDDP(distributed.DistributedDataParallel):
     def forward(self, *args, **kwargs):
@@ -62,12 +73,17 @@ def init_process_group(*args, **kwargs):  # a process waiting on one that is gon
 
 real_init, dist.init_process_group = dist.init_process_group, init_process_group
 distributed.DistributedDataParallel, distributed.largest_next, run.Run.record = CountingDDP, largest_next, record
+distributed.StopSignal._handle = handle
 runs = json.load(open(sys.argv[1]))
 for i, (script, out, argv, logs, signals, slow) in enumerate(runs):  # one run after another
     while i and not os.path.exists(f"{{runs[i - 1][3]}}/seen_rank{{1 - int(rank)}}.json"):
         time.sleep(0.05)  # the run before ended on both processes: this one may resume it
     eval_sts.evaluate, distributed.StopSignal.settle = real_evaluate, real_settle
-    if slow:
+    tracking.Trackers.finish, relay = real_finish, bool(slow and "relay" in slow)
+    received.clear()
+    if relay:  # the last run: process 1's exit is the launch's
+        tracking.Trackers.finish = slow_finish if rank == "0" else real_finish
+    elif slow:
         slow_final_evaluation(**slow)
     # each run's process group under keys of its own in torchrun's store, as a restarted attempt's
     # (plumbing/distributed.init): the last group's addresses, still there, would be read and tried
@@ -88,9 +104,11 @@ for i, (script, out, argv, logs, signals, slow) in enumerate(runs):  # one run a
         seen.update(state=outdir.state(out)[0], last=sorted(os.listdir(f"{{out}}/last")) if os.path.isdir(
             f"{{out}}/last") else None)
         shutil.copy(f"{{out}}/results.json", logs)
-    open(f"{{logs}}/seen_rank{{rank}}.json", "w").write(json.dumps(seen))
+    open(f"{{logs}}/seen_rank{{rank}}.json", "w").write(json.dumps({{**seen, "signals": received}} if relay else seen))
     if seen["exit"] == "traceback":  # this process ends, and torchrun stops the other: none waits for a process
         os._exit(1)  # that is gone (a group left behind can hold the other one's exit for ever)
+if relay:
+    sys.exit(seen["exit"])
 '''
 
 
@@ -174,13 +192,15 @@ def launch(runs, workdir):
     out, logs, signals): args with --resume but for the first part, the files above in `logs` (with process 0's
     results.json, the folder's state and last/'s files as the part left them), and `signals` {rank: {step: "SIGTERM"}}
     sent to that process alone during that step. A run given as (script, args, out, {"timeout": T, "sleep": S}) has its
-    process group's timeout T s from the training's last exchange on, and process 0's final evaluation S s longer."""
+    process group's timeout T s from the training's last exchange on, and process 0's final evaluation S s longer. The
+    last run may be (script, args, out, out, signals, {"relay": True}): process 0's trackers finish once a second
+    signal has come, and each process exits with that run's status."""
     workdir.mkdir(parents=True, exist_ok=True)
     driver = workdir / "driver.py"
     driver.write_text(DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests")))
     entries = []
     for script, args, out, *part in runs:
-        slow = part.pop() if part and isinstance(part[-1], dict) and "sleep" in part[-1] else None
+        slow = part.pop() if part and isinstance(part[-1], dict) and {"sleep", "relay"} & set(part[-1]) else None
         logs, signals = part or (out, {})
         logs.mkdir(parents=True)  # each run's or part's own
         out.mkdir(exist_ok=True)  # a run's parts share it
@@ -227,9 +247,19 @@ def two_processes(tiny_model, no_dropout_model, well_conditioned_no_dropout_mode
     runs += [("simcse", six + (["--resume"] if i else []), workdir / "stopped", workdir / f"part{i}", signals)
              for i, signals in enumerate(STOPS)]
     two = smoke_args(no_dropout_model, corpus, senteval_dir, "unused")[:-4] + ["--device", "cpu", "--max_steps", 2]
-    runs.append(("simcse", two, workdir / "slow_final_evaluation", {"timeout": 8, "sleep": 14}))  # the last
+    runs.append(("simcse", two, workdir / "slow_final_evaluation", {"timeout": 8, "sleep": 14}))
+    relayed = two + ["--max_steps", 4, "--logging_steps", 1, "--report_to", "tensorboard"]  # the last
+    runs.append(("simcse", relayed, workdir / "relayed", workdir / "relayed", {0: {2: "SIGTERM"}, 1: {2: "SIGTERM"}},
+                 {"relay": True}))
     proc = launch(runs, workdir)
-    return {"launch": proc, "launch_dir": workdir, **{run[2].name: run[2] for run in runs}}
+    return {"launch": proc, "launch_dir": workdir, "runs": len(runs), **{run[2].name: run[2] for run in runs}}
+
+
+def launch_ended(two_processes) -> bool:
+    """Every run of the launch ended on both processes without a traceback (torchrun's own status is 1: the last
+    run's processes exit 143)."""
+    ends = [json.loads(p.read_text())["exit"] for p in two_processes["launch_dir"].rglob("seen_rank*.json")]
+    return len(ends) == 2 * two_processes["runs"] and "traceback" not in ends
 
 
 def launch_failure(two_processes) -> str:
@@ -243,7 +273,7 @@ def launch_failure(two_processes) -> str:
 def two_process_run(two_processes, case) -> Path:
     """The case's output folder, once both its processes ended it without a traceback."""
     launched, out = two_processes["launch"], two_processes[case]
-    assert launched.returncode == 0, launch_failure(two_processes)
+    assert launch_ended(two_processes), launch_failure(two_processes)
     for rank in (0, 1):
         seen = json.loads((out / f"seen_rank{rank}.json").read_text())
         assert seen["exit"] == 0, (out / f"stderr_rank{rank}.txt").read_text()[-3000:]
@@ -317,7 +347,7 @@ def test_a_signal_to_any_process_stops_every_process_and_the_resumes_end_as_the_
     dev curve, best/ and parameters, bit for bit. Where only the signalled process recorded the stop, process 0 wrote
     a completed run (interrupted false, no test scores), deleted last/ and exited 0."""
     launched, out, parts = two_processes["launch"], two_processes["stopped"], two_processes["stopped"].parent
-    assert launched.returncode == 0, launch_failure(two_processes)
+    assert launch_ended(two_processes), launch_failure(two_processes)
 
     def seen(i, rank):
         return json.loads((parts / f"part{i}" / f"seen_rank{rank}.json").read_text())
@@ -358,3 +388,26 @@ def test_a_final_evaluation_longer_than_the_group_timeout_ends_well(two_processe
     out = two_process_run(two_processes, "slow_final_evaluation")
     results = json.loads((out / "results.json").read_text())
     assert results["world_size"] == 2 and results["steps"] == 2 and "test" in results
+
+
+def test_a_process_finishing_its_record_absorbs_the_sigterm_torchrun_sends_when_another_exits(two_processes):
+    """SIGTERM to both processes in step 2 (Slurm's, or torchrun's own relayed): both stop after step 3; process 1,
+    with nothing to write, exits 143 at once, and torchrun sends SIGTERM to process 0 while it finishes its record
+    (its trackers' finish made slow on purpose: until that second signal has come, under torchrun's 30 s before its
+    SIGKILL). Process 0 absorbs it, one line, writes results.json, last/ and TensorBoard's events whole, and exits 143.
+    Fails where a second signal while finishing raises KeyboardInterrupt (exit 130, the trackers unfinished): the
+    handler was Python's default by then."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    launched, out = two_processes["launch"], two_processes["relayed"]
+    assert launch_ended(two_processes), launch_failure(two_processes)
+    assert launched.returncode == 1 and "exitcode  : 143" in launched.stderr, launched.stderr[-3000:]
+    ranks = [json.loads((out / f"seen_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [seen["exit"] for seen in ranks] == [143, 143] and ranks[0]["signals"] == [15, 15], ranks
+    printed = (out / "stdout_rank0.txt").read_text().strip().splitlines()
+    assert printed.count("signal SIGTERM: stopping at the end of this step") == 1, printed
+    assert "signal SIGTERM while writing results.json: finishing that first" in printed, printed
+    assert printed[-1].startswith("stopped after step 3 of 4 (last/ holds it)"), printed
+    results = json.loads((out / "results.json").read_text())
+    assert results["stop"] == {"by": "SIGTERM", "step": 3} and "tracking_unfinished" not in results
+    events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0}).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import simcse
-from conftest import ROOT, SHARED, needs_shared, next_second, smoke_args, tracked, tracker_env
+from conftest import (ROOT, SHARED, cli_in_process, needs_shared, next_second, smoke_args, tracked,
+                      tracker_env)
 from plumbing import provenance
 
 
@@ -206,16 +207,25 @@ def test_wandb_and_mlflow_track_the_run_and_a_resume_continues_the_same_tracked_
 KILL_DRIVER = '''
 import itertools, os, signal, sys
 sys.path[:0] = [{root!r}]
-import importlib, plumbing
-from plumbing import distributed
-kill_at, argv = int(sys.argv[1]), sys.argv[2:]
-real, calls = distributed.StopSignal.requested, itertools.count()
-def requested(self, *args, **kwargs):
-    if next(calls) == kill_at:  # after that step trained, before its log: no handler, no save
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(self, *args, **kwargs)
-distributed.StopSignal.requested = requested
-plumbing.cli(lambda: importlib.import_module("simcse").main(argv))
+import importlib, mlflow, plumbing, simcse
+from plumbing import distributed, tracking
+at, argv = sys.argv[1], sys.argv[2:]
+def kill_in(owner, name, nth=0):  # a SIGKILL (no handler runs) in the nth call of owner.name
+    real, calls = getattr(owner, name), itertools.count()
+    def wrapped(*args, **kwargs):
+        if next(calls) == nth:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+    setattr(owner, name, wrapped)
+if at == "finish":  # the start of the finish: no tracker finished; the resumed run's losses shifted by 1
+    kill_in(tracking.Trackers, "finish")
+    shifted = simcse.info_nce
+    simcse.info_nce = lambda *a, **k: shifted(*a, **k) + 1.0
+elif at == "mlflow":  # the middle of the finish: TensorBoard's and W&B's finished, MLflow's not
+    kill_in(mlflow.MlflowClient, "set_terminated")
+else:  # after that step trained, before its log: no handler, no save
+    kill_in(distributed.StopSignal, "requested", int(at))
+plumbing.cli(lambda: simcse.main(argv))
 '''
 
 
@@ -224,40 +234,53 @@ plumbing.cli(lambda: importlib.import_module("simcse").main(argv))
 def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpus, senteval_dir, tmp_path,
                                                                monkeypatch, capsys):
     """kill -9 at a step drawn between two saves (last/ every 3 steps, a log every step: the steps after the save,
-    logged already, are trained again by the resumed run), then --resume: W&B's offline parts together and MLflow's
-    store hold the loss and gradient norm at each of the 8 steps once, each the value results.json has, and the
-    run's last lines print the sync command for both parts, which the installed wandb's CLI takes; TensorBoard's
-    events, read by its EventAccumulator, hold each step once too. The resumed run's losses are shifted by 1 (its
-    info_nce monkeypatched: the gradients stay), as a GPU's re-run in bf16 differs from the first try: a tracker that
-    kept the killed run's values of the steps trained again fails (W&B and MLflow did so, logging each step at once).
-    A resumed run that logged its replayed steps again would give MLflow two values at a step, W&B a second part that
-    starts at an old step, and TensorBoard steps 1 and 2 twice (a held step read as -1 did so)."""
+    logged already, are trained again by the resumed run), then --resume, killed -9 at the start of its trackers'
+    finish (results.json written whole), then --auto_resume, which finishes the trackers and is killed -9 in the
+    middle of that (TensorBoard's and W&B's finished, MLflow's not), then --auto_resume again. W&B's offline parts
+    together and MLflow's store hold the loss and gradient norm at each of the 8 steps once, each the value
+    results.json has, and the STS test scores once; MLflow's run ends FINISHED; the run's last lines print the sync
+    command for every part, which the installed wandb's CLI takes; TensorBoard's events, read by its EventAccumulator,
+    hold each step once too. The resumed run's losses are shifted by 1 (its info_nce patched: the gradients stay),
+    as a GPU's re-run in bf16 differs from the first try: a tracker that kept the killed run's values of the steps
+    trained again fails (W&B and MLflow did so, logging each step at once). A resumed run that logged its replayed
+    steps again would give MLflow two values at a step, W&B a second part that starts at an old step, and TensorBoard
+    steps 1 and 2 twice (a held step read as -1 did so). Where results.json is complete before the trackers have
+    finished and --auto_resume leaves them so ("nothing left to do"), the test scores are missing from every tracker
+    and MLflow's run stays RUNNING; a finish of the finished trackers again writes the test scores twice."""
+    import mlflow
     import random
-    import test_resume
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri(),
            "MLFLOW_ALLOW_FILE_STORE": "true"}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     out = tmp_path / "run"
     argv = [str(a) for a in smoke_args(tiny_model, corpus, senteval_dir, out, "--max_steps", 8, "--eval_steps", 4,
-                                       "--logging_steps", 1, "--save_steps", 3, "--no_test_eval", "--no_align_uniform",
+                                       "--logging_steps", 1, "--save_steps", 3, "--no_align_uniform",
                                        "--report_to", "wandb", "mlflow", "tensorboard")]
-    kill_at = random.Random(20261128).choice([4, 5])  # after the save at 3, before the one at 6
     driver = tmp_path / "driver.py"
     driver.write_text(KILL_DRIVER.format(root=str(ROOT)))
     own = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_SERVICE", "_WANDB"))}  # its own service
-    killed = subprocess.run([sys.executable, str(driver), str(kill_at), *argv], capture_output=True, text=True,
-                            cwd=ROOT, env=dict(own, HF_HUB_OFFLINE="1"), timeout=300)
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    import simcse
-    shifted = simcse.info_nce
-    monkeypatch.setattr(simcse, "info_nce", lambda *a, **k: shifted(*a, **k) + 1.0)  # the re-run differs
-    test_resume.run("simcse", argv + ["--resume"], monkeypatch)
+    kill_at = random.Random(20261128).choice([4, 5])  # after the save at 3, before the one at 6
+    for at, flag in ((kill_at, []), ("finish", ["--resume"]), ("mlflow", ["--auto_resume"])):
+        next_second()  # a new W&B part's and TensorBoard file's name (conftest.next_second)
+        killed = subprocess.run([sys.executable, str(driver), str(at), *argv, *flag], capture_output=True,
+                                text=True, cwd=ROOT, env=dict(own, HF_HUB_OFFLINE="1"), timeout=300)
+        assert killed.returncode == -9, (at, killed.stdout[-2000:], killed.stderr[-2000:])
+        if at == "finish":  # the record whole, its trackers not: a completed run with its mark
+            results = json.loads((out / "results.json").read_text())
+            assert results["interrupted"] is False and results["tracking_unfinished"] == ["wandb", "mlflow",
+                                                                                          "tensorboard"]
+    next_second()
+    code, _ = cli_in_process(simcse, *argv, "--auto_resume")
+    printed = capsys.readouterr().out
+    assert code == 0 and printed.strip().splitlines()[-1] == (
+        f"complete: results in {out / 'results.json'} (--auto_resume: its trackers left unfinished, wandb, mlflow, "
+        "tensorboard, finished now)")
     results = json.loads((out / "results.json").read_text())
-    assert results["resumptions"] == [3] and results["steps"] == 8
+    assert results["resumptions"] == [3] and results["steps"] == 8 and "tracking_unfinished" not in results
     assert min(results["train_loss"][3:]) > max(results["train_loss"][:3]) + 0.5  # the shift is in the record
     parts = wandb_parts(out, results["tracking"]["wandb"])
-    assert len(parts) == 2
+    assert len(parts) == 4  # the killed run's, the resumed run's, and each finish's
     found = tracked(out)  # each tracker as its own reader reads it, as lists: a step written twice fails
     want = {"train/loss": results["train_loss"], "train/grad_norm": results["grad_norm"]}
     for tracker in ("tensorboard", "mlflow", "wandb"):
@@ -267,7 +290,10 @@ def test_each_step_is_tracked_once_across_a_kill_between_saves(tiny_model, corpu
         for key in ("train/lr", "dev/stsb_dev"):  # at the gates and log points, once each
             points = [row["step"] for row in results["trajectory"] if key.split("/")[1] in row]
             assert [step for step, _ in found[tracker][key]] == points, (tracker, key)
-    assert f"`wandb sync {' '.join(map(str, parts))}` uploads this run, all its 2 part(s)" in capsys.readouterr().out
+        for task, score in results["test"].items():  # the final scores, once, at the last step
+            assert found[tracker][f"test/{task}"] == [(8, pytest.approx(score, rel=1e-6))], (tracker, task)
+    assert mlflow.MlflowClient().get_run(results["tracking"]["mlflow"]).info.status == "FINISHED"
+    assert f"`wandb sync {' '.join(map(str, parts))}` uploads this run, all its 4 part(s)" in printed
     dry = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", *map(str, parts)],  # the CLI's own
                          capture_output=True, text=True, env=dict(os.environ, **env), timeout=120)
     assert dry.returncode == 0 and all(part.name in dry.stdout + dry.stderr for part in parts), dry

@@ -187,6 +187,43 @@ def test_signal_stops_at_a_step_boundary_and_keeps_what_the_run_reached(signum, 
     AutoModel.from_pretrained(out / "best")
 
 
+def test_a_run_finishing_its_record_absorbs_sigterms_and_a_second_sigint_stops_it_at_once(capsys):
+    """While a run finishes its record (best/, results.json, the trackers), each SIGTERM lets it finish (torchrun
+    sends one to every process when another exits: tests/test_distributed.py), and so does a first Ctrl-C; the stop
+    stays the first signal's. The user's second Ctrl-C stops it at once. Fails where a SIGTERM after the training's
+    own signal raises KeyboardInterrupt (the handler Python's default by then: exit 130, the record unfinished), or
+    where the absorbed SIGTERMs leave a second SIGINT absorbed too."""
+    import time
+    from plumbing import distributed
+
+    def send(signum, absorbed=True):
+        try:
+            os.kill(os.getpid(), signum)
+            time.sleep(0.01)  # the handler runs here
+        except KeyboardInterrupt:
+            if absorbed:  # a failure, not pytest's own stop
+                pytest.fail(f"{signal.Signals(signum).name} stopped the finish at once")
+            raise
+    for first in (signal.SIGTERM, None):  # a stop in training, or none before the finish
+        stop = distributed.StopSignal()
+        if first:
+            send(first)
+        stop.phase = "writing results.json"
+        for signum in [signal.SIGTERM, signal.SIGTERM] if first else [signal.SIGINT, signal.SIGTERM]:
+            send(signum)
+        with pytest.raises(KeyboardInterrupt):
+            send(signal.SIGINT, absorbed=False)
+        assert stop.signum == (signal.SIGTERM if first else signal.SIGINT)
+        with pytest.raises(SystemExit) as stopped:
+            stop.exit_if_stopped()
+        assert stopped.value.code == (143 if first else 130)
+    assert capsys.readouterr().out.splitlines() == [
+        "signal SIGTERM: stopping at the end of this step", *["signal SIGTERM while writing results.json: finishing "
+                                                              "that first"] * 2,
+        "signal SIGINT while writing results.json: finishing that first",
+        "signal SIGTERM while writing results.json: finishing that first"]
+
+
 def test_same_seed_same_losses_other_seed_other_losses(tiny_model, corpus, senteval_dir, tmp_path, capsys):
     def losses(seed, name):  # in-process: a run must not depend on what ran before it in the same process either
         args = smoke_args(tiny_model, corpus, senteval_dir, tmp_path / name)
