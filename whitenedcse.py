@@ -62,8 +62,8 @@ def parse_args(argv=None):
                         "process's own rows as the released code does")
     args = options.parse(parser, argv, PRESETS)
     if args.pooler != "cls" or not args.mlp_only_train:  # it was silently ignored
-        parser.error("WhitenedCSE trains [CLS] through its whitening head and evaluates [CLS] before "
-                     "it (Section 4.1): --pooler and --no-mlp_only_train do not apply")
+        parser.error("WhitenedCSE trains [CLS] through its whitening head and evaluates [CLS] "
+                     "before it (Section 4.1): --pooler and --no-mlp_only_train do not apply")
     plumbing.check_range(args, "num_pos", lambda v: v >= 2, "at least 2 views")
     plumbing.check_range(args, "num_groups", lambda v: v >= 1, "a positive number of groups")
     return args
