@@ -38,6 +38,25 @@ def tiny_st(tmp_path_factory):
     return str(write_tiny_model(tmp_path_factory.mktemp("tiny_st"), num_layers=4))
 
 
+@pytest.mark.parametrize("loss_class, method", [(st_losses.SimCSELoss, simcse), (st_losses.SimCSEPlusPlusLoss,
+                                                                                  simcsepp),
+                                                 (st_losses.SSCLLoss, sscl), (st_losses.WhitenedCSELoss, whitenedcse),
+                                                 (st_losses.MiCSELoss, micse)])
+def test_each_keyword_is_the_method_files_flag_with_its_recipes_default(loss_class, method):
+    """A loss's keywords are its method file's flags (as its parser names them) and default to its RECIPE, and its
+    pooling is the evaluation pooler of that recipe (common.eval_pooler): a recipe or a flag changed in the method
+    file and not here fails it."""
+    import inspect
+    flags = vars(method.parse_args([]))
+    keywords = {k: p.default for k, p in inspect.signature(loss_class).parameters.items() if k != "model"}
+    assert set(keywords) <= set(flags), set(keywords) - set(flags)
+    assert {k: v for k, v in keywords.items() if k in method.RECIPE} == \
+        {k: method.RECIPE[k] for k in keywords if k in method.RECIPE}
+    recipe = types.SimpleNamespace(pooler=method.RECIPE.get("pooler", "cls"),
+                                   mlp_only_train=method.RECIPE.get("mlp_only_train", True))
+    assert loss_class.pooler == common.eval_pooler(recipe)
+
+
 def dataset(columns: int, rows: int = 4 * BATCH, seed: int = 0):
     rng = random.Random(seed)
     names = ["anchor", "positive", "negative"][:columns] if columns > 1 else ["text"]
@@ -354,3 +373,22 @@ def test_two_processes_under_torchrun_train_like_one_on_the_global_batch(well_co
                 torch.testing.assert_close(rank0["state"][name], value, atol=1e-5, rtol=1e-5, msg=name)
             else:
                 assert torch.equal(rank0["state"][name], value), name
+
+
+@needs_shared
+def test_the_readmes_sentence_transformers_example_runs_as_written_offline(tmp_path, monkeypatch):
+    """The README's example (MiCSELoss with ContrastiveTrainer on the local MiniLM), run as it stands from a
+    checkout beside ../shared, offline: it trains, and its output folder is what eval_sts.py and SentenceTransformer
+    read (the recorded pooler, the loss's state). Fails where the README's code no longer runs, or saves elsewhere."""
+    import re
+    from conftest import ROOT
+    block = next(b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+                 if "ContrastiveTrainer" in b)
+    (tmp_path / "checkout").mkdir()
+    (tmp_path / "shared").symlink_to(SHARED)  # the README's ../shared paths, from the checkout's root
+    monkeypatch.chdir(tmp_path / "checkout")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    exec(compile(block, "<README.md's example>", "exec"), {"__name__": "readme_example"})
+    out = next((tmp_path / "checkout" / "runs").iterdir())
+    assert (out / "eval_pooler.json").is_file() and (out / st_losses.STATE_FILE).is_file()
+    assert (out / "modules.json").is_file()
