@@ -44,14 +44,17 @@
 #                  `report.py run --runs_per_gpu K` starts them: K = 1, 4, then 4 under NVIDIA MPS where the machine
 #                  has it (RPG_SETTINGS="1:off 2:off 4:on" and the like; RPG_STEPS, RPG_GATE: 500 steps, a gate
 #                  every 125): each copy's minutes and the wall time of the K together        runs_per_gpu.txt
+#   st_trainer     st_losses' ContrastiveTrainer (SimCSELoss) beside simcse.py's eager and graphed step, timed as
+#                  `compare` times them, BERT-base-sized, --precision auto (bf16)                  st_trainer.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
 declare -A LIMIT=([machine]=15 [compare]=170 [recipes_base]=200 [flags]=45 [recipes_large]=240 [test_cuda]=240
                   [bench]=170 [saves]=60 [graph]=180 [recipes_graph]=240 [families]=60 [gate]=40
-                  [recipes_micse]=130 [runs_per_gpu]=260 [traces]=45 [fewshot]=120 [graph_compile]=150)
+                  [recipes_micse]=130 [runs_per_gpu]=260 [traces]=45 [fewshot]=120 [graph_compile]=150
+                  [st_trainer]=90)
 DEFAULT="machine graph recipes_graph families gate"
 ORDER="machine graph recipes_graph families gate compare recipes_base flags recipes_large test_cuda bench saves
-       recipes_micse runs_per_gpu traces fewshot graph_compile"
+       recipes_micse runs_per_gpu traces fewshot graph_compile st_trainer"
 for stage in $ORDER; do  # COMPARE_S=200 and the like
     override="${stage^^}_S"
     LIMIT[$stage]=${!override:-${LIMIT[$stage]}}
@@ -146,6 +149,13 @@ recipes() {  # SIZE STEPS GATE_EVERY FILE STAGE [BENCH FLAGS...]
         > "$OUT/$file" 2>&1
     echo "exit $?" >> "$OUT/$file"
 }
+stage_st_trainer() {  # the sentence-transformers path's speed beside the suite's own step (#91)
+    limit st_trainer python3 tools/bench.py --compare_steps --size bert-base --model_name_or_path $DATA/tokenizer \
+        $RUNS --batch_size 64 --max_seq_length 32 --steps 100 --warmup 10 --rows suite suite-graph \
+        contrastive-trainer > "$OUT/st_trainer.txt" 2>&1
+    echo "exit $?" >> "$OUT/st_trainer.txt"
+}
+
 stage_recipes_base() { recipes bert-base 80 20 recipes_bert_base.txt recipes_base \
     --method_args simcse:--no_cuda_graph simcsepp:--no_cuda_graph sscl:--no_cuda_graph whitenedcse:--no_cuda_graph; }
 both_ways() {  # STAGE SIZE STEPS GATE_EVERY PREFIX [BENCH FLAGS...]: the rows with the graph, then eagerly, each in
