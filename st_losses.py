@@ -8,6 +8,7 @@ back on resume, no host sync in a step. The README's example; docs/using.md says
 from __future__ import annotations
 
 import functools
+import types
 from pathlib import Path
 
 import torch
@@ -367,7 +368,7 @@ class ContrastiveTrainer(st.SentenceTransformerTrainer):
     def grad_cache_step(self, model, inputs):
         """micro_batch_size=K: common.grad_cache over the block's halves (views, objective), as the
         suite's --micro_batch_size: the whole batch's loss and gradients, K examples at a time."""
-        loss_fn, trainer = self.contrastive, self
+        loss_fn = self.contrastive
         model.train()
         inputs = self._prepare_inputs(inputs)
         inputs.pop("dataset_name", None)
@@ -377,17 +378,14 @@ class ContrastiveTrainer(st.SentenceTransformerTrainer):
         loss_fn.columns = len(features)
         batch = loss_fn.last_batch = loss_fn.batch_of(features)
         options, encoder, scaler = loss_fn.options(), BlockEncoder(loss_fn), self.accelerator.scaler
-
-        class Trained:  # what grad_cache asks of the model: the trained parameters, DDP's no_sync
-            parameters = staticmethod(lambda: trainer.all_parameters(model))
-            if hasattr(model, "no_sync"):
-                no_sync = staticmethod(model.no_sync)
+        sync = {"no_sync": model.no_sync} if hasattr(model, "no_sync") else {}  # DDP's
+        trained = types.SimpleNamespace(parameters=lambda: self.all_parameters(model), **sync)
         return common.grad_cache(
             lambda part: loss_fn.views(encoder, data.part_of(batch, part, loss_fn.columns),
                                        dtype=options["dtype"]),
             functools.partial(loss_fn.objective, gather=options["gather"]),
             len(batch["input_ids"]) // loss_fn.columns, loss_fn.micro_batch_size,
-            scaler.scale if scaler is not None else (lambda t: t), Trained)
+            scaler.scale if scaler is not None else (lambda t: t), trained)
 
     def _clip_grad_norm(self, model):  # the head with the encoder, one norm, as the suite clips
         return self.accelerator.clip_grad_norm_(self.all_parameters(model), self.args.max_grad_norm)
