@@ -31,6 +31,7 @@ SLURM_MISTAKES = "tests/test_slurm.py::test_mistakes_are_one_line_before_anythin
 PIN = "tests/test_behaviour.py::test_a_scripts_numbers_are_the_recorded_ones"
 PIN_RULE = ("tests/test_behaviour.py::test_the_rule_is_bit_for_bit_where_the_probe_is_and_a_1_percent_change_fails_"
             "anywhere")
+BARLOW = "ablations/simcsepp_noise_barlow.py"
 ANOTHER_CPU = "SUITE_BEHAVIOUR_ANOTHER_CPU=1"  # a test list's NAME=value entries are the tests' environment
 CLUSTER = "tests/test_cluster.py::test_"
 ST_LOSSES = "tests/test_st_losses.py::"
@@ -108,13 +109,6 @@ MUTANTS = {
     # #80: the behaviour pin on any CPU: matched by its arithmetic, a 1% change seen where it rounds apart
     "pin-matched-by-name": ("tests/test_behaviour.py", ' and record["machine"].get("probe") == list(here["probe"])',
                             "", [PIN_RULE]),
-    "pin-temperature-1pct": ("common.py", '("temp", float, 0.05,', '("temp", float, 0.0505,',
-                             [ANOTHER_CPU, f"{PIN}[simcse]"]),
-    "pin-ami-lambda-1pct": ("micse.py", "warmup_steps=250, ami_lambda=2.5e-3,",
-                            "warmup_steps=250, ami_lambda=2.525e-3,",
-                            [ANOTHER_CPU, f"{PIN}[micse]"]),
-    "pin-dcl-weight-1pct": ("simcsepp.py", '"--dcl_weight", type=float, default=0.1,',
-                            '"--dcl_weight", type=float, default=0.101,', [ANOTHER_CPU, f"{PIN}[simcsepp]"]),
     "fit-declines-the-graph": ("plumbing/memory.py", "    if args.gradient_checkpointing and args.micro_batch_size:",
                                '    if getattr(args, "cuda_graph", False) or (args.gradient_checkpointing and '
                                'args.micro_batch_size):',
@@ -180,6 +174,33 @@ MUTANTS = {
                                   "            pass", [f"{ST_LOSSES}test_resume_from_checkpoint_at_step_2_of_4_"
                                                       "equals_the_straight_run_bit_for_bit[micse]"]),
 }
+
+
+# #89: every temperature and loss weight +1% and -1% where the run passes it (pin-NAME-1pct-up, -down), each against
+# the behaviour pin's case that must see it on any CPU: name: (file, the line's text, the value in it, the pin's case)
+for _name, (_file, _text, _value, _case) in {
+        "simcse-temp": ("simcse.py", "head, args.temp, columns,", "args.temp", "simcse"),
+        "simcse-hard-negative-weight": ("simcse.py", "columns, args.hard_negative_weight,", "args.hard_negative_weight",
+                                        "simcse-hard-negative"),
+        "simcsepp-temp": ("simcsepp.py", "dict(temp=args.temp, m=args.m,", "args.temp", "simcsepp"),
+        "simcsepp-m": ("simcsepp.py", " m=args.m,", "args.m", "simcsepp"),
+        "simcsepp-dcl-weight": ("simcsepp.py", "dcl_weight=args.dcl_weight,", "args.dcl_weight", "simcsepp"),
+        "simcsepp-dcl-temp": ("simcsepp.py", "dcl_temp=args.dcl_temp,", "args.dcl_temp", "simcsepp-dcl"),
+        "sscl-temp": ("sscl.py", "head, args.temp, **view_options", "args.temp", "sscl"),
+        "whitenedcse-temp": ("whitenedcse.py", "generator=generator, temp=args.temp,", "args.temp", "whitenedcse"),
+        "micse-temp": ("micse.py", "dict(temp=args.temp, ami_lambda", "args.temp", "micse"),
+        "micse-ami-lambda": ("micse.py", "ami_lambda=args.ami_lambda,", "args.ami_lambda", "micse"),
+        "micse-momentum": ("micse.py", "head, args.momentum,", "args.momentum", "micse-momentum"),
+        "augmentations-temp": ("ablations/simcse_augmentations.py", "info_nce(z1, z2, args.temp)", "args.temp",
+                               "augmentations"),
+        "barlow-temp": (BARLOW, "info_nce(z1, z2, args.temp) + args.barlow_weight", "args.temp", "noise-barlow"),
+        "barlow-weight": (BARLOW, "+ args.barlow_weight *", "args.barlow_weight", "noise-barlow"),
+        "barlow-lambda": (BARLOW, "z2, args.barlow_lambda, padding)", "args.barlow_lambda", "noise-barlow"),
+        "whitening-temp": ("ablations/whitenedcse_whitening.py", "(views, args.temp)", "args.temp", "whitening-eps"),
+}.items():
+    for _way, _factor in (("up", 1.01), ("down", 0.99)):
+        MUTANTS[f"pin-{_name}-1pct-{_way}"] = (_file, _text, _text.replace(_value, f"{_value} * {_factor}"),
+                                               [ANOTHER_CPU, f"{PIN}[{_case}]"])
 
 
 def checkout_copy(workdir: Path) -> Path:
