@@ -1,43 +1,45 @@
 """The suite against the authors' released code, run side by side: one training step of each method in both, on the
-same tiny random model, the same batch and the same dropout masks, with the loss and every parameter's gradient
-compared; then the losses alone on identical embeddings or attention maps (the random parts with identical draws),
-and each repository's evaluation poolers against eval_sts.py's.
+same tiny random model, batch and dropout masks, loss and every parameter's gradient compared; the losses alone on
+identical embeddings or attention maps; each repository's evaluation poolers against eval_sts.py's. With --model: each
+method trained from a real checkpoint's weights for --steps, step by step (the released model given the suite's
+weights at every step: loss and gradients compared) and free-running (each side its own AdamW: losses, gradient norms,
+weights apart), then each side's STS-B dev through its repository's evaluation.py and eval_sts.py.
 
-    python tools/parity.py --released DIR             # DIR holds the five clones under their GitHub names:
-                                                      # SimCSE, SimCSE-plus-plus, SSCL, WhitenedCSE, acl2023-micse
-    python tools/parity.py --simcse PATH --micse PATH # or one flag a repository; the others are skipped
-    python tools/parity.py --released DIR --json parity.json --only simcse micse
+    python tools/parity.py --released DIR             # DIR holds the clones under their GitHub names (SimCSE,
+                                                      # SimCSE-plus-plus, SSCL, WhitenedCSE, acl2023-micse); an
+    python tools/parity.py --simcse PATH --micse PATH # absent one is skipped; or one flag a repository
+    python tools/parity.py --released DIR --model ../shared/models/all-MiniLM-L6-v2 --steps 30 --json runs.json
 
-No released code is copied into this repository: the tool reads it from your clones (git clone
-https://github.com/princeton-nlp/SimCSE and so on), and each adaptation it needs under today's torch and transformers
-is applied at run time and printed, one line each. miCSE's code also needs `pip install einops`.
+No released code is copied into this repository: the tool reads it from the clones, and each adaptation it needs under
+today's torch and transformers is applied at run time and printed, one line each. miCSE's code needs einops.
 
 How the two sides meet:
-- Weights: the released model class (BertForCL, RobertaForCL) is built on a tiny config and its weights are copied
-  into the suite's backbone and heads; gradients are compared parameter by parameter under the released names.
+- Weights: the released model class (BertForCL, RobertaForCL) is built (tiny, or with the checkpoint's encoder) and
+  its weights copied into the suite's backbone and heads; gradients compared parameter by parameter, released names.
 - Batch: the released code takes (sentences, views, tokens) and flattens it sentence-major (s0 v0, s0 v1, s1 v0, ...);
   the suite repeats the batch view-major (all v0, then all v1). Both get the same token ids.
-- Dropout masks (MatchedDropout): torch.nn.functional.dropout is replaced, for the two steps only, by one whose mask
-  for a row depends on (the call's place in the encoder pass, the row's sentence and view), not on the position in
-  the random stream; each side says its rows' (sentence, view) before its pass. Attention is eager on both sides, so
-  the attention-probability dropout goes through it too.
+- Dropout masks (MatchedDropout): torch.nn.functional.dropout is replaced, for the passes compared, by one whose mask
+  for a row depends on (the step, the call's place in the encoder pass, the row's sentence and view), not on the place
+  in the random stream. Attention is eager on both sides, so the attention-probability dropout goes through it too.
 - Random draws: WhitenedCSE's permutations and miCSE's samples are drawn once and given to both sides.
 
-Exit status 0 when every comparison is within --tolerance or is a documented deviation (DEVIATIONS, with its reason),
-1 otherwise. docs/fidelity.md holds a dated output and what each deviation means.
+Exit status 0 when every comparison (every step by step) is within --tolerance or is a documented deviation
+(DEVIATIONS, with its reason), 1 otherwise. docs/fidelity.md holds dated outputs and what each deviation means.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
+import functools
 import hashlib
+import importlib.machinery
 import importlib.util
 import io
-import json
 import sys
 import types
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the suite's modules
@@ -95,6 +97,7 @@ def stub(name: str, **attributes) -> types.ModuleType:
     """A stand-in module for a dependency the comparison does not exercise (wandb's logging, SentEval)."""
     module = types.ModuleType(name)
     module.__dict__.update(attributes)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # a find_spec while it stands in (accelerate's)
     return module
 
 
@@ -112,20 +115,23 @@ def load_released(repository: str, clone: Path, relative: str, patches=(), stubs
     name = f"released_{repository}_{relative.replace('/', '_').removesuffix('.py')}"
     module = types.ModuleType(name)
     module.__file__ = str(path)
-    saved = {key: sys.modules.get(key) for key in (stubs or {})}
-    sys.modules.update(stubs or {})
-    sys.path.insert(0, str(clone))
-    try:
+    with standing_in(stubs or {}), mock.patch.object(sys, "path", [str(clone), *sys.path]):
         exec(compile(source, str(path), "exec"), module.__dict__)
-    finally:
-        sys.path.remove(str(clone))
-        for key, value in saved.items():
-            if value is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = value
     sys.modules[name] = module
     return module
+
+
+@contextlib.contextmanager
+def standing_in(stubs: dict):
+    """`stubs` in sys.modules for the block, what was there before back after it (the modules the block imports
+    stay: mock.patch.dict would drop them)."""
+    saved = {key: sys.modules.get(key) for key in stubs}
+    sys.modules.update(stubs)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            sys.modules.pop(key, None) if value is None else sys.modules.__setitem__(key, value)
 
 
 def model_args(**overrides) -> types.SimpleNamespace:
@@ -287,9 +293,9 @@ def released_step(model, inputs: dict, dropout: MatchedDropout, *passes):
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def suite_step(backbone, passes: list, step) -> torch.Tensor:
+def suite_step(backbone, passes: list, step, seed: int = 0) -> torch.Tensor:
     """`step()` (the suite's forward passes and loss) with matched dropout; backward; the loss."""
-    dropout = MatchedDropout()
+    dropout = MatchedDropout(seed)
     with dropout.on(backbone):
         dropout.expect(*passes)
         loss = step()
@@ -321,8 +327,19 @@ POST_INIT = ("    cls.init_weights()", "    cls.post_init()",
              "cl_init's init_weights() -> post_init() (transformers 5 sets up a model's tied-weight map there)")
 
 
+def released_module(repository: str, clone: Path) -> types.ModuleType:
+    """The released model file of SimCSE, SSCL or miCSE, adapted."""
+    if repository != "micse":
+        return load_released(repository, clone, f"{repository}/models.py", [POST_INIT])
+    adapt("micse", "model/models.py: wandb's logging is a stand-in that records nothing")
+    plumbing.check_installed(True, "einops", "miCSE's released code")
+    patches = [(".cuda()", ".to(cls.device)", "tensor.cuda() (the NaN and no-sample branches) -> the model's device"),
+               POST_INIT]
+    return load_released("micse", clone, "model/models.py", patches, {"wandb": stub("wandb", log=lambda *a, **k: None)})
+
+
 def simcse_rows(clone: Path) -> list[dict]:
-    module = load_released("simcse", clone, "simcse/models.py", [POST_INIT])
+    module = released_module("simcse", clone)
     rows = []
     for kind in ("bert", "roberta"):
         config = tiny_config(kind)
@@ -348,18 +365,6 @@ def simcse_rows(clone: Path) -> list[dict]:
             loss_s = suite_step(backbone, [view_major(N, views)], step)
             rows.append(row(f"simcse {kind}: step, {label}", loss_r, loss_s, grads_r,
                             suite_gradients(kind, backbone, **{"mlp.dense": head and head[0]})))
-    # the loss alone on identical embeddings (cls_before_pooler: the embedding is the given [CLS])
-    z = torch.randn(N * 3, 5, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    released = module.BertForCL(tiny_config("bert"), model_args=model_args(pooler_type="cls_before_pooler",
-                                                                             hard_negative_weight=0.5))
-    flat = z.view(N, 3, 5, 8).reshape(N * 3, 5, 8)  # sentence-major, as the released flattening
-    mask = torch.ones(N, 3, 5, dtype=torch.long)
-    loss_r = module.cl_forward(released, FakeEncoder(outputs(flat)), input_ids=mask, attention_mask=mask).loss
-    grad_r, = torch.autograd.grad(loss_r, z)
-    cls_tokens = z[:, 0].view(N, 3, 8)
-    loss_s = simcse.info_nce(cls_tokens[:, 0], cls_tokens[:, 1], 0.05, cls_tokens[:, 2], 0.5)
-    grad_s, = torch.autograd.grad(loss_s, z)
-    rows.append(row("simcse: loss alone, hard negatives weighted", loss_r, loss_s, {"z": grad_r}, {"z": grad_s}))
     return rows
 
 
@@ -395,7 +400,7 @@ def simcsepp_rows(clone: Path) -> list[dict]:
 
 
 def sscl_rows(clone: Path) -> list[dict]:
-    module = load_released("sscl", clone, "sscl/models.py", [POST_INIT])
+    module = released_module("sscl", clone)
     rows = []
     for kind in ("bert", "roberta"):
         for pooler in ("avg", "cls"):
@@ -498,12 +503,12 @@ def whitenedcse_rows(clone: Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def given_samples(attn1, attn2, layers: int, num_samples: int, generator: torch.Generator):
+def given_samples(attn1, attn2, layers: slice, num_samples: int, generator: torch.Generator):
     """torch.multinomial returns, for each tile the released code keeps, the entries the suite's ami_loss samples
     with `generator` (micse.ami_sample, from a copy of it: uniform without replacement, as multinomial over the 0/1
     mask): one draw for both sides. Both codes form the tiles alike (the released einops pattern "(h i) (j m) k t z ->
     (h k m) i (j t z)" is micse.attention_tiles)."""
-    tiles1, tiles2 = (micse.attention_tiles(a[:, :layers]) for a in (attn1, attn2))
+    tiles1, tiles2 = (micse.attention_tiles(a[:, layers]) for a in (attn1, attn2))
     sample = micse.ami_sample(tiles1, tiles2, num_samples, copy.deepcopy(generator))
     real = torch.multinomial
 
@@ -517,12 +522,7 @@ def given_samples(attn1, attn2, layers: int, num_samples: int, generator: torch.
 
 
 def micse_rows(clone: Path) -> list[dict]:
-    patches = [(".cuda()", ".to(cls.device)", "tensor.cuda() (the NaN and no-sample branches) -> the model's device"),
-               POST_INIT]
-    adapt("micse", "model/models.py: wandb's logging is a stand-in that records nothing")
-    plumbing.check_installed(True, "einops", "miCSE's released code")
-    module = load_released("micse", clone, "model/models.py", patches,
-                           {"wandb": stub("wandb", log=lambda *a, **k: None)})
+    module = released_module("micse", clone)
     rows, ami_lambda = [], 1e-2  # a weight large enough that the AMI term shows in the loss
     for kind in ("bert", "roberta"):
         config = tiny_config(kind, layers=4)
@@ -540,7 +540,7 @@ def micse_rows(clone: Path) -> list[dict]:
             attentions = torch.stack(model(**common.repeat_views(batch, 2), output_attentions=True).attentions, 1)
         attn1, attn2 = attentions.float().chunk(2)
         generator = torch.Generator().manual_seed(7)
-        with given_samples(attn1, attn2, 4, 150, generator):
+        with given_samples(attn1, attn2, slice(0, 4), 150, generator):
             loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
                                             sentence_major(N, 2))
 
@@ -569,7 +569,7 @@ def micse_rows(clone: Path) -> list[dict]:
         mask = torch.ones(N, 2, 9, dtype=torch.long)
         generator = torch.Generator().manual_seed(9)
         a1, a2 = maps.view(N, 2, 4, 4, 9, 9).unbind(1)
-        with given_samples(a1.detach(), a2.detach(), 4, 150, generator):
+        with given_samples(a1.detach(), a2.detach(), slice(0, 4), 150, generator):
             loss_r = module.cl_forward(released, FakeEncoder(outputs(z, attentions=tuple(maps.unbind(1)))),
                                        input_ids=mask, attention_mask=mask).loss
         grads_r = dict(zip(("z", "attentions"), torch.autograd.grad(loss_r, [z, maps], allow_unused=True)))
@@ -607,7 +607,8 @@ class Captured(Exception):
     """Raised by the stand-in SentEval once it has the batcher's embeddings."""
 
 
-def evaluation_embeddings(repository: str, clone: Path, checkpoint: Path, pooler: str) -> np.ndarray:
+def evaluation_embeddings(repository: str, clone: Path, checkpoint: Path, pooler: str,
+                          sentences=SENTENCES) -> np.ndarray:
     """The embeddings of SENTENCES by the repository's evaluation.py batcher with `pooler`, SentEval replaced by a
     stand-in that calls the batcher once."""
     captured = {}
@@ -617,7 +618,8 @@ def evaluation_embeddings(repository: str, clone: Path, checkpoint: Path, pooler
             self.params, self.batcher = params, batcher
 
         def eval(self, task):
-            captured["embeddings"] = np.asarray(self.batcher(self.params, [s.split() for s in SENTENCES]))
+            captured["embeddings"] = np.concatenate([np.asarray(self.batcher(self.params, [
+                s.split() for s in sentences[i:i + 128]])) for i in range(0, len(sentences), 128)])
             raise Captured
 
     engine = stub("senteval.engine", SE=SE)
@@ -632,23 +634,11 @@ def evaluation_embeddings(repository: str, clone: Path, checkpoint: Path, pooler
     source = (clone / "evaluation.py").read_text()
     patches = [(old, new, why) for old, new, why in EVALUATION_PATCHES if old in source]
     module = load_released(repository, clone, "evaluation.py", patches, stubs)
-    argv = sys.argv
-    sys.argv = ["evaluation.py", "--model_name_or_path", str(checkpoint), "--pooler", pooler, "--mode", "test",
-                "--task_set", "sts"]
-    saved = {key: sys.modules.get(key) for key in stubs}
-    sys.modules.update(stubs)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            module.main()
-    except Captured:
-        pass
-    finally:
-        sys.argv = argv
-        for key, value in saved.items():
-            if value is None:
-                sys.modules.pop(key, None)
-            else:
-                sys.modules[key] = value
+    argv = ["evaluation.py", "--model_name_or_path", str(checkpoint), "--pooler", pooler, "--mode", "test",
+            "--task_set", "sts"]
+    with standing_in(stubs), mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.suppress(Captured):
+        module.main()
     return captured["embeddings"]
 
 
@@ -668,54 +658,159 @@ def evaluation_rows(repository: str, clone: Path, checkpoint: Path) -> list[dict
     return rows
 
 
-# ---------------------------------------------------------------------------------- the machinery's own check
-REFERENCE_INFO_NCE = simcse.info_nce  # the suite's loss as this module was imported: the self-check's "released"
+# ------------------------------------------------------------------------------- training runs on a real encoder
+# name -> (repository, lr, the released ModelArguments, corpus, views, dev pooler): the released scripts' settings
+# (SimCSE's run_unsup/run_sup_example.sh, SSCL's run_unsup_example.sh, miCSE's README at 10%: lr 1e-5, lambda 5e-4,
+# its layers 7:11 of 12 being micse.default_ami_layers' L-5:L-1, 1:5 of MiniLM's 6); no weight decay, the linear
+# schedule over the run, clipping at 1 (the HF Trainer's), batch and corpus the run's
+RUNS = {"simcse": ("simcse", 3e-5, dict(pooler_type="cls"), "wiki", 2, "cls_before_pooler"),
+        "simcse supervised": ("simcse", 5e-5, dict(pooler_type="cls", mlp_only_train=False), "nli", 3, "cls"),
+        "sscl": ("sscl", 3e-5, dict(pooler_type="avg", hard_negative_layers=2, do_neg=True), "wiki", 2, "avg"),
+        "micse": ("micse", 1e-5, dict(style="miCSE", pooler_type="cls", min_layer=1, max_layer=5), "wiki", 2,
+                  "cls_before_pooler"),
+        "simcsepp": ("simcsepp",), "whitenedcse": ("whitenedcse",)}
+MICSE_LAMBDA = 5e-4
+KEY_BIAS = "attention.self.key.bias"  # zero gradient in exact arithmetic (softmax ignores a row's constant)
 
 
-class SuiteInReleasedLayout(nn.Module):
-    """Unsupervised SimCSE as the suite computes it, behind the released interface: (sentences, views, tokens) in,
-    `.loss` out, its encoder under the name <kind> and its head's Linear as mlp.dense. Its rows go to the encoder
-    view-major, as the suite's; the comparison with the suite (`--self`) must then give exactly 0, whatever the
-    layouts, masks, weight copies and gradient names the tool handles on the way."""
-
-    def __init__(self, config, kind: str):
-        super().__init__()
-        self.config, self.kind = config, kind
-        model_class = transformers.BertModel if kind == "bert" else transformers.RobertaModel
-        setattr(self, kind, model_class(config, add_pooling_layer=False))
-        self.mlp = nn.Module()
-        self.mlp.dense = common.MLPHead(config)[0]
-
-    def forward(self, **inputs):
-        sentences, views = inputs["input_ids"].shape[:2]
-        order = torch.tensor([s * views + v for v in range(views) for s in range(sentences)])
-        flat = {k: t.reshape(sentences * views, -1)[order] for k, t in inputs.items()}
-        head = nn.Sequential(self.mlp.dense, nn.Tanh())
-        out = common.BackboneWithHeads(getattr(self, self.kind), head)(**flat, output_hidden_states=True)
-        z1, z2 = common.embed(out.hidden_states, flat["attention_mask"], "cls", head).chunk(views)
-        return types.SimpleNamespace(loss=REFERENCE_INFO_NCE(z1, z2, 0.05))
+def corpus_batches(corpus: str, steps: int, size: int) -> list[list[list[str]]]:
+    """Each step's columns of sentences: wiki1m_head.txt's lines in order; NLI's (sent0, sent1, hard_neg) rows."""
+    data = ROOT.parent / "shared" / "data"
+    if corpus == "wiki":
+        lines = [line.strip() for line in (data / "wiki1m_head.txt").read_text().splitlines() if line.strip()]
+        return [[lines[t * size:(t + 1) * size]] for t in range(steps)]
+    import csv
+    with open(data / "nli_snli_devtest.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [[[r[c] for r in rows[t * size:(t + 1) * size]] for c in ("sent0", "sent1", "hard_neg")]
+            for t in range(steps)]
 
 
-def self_rows() -> list[dict]:
-    """The suite against itself through the tool's machinery (weights, layouts, matched dropout, gradient names):
-    exactly 0 unless the suite's loss changed since this module was imported."""
-    rows = []
-    for kind in ("bert", "roberta"):
-        config = tiny_config(kind)
-        torch.manual_seed(1)
-        released = SuiteInReleasedLayout(config, kind)
-        batch = token_batch(kind, config, N)
-        loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
-                                        view_major(N, 2))
-        backbone, head = suite_parts(released, kind)
-        model = common.BackboneWithHeads(backbone, head)
+def suite_objective(name: str, model, head, batch: dict, generator, layers: int):
+    """The suite's own step of `name` (its method file's block), as its train_step calls it."""
+    if name == "simcse":
+        return simcse.simcse_step(model, batch, head, 0.05)
+    if name == "simcse supervised":
+        return simcse.simcse_step(model, batch, head, 0.05, 3)
+    if name == "sscl":
+        return sscl.sscl_step(model, batch, sscl.negative_layers(layers, 2), None, 0.05)
+    return micse.micse_step(model, batch, head, None, generator, 0.05, MICSE_LAMBDA, 150, (1, 5))
 
-        def step():  # the suite's own step, as train_step calls it
-            return simcse.simcse_step(model, batch, head, 0.05)
-        loss_s = suite_step(backbone, [view_major(N, 2)], step)
-        rows.append(row(f"self {kind}: step, unsupervised SimCSE", loss_r, loss_s, grads_r,
-                        suite_gradients(kind, backbone, **{"mlp.dense": head[0]})))
-    return rows
+
+def largest_weight_difference(released, suite_named: dict) -> tuple[float, str, float]:
+    """(the largest |w_released - w_suite|, its parameter, the largest outside the attention key biases)."""
+    diffs = {n: (p.detach() - suite_named[n].detach()).abs().max().item() for n, p in released.named_parameters()
+             if n in suite_named}
+    worst = max(diffs, key=diffs.get)
+    return diffs[worst], worst, max(v for n, v in diffs.items() if KEY_BIAS not in n)
+
+
+def trajectory(name: str, clone: Path, model_dir: Path, steps: int, size: int = 16, free: bool = True,
+               senteval_dir: Path | None = None, tolerance: float = 1e-5) -> dict:
+    """`steps` steps of `name` from `model_dir`'s weights: the suite trains; at each step the released model is given
+    its weights (step by step: loss and gradients compared; beyond `tolerance`, the released code once more in float64:
+    its own fp32 error, the floor), and a second released model trains on its own (free-running: loss, gradient norm,
+    weights compared); then each side's STS-B dev."""
+    repository, lr, arguments, corpus, views, pooler = RUNS[name]
+    module = released_module(repository, clone)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    config._attn_implementation = "eager"
+    config.task_alpha, config.task_lambda = 1.0, MICSE_LAMBDA
+    torch.manual_seed(1)
+    synced = module.BertForCL(config, model_args=model_args(**arguments))
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its load report: MiniLM's pooler layer, which BertForCL has not
+    synced.bert.load_state_dict(transformers.BertModel.from_pretrained(model_dir, add_pooling_layer=False,
+                                                                       attn_implementation="eager").state_dict())
+    transformers.logging.set_verbosity(verbosity)
+    backbone, head = suite_parts(synced, "bert", arguments["pooler_type"] == "cls")
+    model = common.BackboneWithHeads(backbone, head)
+    suite_named = {f"bert.{n}": p for n, p in backbone.named_parameters()} | (
+        {f"mlp.dense.{n}": p for n, p in head[0].named_parameters()} if head else {})
+    optimizer, schedule = common.make_optimizer(list(suite_named.values()), types.SimpleNamespace(
+        lr=lr, warmup_steps=0), steps)  # the suite's own: torch AdamW, fused
+    released = copy.deepcopy(synced) if free else None
+    if free:
+        released_optimizer = torch.optim.AdamW(released.parameters(), lr=lr, weight_decay=0.0)
+        released_schedule = transformers.get_linear_schedule_with_warmup(released_optimizer, 0, steps)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    strict, running = [], []
+    for t, texts in enumerate(corpus_batches(corpus, steps, size)):
+        stacked = dict(tokenizer([s for column in texts for s in column], padding=True, truncation=True,
+                                 max_length=32, return_tensors="pt"))
+        columns = [{k: v[c * size:(c + 1) * size] for k, v in stacked.items()} for c in range(len(texts))]
+        inputs = released_inputs(columns if views == 3 else columns * views)
+        batch = stacked if views == 3 else columns[0]
+        generator, draws = torch.Generator().manual_seed(t), contextlib.nullcontext
+        if name == "micse":  # the attention maps both sides will see, for the shared draw of AMI's samples
+            probe = MatchedDropout(t)
+            with torch.no_grad(), probe.on(backbone):
+                probe.expect(view_major(size, 2))
+                maps = torch.stack(model(**common.repeat_views(batch, 2), output_attentions=True).attentions, 1)
+            draws = functools.partial(given_samples, *maps.float().chunk(2), slice(1, 5), 150,
+                                      copy.deepcopy(generator))  # as the suite's generator is before its draw
+        synced.bert.load_state_dict(backbone.state_dict())  # step by step: the suite's current weights
+        if head:
+            synced.mlp.dense.load_state_dict(head[0].state_dict())
+        with draws():
+            loss_r, grads_r = released_step(synced, inputs, MatchedDropout(t), sentence_major(size, views))
+        loss_s = suite_step(backbone, [view_major(size, views)], lambda: suite_objective(
+            name, model, head, batch, generator, config.num_hidden_layers), t)
+        grads_s = {n: p.grad for n, p in suite_named.items()}
+        strict.append(row(f"{name} step {t + 1}: step by step", loss_r, loss_s, grads_r, grads_s))
+        if max(strict[-1]["loss_rel"], strict[-1]["grad_rel"]) > tolerance:
+            with draws():
+                exact = released_step(copy.deepcopy(synced).double(), inputs, MatchedDropout(t),
+                                      sentence_major(size, views))
+            worst = strict[-1]["grad_worst"]  # the released fp32 error on the loss and on the worst gradient
+            strict[-1]["floor"] = max(difference(loss_r, exact[0])[1], difference(grads_r.get(worst), exact[1].get(
+                worst))[1] if worst != "-" else 0.0)
+        if free:
+            with draws():
+                loss_f, grads_f = released_step(released, inputs, MatchedDropout(t), sentence_major(size, views))
+            running.append(row(f"{name} step {t + 1}: free-running", loss_f, loss_s, grads_f, grads_s))
+            running[-1]["grad_norm_released"] = nn.utils.clip_grad_norm_(released.parameters(), 1.0).item()
+            released_optimizer.step()
+            released_schedule.step()
+        norm = nn.utils.clip_grad_norm_(list(suite_named.values()), 1.0).item()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if free:
+            weights, where, outside = largest_weight_difference(released, suite_named)
+            r = running[-1]
+            r.update(grad_norm_suite=norm, weight_abs=weights, weight_worst=where, weight_abs_outside=outside)
+            print(f"{name} step {t + 1}: loss {r['loss_released']:.6f} / {r['loss_suite']:.6f} (rel. "
+                  f"{r['loss_rel']:.1e}), grad norm {r['grad_norm_released']:.4f} / {norm:.4f}, largest weight diff. "
+                  f"{weights:.1e} ({where}; {outside:.1e} outside the key biases); step by step: "
+                  f"{strict[-1]['grad_rel']:.1e}")
+    result = {"name": name, "steps": steps, "strict": strict, "free": running}
+    if free and senteval_dir is not None:
+        result["dev"] = {side: dev_scores(repository, clone, tokenizer, config, bert, dense, pooler, senteval_dir)
+                         for side, bert, dense in (("released", released.bert, released.mlp.dense if head else None),
+                                                   ("suite", backbone, head and head[0]))}
+    return result
+
+
+def dev_scores(repository, clone, tokenizer, config, bert, dense, pooler, senteval_dir) -> dict:
+    """STS-B dev (Spearman x 100) of a trained encoder, saved (its MLP as the pooler layer, as the repositories'
+    *_to_huggingface.py do), through the repository's evaluation.py with `pooler` and through eval_sts.py."""
+    import tempfile
+    pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", "dev")
+    sentences = sorted({s for p in pairs for s in p[:2]})
+    with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):
+        saved = transformers.BertModel(config)
+        saved.load_state_dict(bert.state_dict(), strict=False)
+        if dense is not None:
+            saved.pooler.dense.load_state_dict(dense.state_dict())
+        saved.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        vectors = evaluation_embeddings(repository, clone, Path(folder), pooler, sentences)
+        index = {s: i for i, s in enumerate(sentences)}
+        ours = eval_sts.evaluate(eval_sts.load_encode(folder, pooler, torch.device("cpu")), senteval_dir,
+                                 ["STSBenchmark"], "dev")
+    return {"evaluation.py": eval_sts.spearman(pairs, lambda ss: vectors[[index[s] for s in ss]]),
+            "eval_sts.py": ours["STSBenchmark"]}
 
 
 METHODS = {"simcse": simcse_rows, "simcsepp": simcsepp_rows, "sscl": sscl_rows, "whitenedcse": whitenedcse_rows,
@@ -724,7 +819,10 @@ METHODS = {"simcse": simcse_rows, "simcsepp": simcsepp_rows, "sscl": sscl_rows, 
 
 # ------------------------------------------------------------------------------------------------ the report
 def status(result: dict, tolerance: float) -> str:
+    """ok, within 2 x the released code's own fp32 error (its floor, measured in float64), documented or DIFFERS."""
     within = result["loss_rel"] <= tolerance and result["grad_rel"] <= tolerance
+    if not within and max(result["loss_rel"], result["grad_rel"]) <= 2 * result.get("floor", 0.0):
+        return f"ok (the released code's own fp32 error: {result['floor']:.1e})"
     if result["name"] in DEVIATIONS:
         return "documented" if not within else "ok (documented deviation gone?)"
     return "ok" if within else "DIFFERS"
@@ -759,6 +857,9 @@ def clones(args) -> dict[str, Path]:
             continue
         path = Path(path)
         how = f"git clone https://github.com/{github} {path}"
+        if not path.exists():  # an absent clone: its rows skip, the others run
+            print(f"skipped {key}: no clone at {path} ({how})")
+            continue
         if not (path / telling).is_file():
             raise plumbing.UsageError(f"{path} is not a clone of {github} (it has no {telling}): {how}")
         if readme_title(path) is None or not readme_title(path).startswith(title):
@@ -766,7 +867,8 @@ def clones(args) -> dict[str, Path]:
                                       f"{readme_title(path)!r}, not {title!r}...: {how}")
         found[key] = path
     if not found:
-        raise plumbing.UsageError("no released code given: --released DIR (holding the clones) or --simcse PATH, ...")
+        raise plumbing.UsageError("no released code found: --released DIR (holding the clones under their GitHub "
+                                  "names) or --simcse PATH, ...")
     return found
 
 
@@ -776,26 +878,43 @@ def main(argv=None) -> int:
     for key, (github, *_) in REPOSITORIES.items():
         parser.add_argument(f"--{key}", default=None, help=f"a clone of {github}")
     parser.add_argument("--only", nargs="+", choices=list(REPOSITORIES), default=None, help="these repositories")
-    parser.add_argument("--self", dest="self_check", action="store_true",
-                        help="no released code: the suite against itself through this tool's machinery, exactly 0")
     parser.add_argument("--tolerance", type=float, default=1e-5, help="largest relative difference that agrees")
     parser.add_argument("--json", default=None, help="also write the comparisons to this JSON file")
+    parser.add_argument("--model", default=None, help="a BERT checkpoint folder (../shared/models/all-MiniLM-L6-v2): "
+                        "train both sides from its weights, step by step and free-running, not one step on tiny ones")
+    parser.add_argument("--steps", type=int, default=30, help="with --model: the training steps of each method")
+    parser.add_argument("--batch_size", type=int, default=16, help="with --model: sentences a step")
+    parser.add_argument("--senteval_dir", default=str(ROOT.parent / "shared" / "data" / "senteval"),
+                        help="with --model: STS-B dev at the end from this SentEval folder (absent: no dev scores)")
     args = parser.parse_args(argv)
     plumbing.check_json_path(args.json)
-    found = {} if args.self_check else clones(args)
+    if args.model and not (Path(args.model) / "config.json").is_file() or args.steps < 1:
+        raise plumbing.UsageError(f"--model {args.model}: no config.json there" if args.steps >= 1 else
+                                  f"--steps must be at least 1, got {args.steps}")
+    found = clones(args)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same kernels, the same rounding, from one run to the next
     try:
         with torch.random.fork_rng(devices=[]):  # the caller's random streams stay as they were
-            results = comparisons(found, args.self_check)
+            if not args.model:
+                return report(comparisons(found), args.tolerance, args.json)
+            senteval = Path(args.senteval_dir) if (Path(args.senteval_dir) / "STS").is_dir() else None
+            runs = []
+            for name, (repository, *_) in RUNS.items():
+                if repository not in found or repository in ("simcsepp", "whitenedcse"):
+                    print(f"skipped the {name} run: " + ("no trajectory is written for it yet" if repository in
+                                                         found else "its clone is absent"))
+                    continue
+                runs.append(trajectory(name, found[repository], Path(args.model), args.steps, args.batch_size,
+                                       senteval_dir=senteval, tolerance=args.tolerance))
+            return report([r for run in runs for r in run["strict"]], args.tolerance, args.json, runs)
     finally:
         torch.set_num_threads(threads)
-    return report(results, args.tolerance, args.json)
 
 
-def comparisons(found: dict, self_check: bool) -> list[dict]:
+def comparisons(found: dict) -> list[dict]:
     import tempfile
-    results = self_rows() if self_check else []
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = tiny_checkpoint(Path(tmp) / "checkpoint")
         for key, path in found.items():
@@ -804,18 +923,41 @@ def comparisons(found: dict, self_check: bool) -> list[dict]:
     return results
 
 
-def report(results: list[dict], tolerance: float, json_path: str | None) -> int:
-    """The table, the documented deviations, --json; 1 when a comparison differs and is not documented."""
+def runs_table(runs: list[dict], tolerance: float) -> str:
+    """Each training run in a line: the step-by-step check's worst step, the free-running sides apart, the dev."""
+    lines = ["| run | step by step: worst loss / gradient rel. diff. | free-running: worst loss rel. diff. | first "
+             "step beyond the tolerance (its worst gradient) | final largest weight diff. (outside the key biases) | "
+             "STS-B dev, released: evaluation.py / eval_sts.py | suite: evaluation.py / eval_sts.py |",
+             "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        strict, free, dev = run["strict"], run["free"], run.get("dev", {})
+        first = next((r for r in free if max(r["loss_rel"], r["grad_rel"]) > tolerance), None)
+        last = free[-1] if free else {}
+        scores = [" / ".join(f"{v:.2f}" for v in dev[side].values()) if side in dev else "-"
+                  for side in ("released", "suite")]
+        lines.append(f"| {run['name']}, {run['steps']} steps | {max(r['loss_rel'] for r in strict):.1e} / "
+                     f"{max(r['grad_rel'] for r in strict):.1e} | "
+                     + (f"{max(r['loss_rel'] for r in free):.1e} | " if free else "- | ")
+                     + (f"{first['name'].split(':')[0].split()[-1]} ({first['grad_worst']}) | " if first else "none | ")
+                     + (f"{last['weight_abs']:.1e} ({last['weight_abs_outside']:.1e}) | " if free else "- | ")
+                     + " | ".join(scores) + " |")
+    return "\n".join(lines)
+
+
+def report(results: list[dict], tolerance: float, json_path: str | None, runs: list | None = None) -> int:
+    """The table (of `runs` where given), the documented deviations, --json; 1 when a comparison differs and is not
+    documented."""
     print()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, tolerance {tolerance:g} "
           "(relative to the largest magnitude)")
-    print(table(results, tolerance))
+    print(table(results, tolerance) if runs is None else runs_table(runs, tolerance))
     failed = [r["name"] for r in results if status(r, tolerance) == "DIFFERS"]
     for name in (r["name"] for r in results if r["name"] in DEVIATIONS):
         print(f"documented: {name}: {DEVIATIONS[name]}")
     if json_path:
         files.write_json(Path(json_path), {"torch": torch.__version__, "transformers": transformers.__version__,
-                                           "tolerance": tolerance, "adaptations": ADAPTED, "comparisons": results})
+                                           "tolerance": tolerance, "adaptations": ADAPTED, "comparisons": results,
+                                           **({"runs": runs} if runs is not None else {})})
     print(f"{len(results)} comparisons: {len(failed)} differ beyond the tolerance and are not documented"
           + (f" ({'; '.join(failed)})" if failed else ""))
     return 1 if failed else 0
