@@ -17,8 +17,8 @@ def test_senteval_tar_is_unpacked_once_and_found(tmp_path, senteval_dir, monkeyp
     with tarfile.open(tar_path, "w") as tar:
         tar.add(senteval_dir, arcname="downstream")
     requested = []
-    monkeypatch.setattr(hub, "hub_file",
-                        lambda repo, name, flag, local: requested.append((repo, name, flag, local)) or str(tar_path))
+    monkeypatch.setattr(hub, "hub_file", lambda repo, name, flag, local, offline:
+                        requested.append((repo, name, flag, local)) or str(tar_path))
     root = eval_sts.resolve_senteval_dir(None)
     assert root == tmp_path / "cache" / "senteval_unpacked" / "downstream"
     assert requested == [("princeton-nlp/datasets-for-simcse", "senteval.tar", "--senteval_dir", "folder")]

@@ -374,3 +374,24 @@ def test_two_processes_under_torchrun_train_like_one_on_the_global_batch(well_co
             else:
                 assert torch.equal(rank0["state"][name], value), name
 
+
+
+
+
+@needs_shared
+def test_the_readmes_sentence_transformers_example_runs_as_written_offline(tmp_path, monkeypatch):
+    """The README's example (MiCSELoss with ContrastiveTrainer on the local MiniLM), run as it stands from a
+    checkout beside ../shared, offline: it trains, and its output folder is what eval_sts.py and SentenceTransformer
+    read (the recorded pooler, the loss's state). Fails where the README's code no longer runs, or saves elsewhere."""
+    import re
+    from conftest import ROOT
+    block = next(b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+                 if "ContrastiveTrainer" in b)
+    (tmp_path / "checkout").mkdir()
+    (tmp_path / "shared").symlink_to(SHARED)  # the README's ../shared paths, from the checkout's root
+    monkeypatch.chdir(tmp_path / "checkout")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    exec(compile(block, "<README.md's example>", "exec"), {"__name__": "readme_example"})
+    out = next((tmp_path / "checkout" / "runs").iterdir())
+    assert (out / "eval_pooler.json").is_file() and (out / st_losses.STATE_FILE).is_file()
+    assert (out / "modules.json").is_file()
