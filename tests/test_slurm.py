@@ -367,7 +367,10 @@ def two_tasks(place: Place, setting: dict) -> None:
     place.says("done")
     two = place.kept("simcse")
     assert two["world_size"] == 2 and want["world_size"] == 1
-    assert two["train_loss"] == pytest.approx(want["train_loss"], rel=1e-5, abs=1e-6)
+    # two tasks sum their gradients in gloo's order, one process in its own: fp32 rounding that Adam carries over
+    # 200 steps (measured: 1e-5 on an AVX2 EPYC, 2.5e-5 from step 155 on an AVX-512 Xeon, 2026-12-02); a resume
+    # that skips or repeats a step moves the losses by 1e-2 and more
+    assert two["train_loss"] == pytest.approx(want["train_loss"], rel=1e-4, abs=1e-6)
     first, stop = two["resumptions"]  # where the warning stopped it: the step after the signal's, not the gate at 200
     assert first == stopped["steps"] and stop < 190 and stopped_in < 20, (first, stop, stopped_in)
 
