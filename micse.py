@@ -341,12 +341,14 @@ def micse_step(encoder, batch: dict, head=None, queue=None, generator=None, temp
 
 def momentum_copy(encoder, dropout: float = 0.3):
     """The momentum encoder: a copy of `encoder` in train mode whatever its mode (a loaded model's
-    is eval), no gradients, every nn.Dropout at `dropout` (a module's float rate, as ModernBERT's
-    attention's, stays: the suite sets it with set_dropout)"""
+    is eval), no gradients, every dropout rate at `dropout`: each nn.Dropout's, and the float rate
+    that some attention modules pass to their kernel (ModernBERT's attention_dropout)."""
     momentum = copy.deepcopy(encoder).requires_grad_(False).train()
     for module in momentum.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = dropout
+        elif isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = dropout
     return momentum
 
 
@@ -453,10 +455,9 @@ def main(argv=None):
     # with --queue_size 0 (the released variant) none and no queue: SimCSE's InfoNCE + AMI
     momentum_backbone, momentum_model = None, None
     if args.queue_size:
-        momentum_backbone = momentum_copy(backbone, args.momentum_dropout)  # the block's
+        momentum_backbone = momentum_copy(backbone, args.momentum_dropout)  # every dropout rate
         if momentum_backbone._supports_sdpa:  # DeBERTa and MPNet have eager attention only
             momentum_backbone.set_attn_implementation("sdpa")
-        common.set_dropout(momentum_backbone, args.momentum_dropout)  # ModernBERT's rates too
         momentum_model = common.BackboneWithHeads(momentum_backbone, prebuilt_mask=prebuilt_mask)
     queue = EmbeddingQueue(args.queue_size, backbone.config.hidden_size, device)
     eval_pooler = common.eval_pooler(args)

@@ -414,6 +414,20 @@ def test_momentum_copy_of_an_eval_mode_model_is_in_train_mode_with_its_dropout_a
     assert not torch.equal(momentum(input_ids=ids).last_hidden_state, momentum(input_ids=ids).last_hidden_state)
 
 
+def test_momentum_copy_sets_every_dropout_rate_modernberts_float_attention_rate_too(tmp_path):
+    """ModernBERT's attention passes a float rate to its kernel, with no nn.Dropout: momentum_copy sets it beside
+    every nn.Dropout's p, so the copy alone gives the momentum encoder miCSE's 0.3 (micse.py's main sets nothing
+    after it, st_losses' MiCSELoss calls only it). Fails where the copy sets the nn.Dropout modules alone: the
+    attention keeps the checkpoint's 0.0."""
+    from families import write_model
+    _, backbone = hub.load_pretrained(str(write_model(tmp_path / "modernbert", "modernbert")),
+                                      micse.ATTN_IMPLEMENTATION)
+    slots = common.dropout_slots(micse.momentum_copy(backbone, 0.3))
+    assert "attention_dropout" in {slot for _, slot in slots}
+    assert [getattr(module, slot) for module, slot in slots] == [0.3] * len(slots)
+    assert {getattr(module, slot) for module, slot in common.dropout_slots(backbone)} == {0.0}  # the source's stay
+
+
 def test_default_ami_layers():
     assert micse.ami_layers(12) == (7, 11) and micse.ami_layers(12, 0, 4) == (0, 4)
     assert micse.ami_layers(6) == (1, 5)
