@@ -60,6 +60,15 @@ PRESETS = {
 FEW_SHOT_FRACTIONS = (0.1, 0.01, 0.001, 0.0001)  # the "fraction" rows above
 
 
+def preset_rows(flags, backbone: str) -> list:
+    """The PRESETS rows a run takes, in order; a later row's settings win over an earlier's."""
+    if flags.supervised:
+        return ["supervised", f"supervised {backbone}"]
+    if flags.fraction > 0.1:  # all of wiki1m, or a share too large for a few-shot row
+        return [backbone]
+    return [f"fraction {options.nearest(FEW_SHOT_FRACTIONS, flags.fraction):g}", backbone]
+
+
 def parse_args(argv=None):
     parser = options.parser(__doc__, method="simcse", recipe=RECIPE)
     g = parser.add_argument_group("SimCSE")
@@ -99,14 +108,7 @@ def parse_args(argv=None):
         parser.error("--neutral_hard_negatives goes with --supervised and hard negatives (Table 7)")
     plumbing.check_range(known, "mlm_probability", lambda v: 0 < v < 1, "0 < p < 1")
     plumbing.check_range(known, "num_layers", lambda v: v >= 1, "at least 1 layer")
-
-    def rows(known, backbone):  # later rows over earlier
-        if known.supervised:
-            return ["supervised", f"supervised {backbone}"]
-        nearest = options.nearest(FEW_SHOT_FRACTIONS, known.fraction)
-        few_shot = [f"fraction {nearest:g}"] if known.fraction <= 0.1 else []
-        return few_shot + [backbone]
-    return options.parse(parser, argv, PRESETS, rows)
+    return options.parse(parser, argv, PRESETS, preset_rows)
 
 
 # --- the objective: copy this block; it needs only torch ---
