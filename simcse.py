@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +272,16 @@ def mask_tokens(input_ids, special_ids, probability: float, mask_token_id: int, 
     return torch.where(as_random, words, masked), labels
 
 
+class MaskedLM(NamedTuple):
+    """What --do_mlm's term needs (Appendix D.2): the MLM head, the generator its masks are drawn
+    from, and the tokenizer's special ids (never masked), [MASK] id and vocabulary size."""
+    head: torch.nn.Module
+    generator: torch.Generator
+    special_ids: torch.Tensor
+    mask_token_id: int
+    vocab_size: int
+
+
 def mlm_loss(masked: dict, ddp_model, lm_head, sections: int, args, part=None,
              terms=None) -> torch.Tensor:
     """lambda x the MLM loss of `part`'s rows of the masked views (laid out in `sections` stacked
@@ -292,18 +303,17 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
                global_rows: int):
     """One optimizer step on this process's rows of the global batch: the views' forward pass,
     InfoNCE (+ lambda MLM), backward, unscale and clip, the optimizer step; (loss, gradient norm,
-    {term: value}) on the device. `columns`: NLI's (1: sentences); `mlm`: --do_mlm's (lm_head,
-    generator, special ids, [MASK]'s id, vocabulary size), else None."""
+    {term: value}) on the device. `columns`: NLI's (1: sentences); `mlm`: --do_mlm's MaskedLM, else
+    None."""
     # the objective's options from the flags: the pooler, autocast's dtype, Table 3's fixed mask
     view_options = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision),
                         fixed_dropout_mask=args.fixed_dropout_mask)
     gather = functools.partial(distributed.gather, rows=global_rows)  # one process: as it is
-    if mlm is not None:  # Appendix D.2: masked copies of the views' rows, from the MLM's generator
-        lm_head, generator, special_ids, mask_token_id, vocab_size = mlm
+    if mlm is not None:  # Appendix D.2's MLM term reads masked copies of the views' rows.
         views = batch if args.supervised else common.repeat_views(batch,
                                                                    2 - args.fixed_dropout_mask)
-        input_ids, labels = mask_tokens(views["input_ids"], special_ids, args.mlm_probability,
-                                        mask_token_id, vocab_size, generator)
+        input_ids, labels = mask_tokens(views["input_ids"], mlm.special_ids, args.mlm_probability,
+                                        mlm.mask_token_id, mlm.vocab_size, mlm.generator)
         masked = dict(views, input_ids=input_ids, labels=labels)
         sections = len(input_ids) // len(batch["input_ids"]) * columns  # NLI's columns or the views
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
@@ -312,7 +322,7 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
         loss = simcse_step(ddp_model, batch, head, args.temp, columns, args.hard_negative_weight,
                            **view_options, gather=gather, positives_only=args.no_negatives)
         if mlm is not None:
-            loss = loss + mlm_loss(masked, ddp_model, lm_head, sections, args, terms=terms)
+            loss = loss + mlm_loss(masked, ddp_model, mlm.head, sections, args, terms=terms)
         scaler.scale(loss).backward()
     else:  # GradCache: the same loss and gradients, K examples at once (views, then objective)
         loss = common.grad_cache(
@@ -322,7 +332,7 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
                               hard_negative_weight=args.hard_negative_weight,
                               positives_only=args.no_negatives),
             len(batch["input_ids"]) // columns, args.micro_batch_size, scaler.scale, ddp_model,
-            mlm and functools.partial(mlm_loss, masked, ddp_model, lm_head, sections, args,
+            mlm and functools.partial(mlm_loss, masked, ddp_model, mlm.head, sections, args,
                                       terms=terms))
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
     # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
@@ -362,12 +372,14 @@ def main(argv=None):
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (Table 3); None: the checkpoint's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
+    # --do_mlm (Appendix D.2) adds an MLM head, and draws its masks on the device from a generator
+    # of its own; a run without it has neither.
     lm_head, mlm_generator, mlm = None, None, None
-    if args.do_mlm:  # Appendix D.2: the MLM head; masking on the device from its own generator
+    if args.do_mlm:
         lm_head = mlm_head(backbone, args.model_name_or_path).to(device).train()
         mlm_generator = torch.Generator(device).manual_seed(args.seed + distributed.rank())
-        mlm = (lm_head, mlm_generator, torch.tensor(tokenizer.all_special_ids, device=device),
-               tokenizer.mask_token_id, len(tokenizer))
+        special_ids = torch.tensor(tokenizer.all_special_ids, device=device)  # never masked
+        mlm = MaskedLM(lm_head, mlm_generator, special_ids, tokenizer.mask_token_id, len(tokenizer))
     # what trains, one module: the backbone (its forward) and the heads, for DDP
     model = common.BackboneWithHeads(backbone, head, lm_head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
