@@ -12,9 +12,8 @@ Headline (Table 2, BERT-base, 7-task STS average): 78.13 on all of wiki1m; at 1%
     python micse.py                           # all of wiki1m: batch 50, lr 3e-5, 250 warm-up steps
     python micse.py --queue_size 0            # AMI + SimCSE, the variant the authors released
 
-A "Code over paper" comment marks a line that follows the authors' released code (their repository,
-which made the published numbers) over the paper; docs/methods.md says how this file settles what
-the paper leaves open (layers, queue, sampling).
+"Code over paper" marks a line that follows the authors' released code (which made the published
+numbers) over the paper; docs/methods.md says how this file settles what the paper leaves open.
 """
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ def parse_args(argv=None):
     plumbing.check_range(args, "momentum_dropout", lambda v: 0 <= v < 1, "0 <= rate < 1")
     if args.no_negatives and args.queue_size:
         parser.error("--no_negatives keeps no negatives to queue: add --queue_size 0")
-    # AMI draws its sample over the maps' whole width: every batch --max_seq_length wide, eagerly as
-    # in a CUDA graph, so that both draw alike (wiki1m's batches of 64 all reach 32 tokens anyway)
+    # Every batch --max_seq_length wide, eager as in a CUDA graph: micse_step's docstring says why.
     args.pad_to_max_length = True
     return args
 
@@ -203,7 +201,7 @@ def micse_loss(z1, z2, attn1, attn2, queue, temp=0.05, ami_lambda=2.5e-3, ami_sa
     """miCSE's objective: InfoNCE at temperature `temp` over the batch and `queue`'s negatives (Eq.
     2) + ami_lambda x AMI of the views' attention (Eq. 4); `positives_only`: Table 4's pairs alone,
     with AMI. z1, z2 (N, D), maps (N, K, H, n, n) of the same N sentences, fp32; a dict given as
-    `terms` gets the two terms ("info_nce", "ami") for a log. The recipes' values: micse_step."""
+    `terms` gets the two terms ("info_nce", "ami") for a log. The recipe's values: RECIPE."""
     if z1.dim() != 2 or z1.shape != z2.shape or attn1.shape[:1] != z1.shape[:1]:
         shapes = ", ".join(str(tuple(t.shape)) for t in (z1, z2, attn1))
         raise ValueError(f"z1, z2 (N, D), attn1 (N, K, H, n, n) of N sentences, got {shapes} "
@@ -325,13 +323,9 @@ def micse_step(encoder, batch: dict, head=None, queue=None, generator=None, temp
         micse_momentum_update(momentum_model, model, batch, queue, head)  # after the step
 
     micse.py pads every batch to --max_seq_length (32): AMI draws its entries by random keys over
-    the maps' whole width, so a batch padded to its longest row draws other entries and gives
-    other numbers than the suite's (padding=True trains the same objective, not the same run).
-
-    The recipes (the authors' README; Section 3.1 for all of wiki1m): temp 0.05, 150 samples a
-    tile, layers L-5 to L-1, 384 keys, momentum 0.995 and dropout 0.3; by the fraction of wiki1m
-    (ami_lambda, batch, lr, epochs): 100%: 2.5e-3 (the default), 50, 3e-5, 1; 10%: 5e-4, 64, 1e-5,
-    10; 1%: 1e-4, 64, 1e-5, 50; 0.1%, 0.01%: 1e-3, 64, 1e-5, 500, 2500. The rest: micse_views's."""
+    the maps' whole width, so a batch padded to its longest row draws other entries (padding=True
+    trains the same objective, not the same run). The defaults are the recipe's (RECIPE; the few-
+    shot rows of PRESETS take lr 1e-5, as the sketch). The rest: micse_views's."""
     z1, z2, attn1, attn2 = micse_views(encoder, batch, head, layers, pool=pool, dtype=dtype)
     return micse_objective(z1, z2, attn1, attn2, queue=queue, ids=batch.get("example_ids"),
                            attention_mask=batch["attention_mask"], generator=generator, temp=temp,
@@ -385,10 +379,8 @@ def ami_layers(num_layers: int, first: int | None = None, end: int | None = None
 
 def train_step(ddp_model, backbone, head, momentum_model, queue, generator, params, optimizer,
                scaler, args, batch: dict, global_rows: int):
-    """One optimizer step on this process's rows of the global batch: the views' pass, the loss,
-    backward, clip, the step; the momentum EMA, the keys queued; (loss, grad norm, {term: value})"""
+    """One optimizer step, then the momentum EMA and the queue; (loss, grad norm, {term: value})."""
     terms = {}  # the loss's two terms, logged beside it
-    # the objective's options from the flags: the pooler, autocast's dtype, torchrun's gather
     view_options = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision))
     loss_options = dict(temp=args.temp, ami_lambda=args.ami_lambda, ami_samples=args.ami_samples,
                         positives_only=args.no_negatives, terms=terms,
@@ -408,7 +400,6 @@ def train_step(ddp_model, backbone, head, momentum_model, queue, generator, para
                               **loss_options),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
-    # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
@@ -428,7 +419,6 @@ def main(argv=None):
     # The data
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path, ATTN_IMPLEMENTATION)
-        # the encoder checked (one line if it gives no attention): the mask, what it switches on
         prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer, attentions=True)
         vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)  # the authors' subset if any
@@ -443,7 +433,6 @@ def main(argv=None):
     backbone.to(device).train()  # and the head: the MLP on [CLS], kept at evaluation or not
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    # what trains, one module: the backbone (its forward) and the heads, for DDP
     model = common.BackboneWithHeads(backbone, head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
     ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
@@ -471,9 +460,8 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     one_step = functools.partial(train_step, ddp_model, backbone, head, momentum_model, queue,
                                  generator, params, optimizer, scaler, args)
-    # on one GPU, replayed from a CUDA graph (--cuda_graph: plumbing/graph.py); else just called
-    train = graph.StepGraph(one_step, optimizer, generators=[generator]) if args.cuda_graph \
-        else one_step
+    # With --cuda_graph, on one GPU, the step is replayed from a CUDA graph (plumbing/graph.py).
+    train = graph.StepGraph(one_step, optimizer, args.cuda_graph, generators=[generator])
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
             global_rows, batch = next(batches)  # global_rows: the batch's over all processes
@@ -485,7 +473,7 @@ def main(argv=None):
             if run.dev_gate(step) > run.best_dev:  # the first defined score saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 
-    # The end: best/ evaluated as eval_sts.py evaluates it (7 STS tasks, ...), then results.json
+    # The end: best/ evaluated as eval_sts.py evaluates it (7 STS tasks, ...), then results.json.
     run.write(run.evaluate_best(eval_pooler))
 
 

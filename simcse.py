@@ -15,9 +15,8 @@ Headline (Table 5, BERT-base, 7-task STS average): 76.25 unsupervised; supervise
     python simcse.py --supervised --do_mlm             # Table D.2: + 0.1 x the MLM loss
     python simcse.py --fraction 0.01 --seed 48         # miCSE Table 2's SimCSE row, the authors' 1%
 
-Offline, add --model_name_or_path DIR --train_file FILE --senteval_dir DIR. A "Code over paper"
-comment marks each line that follows the authors' released code (princeton-nlp/SimCSE, which made
-the published numbers) over the paper; docs/methods.md says how this file settles what is open.
+Offline, add --model_name_or_path DIR --train_file FILE --senteval_dir DIR. "Code over paper" marks
+a line that follows the released code (princeton-nlp/SimCSE) over the paper; see docs/methods.md.
 """
 from __future__ import annotations
 
@@ -41,7 +40,7 @@ from plumbing.run import Run
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, pooler="cls", mlp_only_train=True, hard_negative_weight=0.0,
               mlm_weight=0.1, mlm_probability=0.15)
-# The paper's other settings, one row a condition (parse_args picks the rows; your flags win).
+# The paper's other settings, one row a condition (preset_rows picks the rows; your flags win).
 PRESETS = {
     "supervised": ({"batch_size": 512, "lr": 5e-5, "epochs": 3, "eval_steps": 250,
                     "mlp_only_train": False}, "supervised SimCSE (Table A.1, Appendix A)"),
@@ -152,14 +151,11 @@ def masked_lm_loss(prediction_scores, labels, num_masked=None) -> torch.Tensor:
 
 def simcse_views(encoder, batch: dict, head=None, columns: int = 1, *, pool=None, dtype=None,
                  fixed_dropout_mask: bool = False) -> tuple:
-    """What SimCSE contrasts, in fp32: (z1, z2), the two views of N sentences, or (anchors,
-    positives, *hard negatives) of N NLI examples of `columns` sentences. `batch`: a tokenizer's
-    output for the sentences (NLI's: all anchors, then all positives, then all hard negatives).
-    A view is one dropout mask: each sentence twice in one pass of `encoder` (in train mode), so
-    two masks (Table 3's "fixed 0.1": one pass, used twice); an NLI sentence once. z: the last
-    layer's [CLS] through `head` (SimCSE's MLP, Linear + Tanh, trained here and dropped at
-    evaluation; None: [CLS] itself), or pool(hidden_states, attention_mask). `dtype`: autocast's
-    (torch.bfloat16 or torch.float16) for the encoder's pass alone; None: fp32."""
+    """What SimCSE contrasts, in fp32: (z1, z2), two dropout views of N sentences (each sentence
+    twice in one pass of `encoder`, in train mode; Table 3's "fixed 0.1": once, used twice), or
+    (anchors, positives, *hard negatives) of N NLI examples of `columns` sentences (`batch` laid
+    out so, each sentence once). z: the last layer's [CLS] through `head` (SimCSE's MLP; None:
+    [CLS]), or pool(hidden_states, attention_mask). `dtype`: autocast's for the encoder alone."""
     views = batch if columns > 1 else {k: v.repeat(1 if fixed_dropout_mask else 2, 1)
                                        for k, v in batch.items()}
     device = views["input_ids"].device
@@ -177,9 +173,9 @@ def simcse_views(encoder, batch: dict, head=None, columns: int = 1, *, pool=None
 
 def simcse_objective(z1, z2, *hard, temp: float = 0.05, hard_negative_weight: float = 0.0,
                      positives_only: bool = False, gather=None) -> torch.Tensor:
-    """InfoNCE of the views (Eq. 4) or of the NLI columns with their hard negatives (Eq. 5);
-    `positives_only`: miCSE Table 4's positive pairs alone. `gather`: under torchrun, a function
-    that gathers a tensor's rows from every process (the global batch's negatives); None: one."""
+    """InfoNCE of the views (Eq. 4) or of the NLI columns with hard negatives (Eq. 5);
+    `positives_only`: miCSE Table 4's pairs alone. `gather`: torchrun's, the global batch's rows
+    (None: one process)."""
     if gather is not None:
         z1, z2, hard = gather(z1), gather(z2), [gather(h) for h in hard]
     if positives_only:
@@ -205,11 +201,8 @@ def simcse_step(encoder, batch: dict, head=None, temp: float = 0.05, columns: in
         loss = simcse_step(model.train(), batch, head)
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-    The recipes (Table A.1; the defaults are unsupervised BERT-base's): temp 0.05 always; batch 64,
-    lr 3e-5 (RoBERTa: 512, 1e-5); supervised, columns 3 (anchor, entailment, contradiction; 2: no
-    hard negatives), batch 512, lr 5e-5, the MLP kept at evaluation; hard_negative_weight 0 (Eq. 8's
-    alpha = 1); + 0.1 x masked_lm_loss with --do_mlm (Table D.2). The arguments: simcse_views's
-    and simcse_objective's."""
+    The defaults are the recipe's (RECIPE); supervised, columns 3 (anchor, entailment,
+    contradiction; 2: no hard negatives). The arguments: simcse_views's and simcse_objective's."""
     z1, z2, *hard = simcse_views(encoder, batch, head, columns, pool=pool, dtype=dtype,
                                  fixed_dropout_mask=fixed_dropout_mask)
     return simcse_objective(z1, z2, *hard, temp=temp, hard_negative_weight=hard_negative_weight,
@@ -301,11 +294,8 @@ def mlm_loss(masked: dict, ddp_model, lm_head, sections: int, args, part=None,
 
 def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, mlm, batch: dict,
                global_rows: int):
-    """One optimizer step on this process's rows of the global batch: the views' forward pass,
-    InfoNCE (+ lambda MLM), backward, unscale and clip, the optimizer step; (loss, gradient norm,
-    {term: value}) on the device. `columns`: NLI's (1: sentences); `mlm`: --do_mlm's MaskedLM, else
-    None."""
-    # the objective's options from the flags: the pooler, autocast's dtype, Table 3's fixed mask
+    """One optimizer step on this process's rows of the global batch; (loss, gradient norm, {term:
+    value}) on the device. `columns`: NLI's (1: sentences); `mlm`: --do_mlm's MaskedLM, or None."""
     view_options = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision),
                         fixed_dropout_mask=args.fixed_dropout_mask)
     gather = functools.partial(distributed.gather, rows=global_rows)  # one process: as it is
@@ -335,7 +325,6 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
             mlm and functools.partial(mlm_loss, masked, ddp_model, mlm.head, sections, args,
                                       terms=terms))
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
-    # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
@@ -347,13 +336,11 @@ def main(argv=None):
     run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
-    # Data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard
+    # The data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard
     # negatives), tokenised once; a batch is then only gathered and padded to its longest row.
     default_file = "nli_for_simcse.csv" if args.supervised else "wiki1m_for_simcse.txt"
-    # The data
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
-        # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
         prebuilt_mask, switched_on = run.check_encoder(
             backbone, tokenizer, layers=bool(args.num_layers), mlm_head=args.do_mlm)
         vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
@@ -365,10 +352,9 @@ def main(argv=None):
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: the MLP on [CLS] ("cls"), evaluated before it unless --no-mlp_only_train
+    # The model: the MLP on [CLS] ("cls"), evaluated before it unless --no-mlp_only_train.
     if args.num_layers:  # SSCL Table 1: SimCSE on a shallower encoder
         keep_first_layers(backbone, args.num_layers)
-    # The model
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (Table 3); None: the checkpoint's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
@@ -380,7 +366,6 @@ def main(argv=None):
         mlm_generator = torch.Generator(device).manual_seed(args.seed + distributed.rank())
         special_ids = torch.tensor(tokenizer.all_special_ids, device=device)  # never masked
         mlm = MaskedLM(lm_head, mlm_generator, special_ids, tokenizer.mask_token_id, len(tokenizer))
-    # what trains, one module: the backbone (its forward) and the heads, for DDP
     model = common.BackboneWithHeads(backbone, head, lm_head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
     ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
@@ -397,9 +382,8 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     one_step = functools.partial(train_step, ddp_model, head, params, optimizer, scaler, args,
                                  corpus.num_columns, mlm)
-    # on one GPU, replayed from a CUDA graph (--cuda_graph: plumbing/graph.py); else just called
-    train = graph.StepGraph(one_step, optimizer, generators=[mlm_generator]) if args.cuda_graph \
-        else one_step
+    # With --cuda_graph, on one GPU, the step is replayed from a CUDA graph (plumbing/graph.py).
+    train = graph.StepGraph(one_step, optimizer, args.cuda_graph, generators=[mlm_generator])
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
             global_rows, batch = next(batches)  # global_rows: the batch's over all processes
@@ -411,8 +395,7 @@ def main(argv=None):
             if run.dev_gate(step) > run.best_dev:  # the first defined score saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 
-    # The end: best/ reloaded as eval_sts.py loads it, evaluated by process 0 (the 7 STS test tasks,
-    # alignment/uniformity, --eval_transfer) and written with the run's record to results.json.
+    # The end: best/ evaluated as eval_sts.py evaluates it (7 STS tasks, ...), then results.json.
     run.write(run.evaluate_best(eval_pooler))
 
 

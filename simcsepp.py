@@ -15,9 +15,8 @@ Headline (Table 3, BERT-base, 7-task STS average): 78.05 (SimCSE: 76.25; off-dro
     python simcsepp.py --dcl_only                       # Table 4's "+DCL(wiki)": DCL alone
     python simcsepp.py --no_off_dropout --m 1 --dcl_temp 10  # the released models_vicreg.py's DCL
 
-A "Code over paper" comment marks each line that follows the authors' released code (their
-repository, which made the published numbers) over the paper; docs/methods.md says what the
-released scripts run and how this file settles what the paper leaves open.
+"Code over paper" marks a line that follows the authors' released code (which made the published
+numbers) over the paper; docs/methods.md says how this file settles what the paper leaves open.
 """
 from __future__ import annotations
 
@@ -129,11 +128,10 @@ def dcl_loss(z1, z2, temp: float = 5.0) -> torch.Tensor:
 def simcsepp_views(encoder, batch: dict, head=None, *, pool=None, dtype=None,
                    off_dropout: bool = True) -> tuple:
     """(z1, z2, z_dropout_off) in fp32: two dropout views of N sentences in one pass of `encoder`
-    (in train mode: each sentence twice, two dropout masks), then the batch once more with every
-    dropout off (Eq. 3's negatives: eval mode for that pass, its gradients kept, as the authors'
-    code keeps them); off_dropout False: (z1, z2) alone. `batch`: a tokenizer's output for the
-    sentences. z: the last layer's [CLS] through `head` (SimCSE's MLP; None: [CLS] itself), or
-    pool(hidden_states, attention_mask). `dtype`: autocast's for the passes; None: fp32."""
+    (in train mode, each sentence twice), then the batch again with every dropout off (Eq. 3's
+    negatives: eval mode, gradients kept, as the authors' code); off_dropout False: (z1, z2). z:
+    [CLS] through `head` (None: [CLS]), or pool(hidden_states, attention_mask). `dtype`: autocast's
+    for the passes; None: fp32."""
     device = batch["input_ids"].device
 
     def encoded(inputs):
@@ -159,10 +157,9 @@ def simcsepp_objective(z1, z2, z_dropout_off=None, *, temp: float = 0.05, m: flo
                        dcl_weight: float = 0.1, dcl_temp: float = 5.0, dcl_only: bool = False,
                        gather=None, terms=None) -> torch.Tensor:
     """Off-dropout InfoNCE (Eq. 3) + dcl_weight x DCL (Eq. 5); z_dropout_off None: the views'
-    negatives (view_negatives_info_nce); dcl_only: DCL alone (Table 4). `gather`: under torchrun,
-    a function that gathers a tensor's rows from every process (DCL's statistics and the
-    negatives of the global batch); None: one process. A dict given as `terms` gets the two terms
-    ("info_nce", "dcl"), detached, for a log."""
+    negatives (view_negatives_info_nce); dcl_only: DCL alone (Table 4). `gather`: torchrun's, the
+    global batch's rows for DCL's statistics and the negatives (None: one process). A dict given as
+    `terms` gets the two terms ("info_nce", "dcl"), detached, for a log."""
     if gather is not None:
         z1, z2 = gather(z1), gather(z2)
     if dcl_only:  # Table 4: DCL alone
@@ -200,11 +197,9 @@ def simcsepp_step(encoder, batch: dict, head=None, temp: float = 0.05, m: float 
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
     Three passes of the batch a step: two dropout views (the positives) and one with dropout off
-    (the negatives). The recipe (Section 5.1, Table 5; the defaults): m 0.9, DCL weight 0.1, DCL
-    temperature 5, temp 0.05, batch 64, lr 3e-5 (large models 8e-6), the first-last average or
-    [CLS]; Table 3's "+DCL": off_dropout False, m 1; "+Off-Info": dcl_weight 0; Table 4's
-    "+DCL(wiki)": dcl_only, dcl_temp 0.05. The arguments: simcsepp_views's and
-    simcsepp_objective's."""
+    (the negatives). The defaults are the recipe's (RECIPE); Table 3's "+DCL": off_dropout False,
+    m 1; "+Off-Info": dcl_weight 0; Table 4's "+DCL(wiki)": dcl_only, dcl_temp 0.05. The
+    arguments: simcsepp_views's and simcsepp_objective's."""
     z = simcsepp_views(encoder, batch, head, pool=pool, dtype=dtype,
                        off_dropout=off_dropout and not dcl_only)
     return simcsepp_objective(*z, temp=temp, m=m, dcl_weight=dcl_weight, dcl_temp=dcl_temp,
@@ -214,11 +209,9 @@ def simcsepp_step(encoder, batch: dict, head=None, temp: float = 0.05, m: float 
 
 def train_step(ddp_model, head, params, optimizer, scaler, args, batch: dict,
                global_rows: int):
-    """One optimizer step on this process's rows of the global batch: the views' passes, the loss,
-    backward, unscale and clip, the optimizer step; (loss, gradient norm, {term: value})."""
+    """One optimizer step on this process's rows of the batch; (loss, grad norm, {term: value})."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     terms = {}  # the loss's two terms, logged beside it
-    # the objective's options from the flags: the pooler, autocast's dtype, torchrun's gather
     view_options = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision))
     loss_options = dict(temp=args.temp, m=args.m, dcl_weight=args.dcl_weight,
                         dcl_temp=args.dcl_temp, dcl_only=args.dcl_only, terms=terms,
@@ -234,7 +227,6 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, batch: dict,
             functools.partial(simcsepp_objective, **loss_options),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
-    # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
@@ -249,7 +241,6 @@ def main(argv=None):
     # The data
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
-        # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
         prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # dropout to turn off
         vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)
@@ -258,12 +249,10 @@ def main(argv=None):
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: the MLP on [CLS] ("cls"), evaluated before it unless --no-mlp_only_train
-    # The model
+    # The model: the MLP on [CLS] ("cls"), evaluated before it unless --no-mlp_only_train.
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    # what trains, one module: the backbone (its forward) and the heads, for DDP
     model = common.BackboneWithHeads(backbone, head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
     ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
@@ -279,8 +268,8 @@ def main(argv=None):
               scaler=scaler)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
     one_step = functools.partial(train_step, ddp_model, head, params, optimizer, scaler, args)
-    # on one GPU, replayed from a CUDA graph (--cuda_graph: plumbing/graph.py); else just called
-    train = graph.StepGraph(one_step, optimizer) if args.cuda_graph else one_step
+    # With --cuda_graph, on one GPU, the step is replayed from a CUDA graph (plumbing/graph.py).
+    train = graph.StepGraph(one_step, optimizer, args.cuda_graph)
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
             global_rows, batch = next(batches)  # global_rows: the batch's over all processes
@@ -292,8 +281,7 @@ def main(argv=None):
             if run.dev_gate(step) > run.best_dev:  # the first defined score saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 
-    # The end: best/ reloaded as eval_sts.py loads it, evaluated by process 0 (the 7 STS test tasks,
-    # alignment/uniformity, --eval_transfer) and written with the run's record to results.json.
+    # The end: best/ evaluated as eval_sts.py evaluates it (7 STS tasks, ...), then results.json.
     run.write(run.evaluate_best(eval_pooler))
 
 

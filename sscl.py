@@ -14,9 +14,8 @@ Headline (Table 2, BERT-base, 7-task STS average): 77.90 for SSCL-SimCSE (SimCSE
     python sscl.py --no_dropout_positive   # Table 2's SSCL-BERT: layer negatives, no augmentation
     python sscl.py --output_dim 256        # Table 5: a linear projection to 256 dimensions
 
-A "Code over paper" comment marks each line that follows the authors' released code (their
-repository, which made the published numbers) over the paper (the average pooler, the loss
-averaged with SimCSE's); docs/methods.md says how this file settles what the paper leaves open.
+"Code over paper" marks a line that follows the authors' released code (which made the published
+numbers) over the paper; docs/methods.md says how this file settles what the paper leaves open.
 """
 from __future__ import annotations
 
@@ -102,14 +101,12 @@ def sscl_loss(z1, z2, layer_negatives, temp: float = 0.05) -> torch.Tensor:
 
 def sscl_views(encoder, batch: dict, layers=None, head=None, *, pool=None, dtype=None,
                projection=None, dropout_positive: bool = True, both_views: bool = True) -> tuple:
-    """(z1, z2, *negatives) in fp32. z1, z2: the last layer's two dropout views of N sentences, one
-    pass of `encoder` (in train mode: each sentence twice; dropout_positive False, Table 2's
-    SSCL-BERT: once, used twice). The negatives: each of `layers` (hidden_states' indices; None:
-    L-1 and L-2, Figure 3b's best) pooled like z, from the same pass, gradients kept; both views'
-    (the released code's, 2N a layer), or the anchor view's (both_views False, N). z: the average
-    of the last layer over each sentence's tokens (the released code's pooler), or pool(
-    hidden_states, attention_mask) (with --pooler cls, [CLS] through the MLP head); then
-    `projection` (Table 5) if given. `dtype`: autocast's for the pass alone; None: fp32."""
+    """(z1, z2, *negatives) in fp32. z1, z2: the last layer's two dropout views of N sentences in
+    one pass of `encoder` (in train mode; dropout_positive False, Table 2's SSCL-BERT: once, used
+    twice). The negatives: each of `layers` (hidden_states' indices; None: L-1 and L-2) pooled
+    like z from the same pass, gradients kept, of both views (2N a layer, the released code's) or
+    of the anchor's (both_views False). z: the tokens' average (the released pooler), or pool(
+    hidden_states, attention_mask); then `projection` (Table 5). `dtype`: autocast's; None: fp32."""
     num_views = 2 if dropout_positive else 1
     views = {k: v.repeat(num_views, 1) for k, v in batch.items()}
     device, mask = batch["input_ids"].device, views["attention_mask"]
@@ -142,11 +139,9 @@ def sscl_objective(z1, z2, *negatives, temp: float = 0.05, per_layer: int = 2,
     anchor's) into each layer's tuple. `gather`: under torchrun, a function that gathers a tensor's
     rows from every process (the global batch, layer negatives too); None: one process."""
     if gather is not None:  # global (the released code: each process's own; docs/fidelity.md)
-        negatives = [gather(n) for n in negatives]
+        negatives, z1, z2 = [gather(n) for n in negatives], gather(z1), gather(z2)
     layer_negatives = [tuple(negatives[i:i + per_layer]) for i in range(0, len(negatives),
                                                                         per_layer)]
-    if gather is not None:
-        z1, z2 = gather(z1), gather(z2)
     return sscl_loss(z1, z2, layer_negatives, temp)
 
 
@@ -166,11 +161,10 @@ def sscl_step(encoder, batch: dict, layers=None, head=None, temp: float = 0.05, 
         loss = sscl_step(model.train(), batch)  # the average pooler: no head
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-    The recipe (Section 4.2 and the released scripts; the defaults): the average pooler, layers L-1
-    and L-2 of both views as negatives (Figure 3b), temp 0.05, batch 64, lr 3e-5 (BERT-large 1e-5);
-    Figure 3a: one chosen layer, layers=(k,); Table 2's SSCL-BERT: dropout_positive False; Table 5:
-    a projection nn.Linear(d, 128 or 256), trained too and kept at evaluation; Table 7's "N pairs":
-    both_views False. The arguments: sscl_views's and sscl_objective's."""
+    The defaults are the recipe's (RECIPE; layers L-1 and L-2 of both views, Figure 3b); Figure 3a:
+    layers=(k,); Table 2's SSCL-BERT: dropout_positive False; Table 5: a projection nn.Linear(d,
+    128 or 256), kept at evaluation; Table 7's "N pairs": both_views False. The arguments:
+    sscl_views's and sscl_objective's."""
     z1, z2, *negatives = sscl_views(encoder, batch, layers, head, pool=pool, dtype=dtype,
                                     projection=projection, dropout_positive=dropout_positive,
                                     both_views=both_views)
@@ -219,10 +213,8 @@ def oversmoothing(backbone, tokenizer, pooler: str, sentences, device, desc="Set
 
 def train_step(ddp_model, head, projection, neg_layers, params, optimizer, scaler, args,
                batch: dict, global_rows: int):
-    """One optimizer step on this process's rows of the global batch: the views' pass, the loss,
-    backward, unscale and clip, the optimizer step; (loss, gradient norm) on the device."""
+    """One optimizer step on this process's rows of the global batch; (loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-    # the objective's options from the flags: the pooler, autocast's dtype, Table 5's projection
     view_options = dict(pool=common.block_pool(args.pooler, head, "avg"), projection=projection,
                         dtype=common.amp_dtype(args.precision), dropout_positive=not
                         args.no_dropout_positive, both_views=args.layer_negatives == "both")
@@ -239,7 +231,6 @@ def train_step(ddp_model, head, projection, neg_layers, params, optimizer, scale
             functools.partial(sscl_objective, temp=args.temp, per_layer=per_layer, gather=gather),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
-    # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
@@ -254,7 +245,6 @@ def main(argv=None):
     # The data
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
-        # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
         prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # a state a layer
         vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)
@@ -263,16 +253,13 @@ def main(argv=None):
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder, head (the MLP on [CLS] with --pooler cls) and Table 5's projection
-    # The model
+    # The model: the MLP on [CLS] with --pooler cls, and Table 5's projection (at evaluation too).
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     eval_pooler = common.eval_pooler(args)
-    # Table 5: a linear projection after the pooler, at evaluation too
     projection = torch.nn.Linear(backbone.config.hidden_size, args.output_dim).to(device) \
         if args.output_dim else None
-    # what trains, one module: the backbone (its forward) and the heads, for DDP
     model = common.BackboneWithHeads(backbone, head, projection, prebuilt_mask=prebuilt_mask)
     eval_encoder = common.Encoder(model, head, tokenizer, eval_pooler, device, projection)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -290,8 +277,8 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     one_step = functools.partial(train_step, ddp_model, head, projection, neg_layers, params,
                                  optimizer, scaler, args)
-    # on one GPU, replayed from a CUDA graph (--cuda_graph: plumbing/graph.py); else just called
-    train = graph.StepGraph(one_step, optimizer) if args.cuda_graph else one_step
+    # With --cuda_graph, on one GPU, the step is replayed from a CUDA graph (plumbing/graph.py).
+    train = graph.StepGraph(one_step, optimizer, args.cuda_graph)
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
             global_rows, batch = next(batches)  # global_rows: the batch's over all processes
@@ -303,9 +290,8 @@ def main(argv=None):
             if run.dev_gate(step) > run.best_dev:  # the first defined score saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler, projection)
 
-    # The end: best/ reloaded as eval_sts.py loads it (the projection too), evaluated by process 0
-    # (the 7 STS test tasks, alignment/uniformity, --eval_transfer); --report_oversmoothing: SetSim
-    # of the pretrained model and of best/ on STS-B test; results.json.
+    # The end: best/ evaluated as eval_sts.py evaluates it (its projection too), then results.json;
+    # --report_oversmoothing adds SetSim of the pretrained model and of best/ on STS-B test.
     results = run.evaluate_best(eval_pooler)
     if args.report_oversmoothing and results is not None and not results["interrupted"]:
         sentences = run.sentences("STSBenchmark", "test")

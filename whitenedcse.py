@@ -13,10 +13,8 @@ Headline (Table 1, BERT-base, 7-task STS average): 78.78 (+2.53 over SimCSE's 76
     python whitenedcse.py --num_pos 2      # Table 6: SGW with one positive
     torchrun --nproc_per_node 2 whitenedcse.py   # each process whitens its own rows
 
-The authors' released code (their repository) does not run on today's PyTorch (docs/fidelity.md):
-this file is written from the paper and that code, and a "Code over paper" comment marks each line
-that follows the code.
-docs/methods.md says where the two differ and how this file settles what the paper leaves open.
+The released code does not run on today's PyTorch (docs/fidelity.md); this file is written from the
+paper and that code, "Code over paper" marking a line that follows the code (docs/methods.md).
 """
 from __future__ import annotations
 
@@ -122,8 +120,7 @@ def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
 
 class WhitenedHead(torch.nn.Module):
     """The training head on [CLS] (Section 4.1): shuffled group whitening, then Linear(D, D) and
-    Tanh; trained, and dropped at evaluation (which reads [CLS]). num_groups: the paper's 384 for
-    BERT-base and -large is groups of 2 channels, D / 2 (the default; RoBERTa: 256)."""
+    Tanh; dropped at evaluation, which reads [CLS]. num_groups None: groups of 2 channels, D / 2."""
 
     def __init__(self, hidden_size: int, num_groups: int | None = None, init_std: float = 0.02):
         super().__init__()
@@ -156,8 +153,8 @@ def whitenedcse_objective(*cls, head: WhitenedHead, generator=None, temp: float 
     """Each view shuffled (a fresh permutation of the channels per view and step, Eq. 11, from
     `generator`), whitened in groups and through the head; the multi-positive InfoNCE of the views
     (Eq. 7). shuffle False: Table 4's one grouping; whiten False: Table 6's dropout-only positives.
-    `gather`: under torchrun, a function that gathers a tensor's rows from every process; each
-    process whitens its own rows (the released code's) unless global_whitening."""
+    `gather`: torchrun's; each process whitens its own rows (the released code's) unless
+    global_whitening."""
     if global_whitening and gather is not None:  # each covariance over the global batch
         cls = [gather(c) for c in cls]
     hidden, device = cls[0].shape[1], cls[0].device
@@ -186,9 +183,8 @@ def whitenedcse_step(encoder, batch: dict, head: WhitenedHead, generator=None, n
         loss = whitenedcse_step(model.train(), batch, head)
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-    The recipe (Section 4.1, Tables 4-5; the defaults): 3 views (one anchor, two positives), groups
-    of 2 channels, a fresh shuffle per view and step, temp 0.05, batch 64, lr 3e-5; a batch of more
-    rows than a group has channels. The arguments: whitenedcse_views's, whitenedcse_objective's."""
+    The defaults are the recipe's (RECIPE: 3 views, groups of 2 channels), and a batch has more rows
+    than a group has channels. The arguments: whitenedcse_views's and whitenedcse_objective's."""
     cls = whitenedcse_views(encoder, batch, num_pos, dtype=dtype)
     return whitenedcse_objective(*cls, head=head, generator=generator, temp=temp, shuffle=shuffle,
                                  whiten=whiten, gather=gather, global_whitening=global_whitening)
@@ -227,10 +223,8 @@ def group_width(hidden: int, num_groups: int) -> int:
 
 def train_step(ddp_model, head, generator, params, optimizer, scaler, args, batch: dict,
                global_rows: int):
-    """One optimizer step on this process's rows of the global batch: the views' pass, whitening,
-    the loss, backward, unscale and clip, the optimizer step; (loss, gradient norm)."""
+    """One optimizer step on this process's rows of the global batch; (loss, gradient norm)."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
-    # the objective's options from the flags: the tables' studies, torchrun's gather
     loss_options = dict(head=head, generator=generator, temp=args.temp, shuffle=not args.no_shuffle,
                         whiten=not args.no_whitening, global_whitening=args.global_whitening,
                         gather=functools.partial(distributed.gather, rows=global_rows))
@@ -245,7 +239,6 @@ def train_step(ddp_model, head, generator, params, optimizer, scaler, args, batc
             functools.partial(whitenedcse_objective, **loss_options),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
-    # the norm before clipping, for the record (--max_grad_norm 0: measured, not clipped)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
@@ -260,7 +253,6 @@ def main(argv=None):
     # The data
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
-        # the encoder checked (one line if it cannot work): the mask it takes, what it switches on
         prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # its [CLS]
         vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)
@@ -278,12 +270,10 @@ def main(argv=None):
     loader = data.make_loader(corpus, args, device, min_rows=(width + 1) * processes)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # Encoder and head: SGW -> Linear -> Tanh on [CLS], training only; evaluation reads [CLS].
-    # The model
+    # The model: SGW, Linear and Tanh on [CLS] for training; evaluation reads [CLS].
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = WhitenedHead(hidden, args.num_groups, backbone.config.initializer_range).to(device)
-    # what trains, one module: the backbone (its forward) and the heads, for DDP
     model = common.BackboneWithHeads(backbone, head, prebuilt_mask=prebuilt_mask)
     params = [p for p in model.parameters() if p.requires_grad]
     ddp_model = distributed.data_parallel(model, args.compile)  # DDP under torchrun; --compile
@@ -302,9 +292,8 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     one_step = functools.partial(train_step, ddp_model, head, generator, params, optimizer,
                                  scaler, args)
-    # on one GPU, replayed from a CUDA graph (--cuda_graph: plumbing/graph.py); else just called
-    train = graph.StepGraph(one_step, optimizer, generators=[generator]) if args.cuda_graph \
-        else one_step
+    # With --cuda_graph, on one GPU, the step is replayed from a CUDA graph (plumbing/graph.py).
+    train = graph.StepGraph(one_step, optimizer, args.cuda_graph, generators=[generator])
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
             global_rows, batch = next(batches)  # global_rows: the batch's over all processes
@@ -316,8 +305,7 @@ def main(argv=None):
             if run.dev_gate(step) > run.best_dev:  # the first defined score saves
                 run.save_best(step, backbone, head, tokenizer, eval_pooler)  # best/ and its score
 
-    # The end: best/ reloaded as eval_sts.py loads it, evaluated by process 0 (the 7 STS test tasks,
-    # alignment/uniformity, --eval_transfer) and written with the run's record to results.json.
+    # The end: best/ evaluated as eval_sts.py evaluates it (7 STS tasks, ...), then results.json.
     run.write(run.evaluate_best(eval_pooler))
 
 
