@@ -97,20 +97,47 @@ def test_the_released_code_agrees_but_for_the_documented_deviations(tmp_path, ca
     assert all(f"skipped {key}: no clone at" in out for key in set(parity.REPOSITORIES) - present), out
 
 
+CLONES = {"simcse": "SimCSE", "micse": "acl2023-micse", "simcsepp off-dropout": "SimCSE-plus-plus",
+          "simcsepp dcl": "SimCSE-plus-plus", "whitenedcse": "WhitenedCSE"}
+
+
 @needs_released
 @needs_shared
-@pytest.mark.parametrize("method", ["simcse", "micse"])
+@pytest.mark.parametrize("method", list(CLONES))
 def test_three_steps_on_minilm_agree_step_by_step(method):
     """The released model, given the suite's weights at each step of a run on MiniLM's real weights (torch AdamW at
-    the released settings, the same batches, dropout masks and AMI's samples): loss and every gradient within 1e-5,
-    at steps 1-3. Catches what real features or trained weights do to a formula that tiny random models hide (a
-    clamp or floor that bites on real attention maps; a term's rounding on real [CLS] features), and a run's machinery
-    that drifts (a step's weights, masks or samples not the suite's own)."""
+    the released settings, the same batches, dropout masks, AMI's samples and WhitenedCSE's shuffles): loss and every
+    gradient within 1e-5, at steps 1-3. Catches what real features or trained weights do to a formula that tiny random
+    models hide (a clamp or floor that bites on real attention maps; a term's rounding on real [CLS] features), and a
+    run's machinery that drifts (a step's weights, masks or samples not the suite's own). SimCSE++ and WhitenedCSE,
+    which carry no licence, run where SUITE_RELEASED_CODE names a folder holding their clones (not in CI)."""
     pytest.importorskip("einops", reason="miCSE's released code imports einops")
-    clone = RELEASED / {"simcse": "SimCSE", "micse": "acl2023-micse"}[method]
+    clone = RELEASED / CLONES[method]
+    if not clone.is_dir():
+        github = parity.REPOSITORIES[parity.RUNS[method][0]][0]
+        pytest.skip(f"no clone at {clone} (git clone https://github.com/{github} {clone})")
     with torch.random.fork_rng(devices=[]):
         run = parity.trajectory(method, clone, SHARED / "models" / "all-MiniLM-L6-v2", 3, free=False)
     assert len(run["strict"]) == 3 and not run["free"] and "dev" not in run
     for r in run["strict"]:
         assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5 and r["gradients"] == 103, r
     assert len({r["loss_suite"] for r in run["strict"]}) == 3  # the weights (and batches) move from step to step
+
+
+def test_the_2021_adamw_adds_its_eps_before_the_bias_correction():
+    """transformers.AdamW (2021), as AdamW2021 writes it out: each step equals torch's AdamW at eps / sqrt(1 -
+    beta2^t), the eps it applies after the bias correction. An eps added after the correction (torch's own), a bias
+    correction left out or a step count that does not advance fails it."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(50, generator=g)
+    grads = [torch.randn(50, generator=g) * 1e-4 for _ in range(4)]  # small: an eps of 1e-5 shows
+    ours, torchs = start.clone().requires_grad_(True), start.clone().requires_grad_(True)
+    old, new = parity.AdamW2021([ours], lr=1e-2, eps=1e-5), torch.optim.AdamW([torchs], lr=1e-2, eps=1e-5,
+                                                                              weight_decay=0.0)
+    for t, grad in enumerate(grads, 1):
+        ours.grad, torchs.grad = grad.clone(), grad.clone()
+        new.param_groups[0]["eps"] = 1e-5 / (1 - 0.999 ** t) ** 0.5
+        old.step()
+        new.step()
+        torch.testing.assert_close(ours, torchs, rtol=1e-6, atol=1e-9)
+    assert (ours - start).abs().max() > 1e-3  # the steps moved the weights (not a no-op)
