@@ -192,13 +192,16 @@ def suite_parts(released, kind: str, pooler_head: bool = True):
     return backbone.train(), head
 
 
-def suite_gradients(kind: str, backbone, **named) -> dict:
-    """The suite's gradients under the released names: <kind>.<parameter>, and each head's."""
-    grads = {f"{kind}.{n}": p.grad for n, p in backbone.named_parameters()}
-    for prefix, module in named.items():
-        if module is not None:
-            grads.update({f"{prefix}.{n}": p.grad for n, p in module.named_parameters()})
-    return grads
+def suite_gradients(kind: str, backbone, dense=None) -> dict:
+    """The suite's gradients under the released names: <kind>.<parameter>, and mlp.dense's (`dense`)."""
+    return {f"{kind}.{n}": p.grad for n, p in backbone.named_parameters()} | (
+        {f"mlp.dense.{n}": p.grad for n, p in dense.named_parameters()} if dense is not None else {})
+
+
+def released_model(module, kind: str, config, **arguments):
+    """The released BertForCL or RobertaForCL on `config`, from seed 1, with ModelArguments `arguments`."""
+    torch.manual_seed(1)
+    return (module.BertForCL if kind == "bert" else module.RobertaForCL)(config, model_args=model_args(**arguments))
 
 
 # ----------------------------------------------------------------------------------------- matched dropout
@@ -345,9 +348,7 @@ def simcse_rows(clone: Path) -> list[dict]:
         config = tiny_config(kind)
         for label, pooler, supervised in (("unsupervised, cls", "cls", False), ("supervised, cls", "cls", True),
                                           ("unsupervised, avg_first_last", "avg_first_last", False)):
-            torch.manual_seed(1)
-            cls = module.BertForCL if kind == "bert" else module.RobertaForCL
-            released = cls(config, model_args=model_args(pooler_type=pooler, hard_negative_weight=0.5 * supervised))
+            released = released_model(module, kind, config, pooler_type=pooler, hard_negative_weight=0.5 * supervised)
             columns = [token_batch(kind, config, N, seed) for seed in ((0, 1, 2) if supervised else (0, 0))]
             views = len(columns)
             loss_r, grads_r = released_step(released, released_inputs(columns), MatchedDropout(),
@@ -364,7 +365,7 @@ def simcse_rows(clone: Path) -> list[dict]:
                 return simcse.info_nce(parts[0], parts[1], 0.05, hard, 0.5 * supervised)
             loss_s = suite_step(backbone, [view_major(N, views)], step)
             rows.append(row(f"simcse {kind}: step, {label}", loss_r, loss_s, grads_r,
-                            suite_gradients(kind, backbone, **{"mlp.dense": head and head[0]})))
+                            suite_gradients(kind, backbone, head and head[0])))
     return rows
 
 
@@ -380,9 +381,7 @@ def simcsepp_rows(clone: Path) -> list[dict]:
         module = load_released("simcsepp", clone, file, [POST_INIT])
         for kind in ("bert", "roberta"):
             config = tiny_config(kind)
-            torch.manual_seed(1)
-            cls = module.BertForCL if kind == "bert" else module.RobertaForCL
-            released = cls(config, model_args=model_args(pooler_type=pooler, pos_ratio=flags["m"]))
+            released = released_model(module, kind, config, pooler_type=pooler, pos_ratio=flags["m"])
             batch = token_batch(kind, config, N)
             loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
                                             sentence_major(N, 2), None)
@@ -395,7 +394,7 @@ def simcsepp_rows(clone: Path) -> list[dict]:
                                               pool=common.block_pool(suite_pooler, head), off_dropout=flags["off"])
             loss_s = suite_step(backbone, [view_major(N, 2), None], step)
             rows.append(row(f"simcsepp {kind}: step, {label} ({file.split('/')[-1]})", loss_r, loss_s,
-                            grads_r, suite_gradients(kind, backbone, **{"mlp.dense": head and head[0]})))
+                            grads_r, suite_gradients(kind, backbone, head and head[0])))
     return rows
 
 
@@ -405,9 +404,7 @@ def sscl_rows(clone: Path) -> list[dict]:
     for kind in ("bert", "roberta"):
         for pooler in ("avg", "cls"):
             config = tiny_config(kind)
-            torch.manual_seed(1)
-            cls = module.BertForCL if kind == "bert" else module.RobertaForCL
-            released = cls(config, model_args=model_args(pooler_type=pooler, hard_negative_layers=2, do_neg=True))
+            released = released_model(module, kind, config, pooler_type=pooler, hard_negative_layers=2, do_neg=True)
             batch = token_batch(kind, config, N)
             loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
                                             sentence_major(N, 2))
@@ -419,7 +416,7 @@ def sscl_rows(clone: Path) -> list[dict]:
                 return sscl.sscl_step(model, batch, layers, head, 0.05, pool=common.block_pool(pooler, head, "avg"))
             loss_s = suite_step(backbone, [view_major(N, 2)], step)
             rows.append(row(f"sscl {kind}: step, {pooler}, layers L-1, L-2", loss_r, loss_s, grads_r,
-                            suite_gradients(kind, backbone, **{"mlp.dense": head and head[0]})))
+                            suite_gradients(kind, backbone, head and head[0])))
     return rows
 
 
@@ -475,8 +472,7 @@ def whitenedcse_rows(clone: Path) -> list[dict]:
     module = whitenedcse_module(clone)
     config = tiny_config("bert", hidden=256, layers=2)  # the released head's 128 groups: 2 channels each
     config.num_pos = 3
-    torch.manual_seed(1)
-    released = module.BertForCL(config, model_args=model_args(pooler_type="cls"))
+    released = released_model(module, "bert", config, pooler_type="cls")
     batch = token_batch("bert", config, N)
     perms = [torch.randperm(256, generator=torch.Generator().manual_seed(s)) for s in range(3)]
     with given_permutations(perms):
@@ -493,7 +489,7 @@ def whitenedcse_rows(clone: Path) -> list[dict]:
         return whitenedcse.multi_positive_info_nce(views, 0.05)
     loss_s = suite_step(backbone, [view_major(N, 3)], step)
     rows = [row("whitenedcse bert: step (released row layout)", loss_r, loss_s, grads_r,
-                suite_gradients("bert", backbone, **{"mlp.dense": head.linear}))]
+                suite_gradients("bert", backbone, head.linear))]
     # the head alone on [CLS] features laid out per view (all view 0, then 1, then 2): the released thirds are views
     features = torch.randn(N * 3, 256, generator=torch.Generator().manual_seed(4), dtype=torch.float32)
     x_r, x_s = features.clone().requires_grad_(True), features.clone().requires_grad_(True)
@@ -546,9 +542,7 @@ def micse_rows(clone: Path) -> list[dict]:
     for kind in ("bert", "roberta"):
         config = tiny_config(kind, layers=4)
         config.task_alpha, config.task_lambda = 1.0, ami_lambda
-        torch.manual_seed(1)
-        cls = module.BertForCL if kind == "bert" else module.RobertaForCL
-        released = cls(config, model_args=model_args(style="miCSE", min_layer=0, max_layer=4))
+        released = released_model(module, kind, config, style="miCSE", min_layer=0, max_layer=4)
         batch = token_batch(kind, config, N)
         backbone, head = suite_parts(released, kind, True)
         model = common.BackboneWithHeads(backbone, head)
@@ -572,7 +566,7 @@ def micse_rows(clone: Path) -> list[dict]:
             return loss + ami_lambda * micse.ami_loss(a1, a2, 150, generator)
         loss_s = suite_step(backbone, [view_major(N, 2)], step)
         rows.append(row(f"micse {kind}: step, InfoNCE + AMI (layers 0:4, no queue)", loss_r, loss_s,
-                        grads_r, suite_gradients(kind, backbone, **{"mlp.dense": head[0]})))
+                        grads_r, suite_gradients(kind, backbone, head[0])))
     # the loss alone on identical attention maps and embeddings; then both views' maps identical (rho = 1)
     released = module.BertForCL(tiny_config("bert", layers=4), model_args=model_args(
         style="miCSE", min_layer=0, max_layer=4, pooler_type="cls_before_pooler"))
@@ -792,8 +786,7 @@ def trajectory(name: str, clone: Path, model_dir: Path, steps: int, size: int = 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     config._attn_implementation = "eager"
     config.task_alpha, config.task_lambda, config.num_pos = 1.0, MICSE_LAMBDA, views
-    torch.manual_seed(1)
-    synced = module.BertForCL(config, model_args=model_args(**arguments))
+    synced = released_model(module, "bert", config, **arguments)
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # its load report: MiniLM's pooler layer, which BertForCL has not
     synced.bert.load_state_dict(transformers.BertModel.from_pretrained(model_dir, add_pooling_layer=False,
