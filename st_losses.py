@@ -2,12 +2,12 @@
 files train them: each loss calls its method file's own block (<method>_step; its two halves for
 GradCache), imported, never copied, so that the two cannot drift. A loss keeps its block's state in
 public (loss.head, loss.generator, loss.queue, loss.momentum_encoder: None where the method has
-none); ContrastiveTrainer does for it what the trainer does for the model: the head clipped and
-averaged under DDP, miCSE's EMA and queue after each optimizer step, all of it in checkpoint-N/ and
-back on resume, no host sync in a step. The README's example; docs/using.md says what differs."""
+none); ContrastiveTrainer does for it what the trainer does for the model. docs/using.md says what
+each adds and what differs from the method file's loop; the README has an example."""
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from pathlib import Path
 
@@ -66,11 +66,13 @@ class BlockEncoder:
         return outputs[-1]
 
 
-class ContrastiveLoss(torch.nn.Module):
+class ContrastiveLoss(torch.nn.Module, transformers.TrainerCallback):
     """What the five share: the model set up as the method's (pooling, truncation, attention), the
-    batch of the columns, the block's keywords from the trainer, the state a checkpoint keeps."""
+    batch of the columns, the block called with the loss's keywords and the trainer's, and the
+    trainer's events (ContrastiveTrainer adds the loss as a callback: miCSE's after the step)."""
     pooler = "cls_before_pooler"  # what the method evaluates: common.eval_pooler of its recipe
     pad_to_max_length, attn_implementation, columns = False, None, 1
+    method, keywords = None, ()  # the method file; what of its block's arguments the loss holds
 
     def __init__(self, model, max_seq_length: int = 32, micro_batch_size: int | None = None):
         super().__init__()
@@ -90,7 +92,17 @@ class ContrastiveLoss(torch.nn.Module):
             print(f"{name}: the model's attention set to {wanted} (AMI reads its maps)")
         if getattr(backbone, "pooler", None) is not None:  # in no loss: frozen, as the suite's
             backbone.pooler.requires_grad_(False)
-        self.set_pooling(model)
+        # the pooling the method evaluates; after it Normalize alone (which no cosine sees)
+        at = next((i for i, m in enumerate(model) if isinstance(m, st_modules.Pooling)), None)
+        after = [m for m in list(model)[(at or 0) + 1:] if not isinstance(m, st_modules.Normalize)]
+        if at is None or after:
+            raise ValueError(f"{name} trains Transformer, Pooling (and Normalize); "
+                             f"this model has {[type(m).__name__ for m in model]}")
+        mode, old = files.pooling_mode(self.pooler), model[at].pooling_mode
+        if old != mode:
+            model[at] = st_modules.Pooling(model[at].embedding_dimension, pooling_mode=mode)
+            print(f"{name}: the model's {old} pooling switched to {mode}: the method evaluates "
+                  f"{self.pooler}")
         padded = ", every batch padded to it (micse.py's)" if self.pad_to_max_length else ""
         print(f"{name}: training sentences truncated to max_seq_length={max_seq_length} tokens "
               f"(the recipe's){padded}")
@@ -99,37 +111,34 @@ class ContrastiveLoss(torch.nn.Module):
                                                  mask, backbone.config._attn_implementation))
         self.prebuilt_mask = difference == 0.0  # where the 4-D mask gives the model's own outputs
 
-    def set_pooling(self, model) -> None:
-        """The pooling the method evaluates: another is switched, in one printed line; a module
-        after it other than Normalize (which no cosine sees) is refused."""
-        at = next((i for i, m in enumerate(model) if isinstance(m, st_modules.Pooling)), None)
-        after = [m for m in list(model)[(at or 0) + 1:] if not isinstance(m, st_modules.Normalize)]
-        if at is None or after:
-            raise ValueError(f"{type(self).__name__} trains Transformer, Pooling (and Normalize); "
-                             f"this model has {[type(m).__name__ for m in model]}")
-        mode, old = files.pooling_mode(self.pooler), model[at].pooling_mode
-        if old != mode:
-            model[at] = st_modules.Pooling(model[at].embedding_dimension, pooling_mode=mode)
-            print(f"{type(self).__name__}: the model's {old} pooling switched to {mode}: the "
-                  f"method evaluates {self.pooler}")
+    def block(self, part: str, *args, **options):
+        """The method file's <method>_<part> (step, views, objective) given, by name, each of the
+        loss's `keywords` that it takes (test_st_losses holds every one taken, none renamed)."""
+        function = getattr(self.method, f"{self.method.__name__}_{part}")
+        taken = inspect.signature(function).parameters
+        return function(*args, **{k: getattr(self, k) for k in self.keywords if k in taken},
+                        **options)
+
+    def step(self, encoder, batch, **options):
+        return self.block("step", encoder, batch, **options)
 
     def forward(self, features: list, labels=None) -> torch.Tensor:
         if self.trainer is None:
             raise RuntimeError(f"{type(self).__name__} trains with st_losses.ContrastiveTrainer: a "
                                "plain SentenceTransformerTrainer leaves its head unclipped")
-        self.columns = len(features)
-        self.last_batch = self.batch_of(features)
-        return self.step(BlockEncoder(self), self.last_batch, **self.options())
+        return self.step(BlockEncoder(self), self.batch_of(features), **self.options())
 
     def batch_of(self, features: list) -> dict:
-        """The columns' tokens as one batch (NLI's: anchors, then positives, then negatives)."""
+        """The columns' tokens as one batch (NLI's: anchors, then positives, then negatives), kept
+        as the step's (last_batch: AMI's mask, miCSE's momentum update)."""
         keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in features[0]]
         width = max(self.max_seq_length * self.pad_to_max_length,
                     *(f["input_ids"].shape[1] for f in features))
-        fill = {"input_ids": self.pad_token_id}
-        return {k: torch.cat([torch.nn.functional.pad(f[k], (0, width - f[k].shape[1]),
-                                                      value=fill.get(k, 0)) for f in features])
-                for k in keys}
+        self.columns, fill = len(features), {"input_ids": self.pad_token_id}
+        self.last_batch = {k: torch.cat([torch.nn.functional.pad(f[k], (0, width - f[k].shape[1]),
+                                                                 value=fill.get(k, 0))
+                                         for f in features]) for k in keys}
+        return self.last_batch
 
     def options(self) -> dict:
         """The block's keywords from the trainer: autocast's dtype (the encoder's passes alone) and
@@ -141,34 +150,11 @@ class ContrastiveLoss(torch.nn.Module):
         gather = None if world == 1 else functools.partial(distributed.gather, rows=rows)
         return dict(dtype=dtype, gather=gather)
 
-    def after_optimizer_step(self) -> None:
-        """miCSE's EMA and queue; nothing of the other four moves after the optimizer's step."""
-
-    def place(self, device) -> None:
-        """The generator and the queue on the device the trainer moved the model to (a GPU's)."""
-        if self.generator is not None and self.generator.device != device:
-            self.generator = torch.Generator(device).manual_seed(self.seed)
-        if self.queue is not None:
-            for name, value in self.queue.state_dict().items():
-                setattr(self.queue, name, value.to(device))
-
-    def training_state(self) -> dict:
-        own = {k: v for k, v in self.state_dict().items() if not k.startswith("model.")}
-        return {"modules": own,
-                "generator": None if self.generator is None else self.generator.get_state(),
-                "queue": None if self.queue is None else self.queue.state_dict()}
-
-    def load_training_state(self, state: dict) -> None:
-        self.load_state_dict(state["modules"], strict=False)  # (the model: the trainer's files)
-        if self.generator is not None:
-            self.generator.set_state(state["generator"].cpu())
-        if self.queue is not None:
-            self.queue.load_state_dict(state["queue"])
-
 
 class SimCSELoss(ContrastiveLoss):
     """SimCSE (Gao et al., 2021): a column of sentences, [CLS] through the MLP head, evaluated
     before it; supervised: (anchor, positive, negative) columns, the head kept (a Dense module)."""
+    method, keywords = simcse, ("head", "temp", "columns", "hard_negative_weight")
 
     def __init__(self, model, temp: float = 0.05, supervised: bool = False,
                  hard_negative_weight: float = 0.0, max_seq_length: int = 32,
@@ -182,21 +168,11 @@ class SimCSELoss(ContrastiveLoss):
             dense.linear = self.head[0]
             model.append(dense)
 
-    def step(self, encoder, batch, **options):
-        return simcse.simcse_step(encoder, batch, self.head, self.temp, self.columns,
-                                  self.hard_negative_weight, **options)
-
-    def views(self, encoder, batch, dtype=None):
-        return simcse.simcse_views(encoder, batch, self.head, self.columns, dtype=dtype)
-
-    def objective(self, *z, gather=None):
-        return simcse.simcse_objective(*z, temp=self.temp, gather=gather,
-                                       hard_negative_weight=self.hard_negative_weight)
-
 
 class SimCSEPlusPlusLoss(ContrastiveLoss):
     """SimCSE++ (Xu et al., 2023): off-dropout negatives (a third pass, dropout off) + DCL; [CLS]
     through the MLP head, evaluated before it."""
+    method, keywords = simcsepp, ("head", "temp", "m", "dcl_weight", "dcl_temp")
 
     def __init__(self, model, temp: float = 0.05, m: float = 0.9, dcl_weight: float = 0.1,
                  dcl_temp: float = 5.0, max_seq_length: int = 32,
@@ -205,45 +181,25 @@ class SimCSEPlusPlusLoss(ContrastiveLoss):
         self.temp, self.m, self.dcl_weight, self.dcl_temp = temp, m, dcl_weight, dcl_temp
         self.head = common.MLPHead(self.backbone.config).to(model.device)
 
-    def step(self, encoder, batch, **options):
-        return simcsepp.simcsepp_step(encoder, batch, self.head, self.temp, self.m,
-                                      self.dcl_weight, self.dcl_temp, **options)
-
-    def views(self, encoder, batch, dtype=None):
-        return simcsepp.simcsepp_views(encoder, batch, self.head, dtype=dtype)
-
-    def objective(self, *z, gather=None):
-        return simcsepp.simcsepp_objective(*z, temp=self.temp, m=self.m, gather=gather,
-                                           dcl_weight=self.dcl_weight, dcl_temp=self.dcl_temp)
-
 
 class SSCLLoss(ContrastiveLoss):
     """SSCL (Chen et al., 2023): intermediate layers' negatives; the average pooler, no head."""
-    pooler = "avg"
+    pooler, method, keywords = "avg", sscl, ("layers", "temp", "both_views", "per_layer")
 
     def __init__(self, model, temp: float = 0.05, neg_layers: int = 2,
                  neg_layer_index: int | None = None, layer_negatives: str = "both",
                  max_seq_length: int = 32, micro_batch_size: int | None = None):
         super().__init__(model, max_seq_length, micro_batch_size)
         self.temp, self.both_views = temp, layer_negatives == "both"
+        self.per_layer = 1 + self.both_views  # the objective's negatives per layer
         self.layers = sscl.negative_layers(self.backbone.config.num_hidden_layers, neg_layers,
                                            neg_layer_index)
-
-    def step(self, encoder, batch, **options):
-        return sscl.sscl_step(encoder, batch, self.layers, None, self.temp,
-                              both_views=self.both_views, **options)
-
-    def views(self, encoder, batch, dtype=None):
-        return sscl.sscl_views(encoder, batch, self.layers, dtype=dtype, both_views=self.both_views)
-
-    def objective(self, *z, gather=None):
-        return sscl.sscl_objective(*z, temp=self.temp, per_layer=1 + self.both_views,
-                                   gather=gather)
 
 
 class WhitenedCSELoss(ContrastiveLoss):
     """WhitenedCSE (Zhuo et al., 2023): num_pos views' [CLS] whitened in shuffled groups in the head
     (trained, dropped at evaluation); the shuffles from loss.generator, seeded as --seed's."""
+    method, keywords = whitenedcse, ("head", "generator", "num_pos", "temp")
 
     def __init__(self, model, temp: float = 0.05, num_groups: int | None = None, num_pos: int = 3,
                  seed: int = 42, max_seq_length: int = 32, micro_batch_size: int | None = None):
@@ -253,22 +209,13 @@ class WhitenedCSELoss(ContrastiveLoss):
                                              config.initializer_range).to(model.device)
         self.seed, self.generator = seed, torch.Generator(model.device).manual_seed(seed)
 
-    def step(self, encoder, batch, **options):
-        return whitenedcse.whitenedcse_step(encoder, batch, self.head, self.generator, self.num_pos,
-                                            self.temp, **options)
-
-    def views(self, encoder, batch, dtype=None):
-        return whitenedcse.whitenedcse_views(encoder, batch, self.num_pos, dtype=dtype)
-
-    def objective(self, *cls, gather=None):
-        return whitenedcse.whitenedcse_objective(*cls, head=self.head, generator=self.generator,
-                                                 temp=self.temp, gather=gather)
-
 
 class MiCSELoss(ContrastiveLoss):
     """miCSE (Klein & Nabi, 2023): SimCSE + AMI of the views' attention (eager) + a momentum
-    encoder's keys queued (its EMA and queue after each optimizer step: ContrastiveTrainer's)."""
-    pad_to_max_length, attn_implementation = True, "eager"
+    encoder's keys queued (its EMA and queue after each optimizer step: on_optimizer_step)."""
+    pad_to_max_length, attn_implementation, method = True, "eager", micse
+    keywords = ("head", "queue", "generator", "temp", "ami_lambda", "ami_samples", "layers",
+                "attention_mask")
 
     def __init__(self, model, temp: float = 0.05, ami_lambda: float = 2.5e-3,
                  ami_samples: int = 150, ami_min_layer: int | None = None,
@@ -285,20 +232,11 @@ class MiCSELoss(ContrastiveLoss):
             self.queue = micse.EmbeddingQueue(queue_size, config.hidden_size, device)
             self.momentum_encoder = micse.momentum_copy(self.backbone, momentum_dropout)
 
-    def step(self, encoder, batch, **options):
-        return micse.micse_step(encoder, batch, self.head, self.queue, self.generator, self.temp,
-                                self.ami_lambda, self.ami_samples, self.layers, **options)
+    @property
+    def attention_mask(self):  # the objective's (AMI's): the step's batch's
+        return None if self.last_batch is None else self.last_batch["attention_mask"]
 
-    def views(self, encoder, batch, dtype=None):
-        return micse.micse_views(encoder, batch, self.head, self.layers, dtype=dtype)
-
-    def objective(self, *z, gather=None):
-        return micse.micse_objective(*z, queue=self.queue, generator=self.generator,
-                                     attention_mask=self.last_batch["attention_mask"],
-                                     temp=self.temp, ami_lambda=self.ami_lambda,
-                                     ami_samples=self.ami_samples, gather=gather)
-
-    def after_optimizer_step(self) -> None:
+    def on_optimizer_step(self, args, state, control, **kwargs):
         if self.queue is not None and self.last_batch is not None:  # its prebuilt mask: no sync
             momentum = common.BackboneWithHeads(self.momentum_encoder,
                                                 prebuilt_mask=self.prebuilt_mask)
@@ -306,21 +244,18 @@ class MiCSELoss(ContrastiveLoss):
                                         self.head, self.momentum, **self.options())
 
 
-LOSSES = (SimCSELoss, SimCSEPlusPlusLoss, SSCLLoss, WhitenedCSELoss, MiCSELoss)
-
-
 class ContrastiveTrainer(st.SentenceTransformerTrainer):
     """A SentenceTransformerTrainer that does for a contrastive loss's own parameters and state what
     it does for the model: the head clipped with the encoder and averaged under DDP, miCSE's EMA and
-    queue after each optimizer step, the state in each checkpoint-N/ and back on resume; with the
-    loss's micro_batch_size=, GradCache's step (common.grad_cache, the suite's)."""
+    queue after each optimizer step (the loss is a callback), the state in each checkpoint-N/ and
+    back on resume; with the loss's micro_batch_size=, GradCache's step (common.grad_cache)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         found = [m for loss in (self.loss.values() if isinstance(self.loss, dict) else [self.loss])
                  for m in loss.modules() if isinstance(m, ContrastiveLoss)]
         if len(found) != 1:
-            names = ", ".join(c.__name__ for c in LOSSES)
+            names = ", ".join(c.__name__ for c in ContrastiveLoss.__subclasses__())
             raise ValueError(f"ContrastiveTrainer trains one of {names}; got {len(found)}")
         self.contrastive = loss = found[0]
         if loss is not self.loss:  # MatryoshkaLoss, AdaptiveLayerLoss: tried, they fail obscurely
@@ -333,22 +268,16 @@ class ContrastiveTrainer(st.SentenceTransformerTrainer):
                              "contrastive loss is no sum over micro-batches (each sees fewer "
                              f"negatives); use {type(loss).__name__}(model, micro_batch_size=K) "
                              "instead, the whole batch's objective exactly (GradCache)")
-        loss.trainer = self
-        loss.place(self.model.device)
+        loss.trainer, device = self, self.model.device  # the generator and queue go there too
+        if loss.generator is not None and loss.generator.device != device:
+            loss.generator = torch.Generator(device).manual_seed(loss.seed)
+        for name, value in (loss.queue.state_dict() if loss.queue is not None else {}).items():
+            setattr(loss.queue, name, value.to(device))
         self.data_collator.max_length = loss.max_seq_length  # the recipe's, in training alone
         # the trainer's NaN/inf filter reads the loss on the host each step: done on the device
         self.nan_inf_filter = self.args.logging_nan_inf_filter
         self.args.logging_nan_inf_filter = False
-        self.add_callback(AfterOptimizerStep(loss))
-
-    def own_parameters(self) -> list:
-        """The loss's parameters outside the model: the head (the momentum encoder has no grad)."""
-        in_model = {id(p) for p in self.model.parameters()}
-        return [p for p in self.contrastive.parameters()
-                if p.requires_grad and id(p) not in in_model]
-
-    def all_parameters(self, model) -> list:
-        return list(model.parameters()) + self.own_parameters()
+        self.add_callback(loss)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.contrastive.micro_batch_size:
@@ -356,8 +285,10 @@ class ContrastiveTrainer(st.SentenceTransformerTrainer):
         else:
             loss = super().training_step(model, inputs, num_items_in_batch)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            grads = [p.grad for p in self.own_parameters() if p.grad is not None]
-            for grad in grads:  # what DDP does for the model's
+            in_model = {id(p) for p in model.parameters()}  # DDP averages those; the head here
+            grads = [p.grad for p in self.contrastive.parameters()
+                     if p.grad is not None and id(p) not in in_model]
+            for grad in grads:
                 torch.distributed.all_reduce(grad)
             torch._foreach_div_(grads, torch.distributed.get_world_size())
         if self.nan_inf_filter:  # a NaN or inf step counts as the mean so far (the trainer's)
@@ -372,27 +303,27 @@ class ContrastiveTrainer(st.SentenceTransformerTrainer):
         model.train()
         inputs = self._prepare_inputs(inputs)
         inputs.pop("dataset_name", None)
-        features, _ = self.collect_features(inputs)
         if model is self.model_wrapped and loss_fn.model is not model:
             self.override_model_in_loss(loss_fn, model)
-        loss_fn.columns = len(features)
-        batch = loss_fn.last_batch = loss_fn.batch_of(features)
+        batch = loss_fn.batch_of(self.collect_features(inputs)[0])
         options, encoder, scaler = loss_fn.options(), BlockEncoder(loss_fn), self.accelerator.scaler
         sync = {"no_sync": model.no_sync} if hasattr(model, "no_sync") else {}  # DDP's
-        trained = types.SimpleNamespace(parameters=lambda: self.all_parameters(model), **sync)
+        trained = types.SimpleNamespace(parameters=loss_fn.parameters, **sync)  # head's too
         return common.grad_cache(
-            lambda part: loss_fn.views(encoder, data.part_of(batch, part, loss_fn.columns),
+            lambda part: loss_fn.block("views", encoder, data.part_of(batch, part, loss_fn.columns),
                                        dtype=options["dtype"]),
-            functools.partial(loss_fn.objective, gather=options["gather"]),
+            functools.partial(loss_fn.block, "objective", gather=options["gather"]),
             len(batch["input_ids"]) // loss_fn.columns, loss_fn.micro_batch_size,
             scaler.scale if scaler is not None else (lambda t: t), trained)
 
     def _clip_grad_norm(self, model):  # the head with the encoder, one norm, as the suite clips
-        return self.accelerator.clip_grad_norm_(self.all_parameters(model), self.args.max_grad_norm)
+        return self.accelerator.clip_grad_norm_(self.contrastive.parameters(),
+                                                self.args.max_grad_norm)
 
-    def _get_grad_norm(self, model, grad_norm=None):
+    def _get_grad_norm(self, model, grad_norm=None):  # unclipped (max_grad_norm=0): the head's too
         if grad_norm is None:
-            grad_norm = self.accelerator.clip_grad_norm_(self.all_parameters(model), float("inf"))
+            grad_norm = self.accelerator.clip_grad_norm_(self.contrastive.parameters(),
+                                                         float("inf"))
         return super()._get_grad_norm(model, grad_norm)
 
     def _save(self, output_dir=None, state_dict=None) -> None:
@@ -403,23 +334,19 @@ class ContrastiveTrainer(st.SentenceTransformerTrainer):
         files.write_json(out / files.EVAL_POOLER_FILE, {"pooler": loss.pooler})
         if loss.pooler == "cls":
             files.save_linear(out, files.HEAD_FILE, loss.head[0])
-        torch.save(loss.training_state(), out / STATE_FILE)
+        own = {k: v for k, v in loss.state_dict().items() if not k.startswith("model.")}
+        torch.save({"modules": own, "generator": loss.generator and loss.generator.get_state(),
+                    "queue": loss.queue and loss.queue.state_dict()}, out / STATE_FILE)
 
     def _load_from_checkpoint(self, checkpoint, *args, **kwargs) -> None:
         super()._load_from_checkpoint(checkpoint, *args, **kwargs)
-        path = Path(checkpoint) / STATE_FILE
+        path, loss = Path(checkpoint) / STATE_FILE, self.contrastive
         if not path.is_file():
             raise FileNotFoundError(f"{checkpoint} holds no {STATE_FILE} (the loss's head, queue, "
                                     "generator): ContrastiveTrainer did not save it")
-        self.contrastive.load_training_state(torch.load(path, map_location=self.args.device,
-                                                        weights_only=True))
-
-
-class AfterOptimizerStep(transformers.TrainerCallback):
-    """miCSE's EMA and queue right after each optimizer step, as micse.py's step has them."""
-
-    def __init__(self, loss):
-        self.loss = loss
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.loss.after_optimizer_step()
+        state = torch.load(path, map_location=self.args.device, weights_only=True)
+        loss.load_state_dict(state["modules"], strict=False)  # (the model: the trainer's files)
+        if loss.generator is not None:
+            loss.generator.set_state(state["generator"].cpu())
+        if loss.queue is not None:
+            loss.queue.load_state_dict(state["queue"])

@@ -44,12 +44,17 @@ def tiny_st(tmp_path_factory):
                                                  (st_losses.MiCSELoss, micse)])
 def test_each_keyword_is_the_method_files_flag_with_its_recipes_default(loss_class, method):
     """A loss's keywords are its method file's flags (as its parser names them) and default to its RECIPE, and its
-    pooling is the evaluation pooler of that recipe (common.eval_pooler): a recipe or a flag changed in the method
-    file and not here fails it."""
+    pooling is the evaluation pooler of that recipe (common.eval_pooler); what the loss hands its block by name
+    (loss.keywords) the block's step takes, but the two its step derives (SSCL's per_layer, AMI's mask), which its
+    objective takes: a recipe, a flag or a block's argument renamed in the method file and not here fails it."""
     import inspect
     flags = vars(method.parse_args([]))
     keywords = {k: p.default for k, p in inspect.signature(loss_class).parameters.items() if k != "model"}
     assert set(keywords) <= set(flags), set(keywords) - set(flags)
+    step, objective = (inspect.signature(getattr(method, f"{method.__name__}_{part}")).parameters
+                       for part in ("step", "objective"))
+    derived = {"per_layer", "attention_mask"}
+    assert set(loss_class.keywords) - derived <= set(step) and set(loss_class.keywords) & derived <= set(objective)
     assert {k: v for k, v in keywords.items() if k in method.RECIPE} == \
         {k: method.RECIPE[k] for k in keywords if k in method.RECIPE}
     recipe = types.SimpleNamespace(pooler=method.RECIPE.get("pooler", "cls"),

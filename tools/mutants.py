@@ -162,15 +162,15 @@ MUTANTS = {
                                      'if any((folder / f"{note.get(',
                                      [f"{CLUSTER}a_local_job_has_ended_only_when_every_task_has"]),
     # #88: what ContrastiveTrainer does for a loss's own state (st_losses.py)
-    "st-head-not-clipped": ("st_losses.py", "return self.accelerator.clip_grad_norm_(self.all_parameters(model), ",
-                            "return self.accelerator.clip_grad_norm_(model.parameters(), ",
+    "st-head-not-clipped": ("st_losses.py", "return self.accelerator.clip_grad_norm_(self.contrastive.parameters(),",
+                            "return self.accelerator.clip_grad_norm_(model.parameters(),",
                             [f"{ST_LOSSES}test_three_steps_of_contrastive_trainer_equal_the_method_files_block_loop_"
                              "bit_for_bit[simcse]"]),
     "st-ema-before-the-step": ("st_losses.py", "    def on_optimizer_step(self, args, state, control, **kwargs):",
                                "    def on_pre_optimizer_step(self, args, state, control, **kwargs):",
                                [f"{ST_LOSSES}test_three_steps_of_contrastive_trainer_equal_the_method_files_block_"
                                 "loop_bit_for_bit[micse]"]),
-    "st-queue-not-checkpointed": ("st_losses.py", '            self.queue.load_state_dict(state["queue"])',
+    "st-queue-not-checkpointed": ("st_losses.py", '            loss.queue.load_state_dict(state["queue"])',
                                   "            pass", [f"{ST_LOSSES}test_resume_from_checkpoint_at_step_2_of_4_"
                                                       "equals_the_straight_run_bit_for_bit[micse]"]),
 }
