@@ -7,9 +7,10 @@ task of an array killed with SIGKILL, its node set DOWN and back, and a run whos
 ends with the uninterrupted run's scores, trajectory and weights bit for bit, or is reported as failed once, with
 its reason; `status` tells the truth at each moment; a second `run` submits nothing for a queued or done run and
 resubmits a failed or lost one. One run as two tasks (gloo, through Slurm's srun) trains as one process and stops
-within the warning. Bad input is one line before anything is queued. Slurm holds a requeued job for 2 minutes
-before it starts it again (BeginTime): the tests release such jobs after 15 s (`scontrol update jobid=J
-starttime=now`), as an impatient admin would."""
+within the warning; one run across both nodes trains as torchrun's two processes and survives its node's fall. Bad
+input is one line before anything is queued. Slurm holds a requeued job for 2 minutes before it starts it again
+(BeginTime): the tests release such jobs after 15 s (`scontrol update jobid=J starttime=now`), as an impatient admin
+would."""
 import importlib
 import json
 import os
@@ -199,8 +200,15 @@ def setting(flags):
     one = [str(no_dropout) if a == str(model) else a for a in args] + [
         "--dropout", "0", "--max_steps", "200", "--eval_steps", "200", "--no_test_eval"]
     importlib.import_module("simcse").main([*one, "--seed", "1", "--output_dir", str(folder / "one")])
+    # two_nodes's reference: the same run as two processes of torchrun on this machine (the jobs' threads)
+    launched = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               "simcse.py", *args, "--seed", "1", "--output_dir", str(folder / "torchrun")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, OMP_NUM_THREADS=THREADS, HF_HUB_OFFLINE="1"))
+    assert launched.returncode == 0, launched.stderr[-3000:]
     return {"folder": folder, "args": args, "results": json.loads((straight / "results.json").read_text()),
-            "best": straight / "best", "one": (one, json.loads((folder / "one" / "results.json").read_text()))}
+            "best": straight / "best", "one": (one, json.loads((folder / "one" / "results.json").read_text())),
+            "torchrun": (args, json.loads((folder / "torchrun" / "results.json").read_text()))}
 
 
 def same_trajectory(got: list[dict], want: list[dict], resumed_at: list[int]) -> bool:
@@ -212,15 +220,17 @@ def same_trajectory(got: list[dict], want: list[dict], resumed_at: list[int]) ->
         all(row["step"] in resumed_at for row in extra)
 
 
-def same_as_straight(place: Place, row: str, setting: dict) -> None:
-    """The kept results and best/ weights: the uninterrupted run's, bit for bit; its timing kept beside them."""
+def same_as_straight(place: Place, row: str, setting: dict, reference="straight") -> None:
+    """The kept results and best/ weights: the uninterrupted run's (`reference`: the one-process run's, or the
+    two-process torchrun run's), bit for bit; its timing kept beside them."""
     from safetensors.torch import load_file
-    kept, want = place.kept(row), setting["results"]
+    kept, want = place.kept(row), setting["results"] if reference == "straight" else setting[reference][1]
     for key in ("train_loss", "grad_norm", "best_step", "best_dev_stsb", "test"):
         assert kept[key] == want[key], (place.name, row, key)  # floats compared exactly
     assert same_trajectory(kept["trajectory"], want["trajectory"], kept.get("resumptions", [])), (place.name, row)
     got = load_file(place.folder / "runs" / place.name / f"{row}.seed1" / "best" / "model.safetensors")
-    ref = load_file(setting["best"] / "model.safetensors")
+    ref = load_file((setting["best"] if reference == "straight" else Path(want["args"]["output_dir"]) / "best")
+                    / "model.safetensors")
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), (place.name, row)
     assert kept["report"]["wall_s"] > 0 and kept["report"]["cpu_s"] > 0, kept.get("report")
 
@@ -268,6 +278,14 @@ def preemption_then_node_down(place: Place, setting: dict) -> None:
     place.training()
     slurm("sbatch", "-p", "urgent", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 2")
     place.training(start=2, saved=False)  # the resumed job running: the node falls under it (its save can't be waited)
+    node_falls_under(place, job)
+    assert place.line() == "simcse seed 1: done, requeued 2 time(s)" and place.job_ids() == [job], place.line()
+    same_as_straight(place, "simcse", setting)
+    two_nodes(Place(place.folder, "two_nodes", setting["args"], ["simcse"]), setting)  # c2 is this thread's
+
+
+def node_falls_under(place: Place, job: str) -> None:
+    """Node c2 set DOWN under the running job, then back: Slurm requeues the job, which runs to its end."""
     slurm("scontrol", "update", "nodename=c2", "state=down", "reason=suite-test")
     try:  # its processes end (KillWait) before it comes back, as a node that fell would have lost them
         place.until(lambda: place.progress().get("state") != "running", why="stopped by its node's fall")
@@ -278,8 +296,25 @@ def preemption_then_node_down(place: Place, setting: dict) -> None:
     if "scontrol release" in line:  # Slurm held the job: its launch failed on the node coming back
         slurm("scontrol", "release", job)
     place.says("done", timeout=300)
-    assert place.line() == "simcse seed 1: done, requeued 2 time(s)" and place.job_ids() == [job], place.line()
-    same_as_straight(place, "simcse", setting)
+
+
+def two_nodes(place: Place, setting: dict) -> None:
+    """#89 item 6: one run across both nodes (--nodes 2: a task on each through srun, gloo, the rendezvous from
+    Slurm's variables as submitit gives them) trains as torchrun's two processes on one machine do, bit for bit;
+    node c2 set DOWN under it takes the job down on both nodes, Slurm requeues it, and it resumes from last/ to the
+    same results. Status says it ran on both nodes, then requeued and pending, then done. (After preempt_node, in
+    its thread: both take c2 down.)"""
+    place.submit("--nodes", "2", slurm=["nodelist=c1,c2"])
+    job, = place.job_ids()
+    place.training()
+    line = place.line()
+    assert line.startswith(f"simcse seed 1: running (job {job}):"), line
+    assert slurm("squeue", "-h", "-j", job, "-o", "%N").strip() == "c[1-2]"  # a task on each node
+    node_falls_under(place, job)
+    assert place.line() == "simcse seed 1: done, requeued 1 time(s)" and place.job_ids() == [job], place.line()
+    kept = place.kept("simcse")
+    assert kept["world_size"] == 2 and kept["resumptions"], kept["resumptions"]
+    same_as_straight(place, "simcse", setting, reference="torchrun")
 
 
 def cancel_pending(place: Place, setting: dict) -> None:
