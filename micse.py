@@ -86,6 +86,9 @@ def parse_args(argv=None):
 import copy  # (the standard library's)
 from typing import NamedTuple
 
+import torch  # the block's one dependency: it runs pasted alone
+import torch.nn.functional as F
+
 
 def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """All-pairs cosine similarity, (N, D) x (M, D) -> (N, M)."""

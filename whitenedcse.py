@@ -68,6 +68,10 @@ def parse_args(argv=None):
 
 
 # --- the objective: copy this block; it needs only torch ---
+import torch  # the block's one dependency: it runs pasted alone
+import torch.nn.functional as F
+
+
 def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """All-pairs cosine similarity, (N, D) x (M, D) -> (N, M)."""
     return F.normalize(a, dim=-1) @ F.normalize(b, dim=-1).T

@@ -1,7 +1,7 @@
 """A method's objective lifts into a student's own loop: each method file holds it in one block between two marker
-lines, and that block, copied as it stands into a fresh module that imports only torch (and torch.nn.functional as
-F), runs and gives what the suite's own functions give, bit for bit. A block that reached outside itself (a helper
-left out of it, `common`, a module global, a flag) would fail to run there."""
+lines, and that block, copied as it stands into a fresh module, nothing imported for it (it imports torch and
+torch.nn.functional as F itself), runs and gives what the suite's own functions give, bit for bit. A block that reached
+outside itself (a helper or an import left out of it, `common`, a module global, a flag) would fail to run there."""
 import importlib
 import re
 import sys
@@ -18,7 +18,6 @@ import whitenedcse
 
 START = "# --- the objective: copy this block; it needs only torch ---"
 END = "# --- end of the objective ---"
-HEADER = "import torch\nimport torch.nn.functional as F\n"
 LIFTABLE = {  # the loss: the method file whose block holds it
     "info_nce": simcse, "positive_only_loss": simcse, "masked_lm_loss": simcse,
     "off_dropout_info_nce": simcsepp, "view_negatives_info_nce": simcsepp, "dcl_loss": simcsepp,
@@ -35,10 +34,10 @@ def block(module: types.ModuleType) -> str:
 
 
 def lifted(module: types.ModuleType) -> types.ModuleType:
-    """A module made of the block alone, executed with only torch imported."""
+    """A module made of the block alone, executed as pasted: nothing imported for it but what it imports."""
     lifted_module = types.ModuleType(f"lifted_{module.__name__}")
     before = set(sys.modules)
-    exec(compile(HEADER + block(module), f"<the objective of {module.__name__}.py>", "exec"), lifted_module.__dict__)
+    exec(compile(block(module), f"<the objective of {module.__name__}.py>", "exec"), lifted_module.__dict__)
     suite = {"common", "data", "plumbing", "simcse", "simcsepp", "sscl", "whitenedcse", "micse"}
     assert not suite & {k for k, v in lifted_module.__dict__.items() if isinstance(v, types.ModuleType)}
     assert set(sys.modules) == before  # it imported nothing new
@@ -92,6 +91,17 @@ def test_a_block_missing_a_helper_fails_to_lift(monkeypatch):
         lifted(simcsepp).off_dropout_info_nce(*args, **kwargs)
 
 
+def test_a_block_without_its_imports_fails_to_lift(monkeypatch):
+    """Pasted alone, a block has only its own imports: simcse's without its `import torch.nn.functional as F` runs
+    into a NameError (as it did when pasted before the block imported F itself)."""
+    source = block(simcse)
+    monkeypatch.setattr(sys.modules[__name__], "block",
+                        lambda module: source.replace("import torch.nn.functional as F\n", ""))
+    args, kwargs = inputs("info_nce")
+    with pytest.raises(NameError, match="'F'"):
+        lifted(simcse).info_nce(*args, **kwargs)
+
+
 def test_gather_asks_torch_distributed_not_the_suites_state(monkeypatch):
     """A student's torchrun loop starts its process group with torch.distributed.init_process_group and never calls
     plumbing.distributed.init: gather still returns every process's rows, as torch.distributed says (here a group of
@@ -138,7 +148,7 @@ def as_a_student_calls_it(case: str, block, encoder, batch: dict, args: tuple, k
 @pytest.mark.parametrize("case", list(STEPS))
 def test_a_pasted_step_fed_a_transformers_model_gives_the_suites_loss_bit_for_bit(case, tiny_model, corpus,
                                                                                 senteval_dir, tmp_path, monkeypatch):
-    """Each method's objective block, pasted alone under `import torch` and `import torch.nn.functional as F`: its
+    """Each method's objective block, pasted alone (its own `import torch` and `import torch.nn.functional as F`): its
     <method>_step, called as a student calls it (the plain transformers model, the batch's tokens, a head, the
     recipe's defaults), gives the loss the suite's own run computed at its first step, bit for bit: the same dropout
     masks (the RNG state the suite's step began with), shuffles and AMI draws (their generators' state). The suite's
