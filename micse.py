@@ -32,8 +32,9 @@ from plumbing.run import Run
 ATTN_IMPLEMENTATION = "eager"  # transformers 5's default SDPA returns no attention weights
 
 # The recipe, read first: miCSE on all of wiki1m with BERT-base (Section 3.1, its queue and momentum
-# encoder included), trained by AdamW without weight decay, its lr warmed up then decayed linearly;
-# every flag's default comes from here.
+# encoder included), trained by AdamW without weight decay, its lr warmed up then decayed linearly.
+# Its values are the defaults of the flags it names (PRESETS' rows replace some); the other shared
+# flags' (--seed, --max_grad_norm, --precision, --cuda_graph) are common.FLAGS' and options.py's.
 RECIPE = dict(batch_size=50, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=250,
               eval_steps=125, pooler="cls", mlp_only_train=True, ami_lambda=2.5e-3, ami_samples=150,
               queue_size=384, momentum=0.995, momentum_dropout=0.3)
@@ -130,7 +131,8 @@ def ami_loss(attn1, attn2, num_samples: int = 150, generator: torch.Generator | 
     log1, log2 = centred_logs(tiles1, sample), centred_logs(tiles2, sample)  # 3.
     rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)  # 4.
     # Code over paper: Algorithm 1 drops Eq. 4's log; the released code keeps it (and scales).
-    # Released code: rho = +-1 takes log(0), a NaN it replaces by 100; clamped here (fidelity.md)
+    # Released code: rho = +-1 gives log(0) = -inf (MI +inf, kept); |rho| > 1 (rounding) the log of
+    # a negative number, NaN, replaced by 100. Clamped here: MI <= -log(1e-6) / 2 (fidelity.md)
     mutual_information = -0.5 * torch.log(1 - (rho ** 2).clamp(max=1 - 1e-6))
     mean_mi = torch.where(sample.used, mutual_information, 0.0).sum() / sample.used.sum()  # 5.
     loss = -mean_mi * (sample.valid_fraction ** 2 + 1e-6)
@@ -195,6 +197,7 @@ def moco_info_nce(z1, z2, queue, temp: float = 0.05, own_keys=None) -> torch.Ten
     logits = torch.cat([cos_sim(z1, z2), cos_sim(z1, queue)], dim=1) / temp
     if own_keys is not None:  # none among the in-batch negatives
         logits = logits.masked_fill(F.pad(own_keys, (len(z2), 0)), -torch.inf)
+    # Code over paper: the released code's CE keeps the positive in the denominator (Eq. 2: j != i)
     return F.cross_entropy(logits, torch.arange(len(z1), device=z1.device))
 
 
@@ -432,8 +435,8 @@ def main(argv=None):
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
-    # The model
-    backbone.to(device).train()  # and the head: the MLP on [CLS], kept at evaluation or not
+    # The model: the MLP on [CLS] ("cls"), evaluated before it unless --no-mlp_only_train.
+    backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (SimCSE Table 3); None: the model's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
     model = common.BackboneWithHeads(backbone, head, prebuilt_mask=prebuilt_mask)
@@ -463,7 +466,8 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     one_step = functools.partial(train_step, ddp_model, backbone, head, momentum_model, queue,
                                  generator, params, optimizer, scaler, args)
-    # With --cuda_graph, on one GPU, the step is replayed from a CUDA graph (plumbing/graph.py).
+    # On one CUDA GPU the step is by default replayed from a CUDA graph (--no_cuda_graph: eager).
+    # A print in train_step shows at warm-up and capture, never at a replay (plumbing/graph.py).
     train = graph.StepGraph(one_step, optimizer, args.cuda_graph, generators=[generator])
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:

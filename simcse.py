@@ -35,7 +35,9 @@ from plumbing import backbones, distributed, graph, hub, options
 from plumbing.run import Run
 
 # The recipe, read first: unsupervised SimCSE on BERT-base (Table A.1), trained by AdamW without
-# weight decay, its lr decayed linearly; every flag's default comes from here.
+# weight decay, its lr decayed linearly. Its values are the defaults of the flags it names (PRESETS'
+# rows replace some); the other shared flags' (--seed, --max_grad_norm, --precision, --cuda_graph)
+# are common.FLAGS' and plumbing/options.py's.
 # Code over paper: STS-B dev every 125 steps, as run_unsup_example.sh (Appendix A says every 250)
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, pooler="cls", mlp_only_train=True, hard_negative_weight=0.0,
@@ -81,12 +83,13 @@ def parse_args(argv=None):
                    help="with --supervised: the (sent0, sent1) pairs alone, in-batch negatives "
                         "only (Table 4's entailment pairs; as a CSV without hard_neg trains)")
     g.add_argument("--hard_negative_weight", type=float,
-                   help="Eq. 8: added to an anchor's own hard negative's logit (alpha = e^weight)")
+                   help="log alpha of Eq. 8, added to an anchor's own hard negative's logit (the "
+                        "released code's flag): Table 7's alpha 0.5, 1, 2 are -0.693, 0, 0.693")
     g.add_argument("--neutral_hard_negatives", action="store_true",
                    help="with --supervised: a CSV's neutral column as a second hard negative "
                         "(Table 7's 'Contra. + Neutral'; nli_for_simcse.csv has none)")
     g.add_argument("--do_mlm", action="store_true",
-                   help="+ the masked-LM loss of masked copies of the inputs (Appendix D.2)")
+                   help="+ the MLM loss of masked copies of the inputs (Appendix A, Table D.2)")
     g.add_argument("--mlm_weight", type=float,
                    help="lambda of the MLM term (Table D.2: 0.01, 0.1, 1; released default 0.1)")
     g.add_argument("--mlm_probability", type=float,
@@ -124,9 +127,9 @@ def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def info_nce(z1, z2, temp: float = 0.05, z3=None,
              hard_negative_weight: float = 0.0) -> torch.Tensor:
     """SimCSE InfoNCE with in-batch negatives at temperature `temp` (Eq. 1, 4); with hard negatives
-    `z3` Eq. 5, Eq. 8's alpha as the authors add it (`hard_negative_weight` on anchor i's own, row i
-    of each set of N rows in `z3`: Table 7's contradictions, then neutrals). Inputs in fp32 (after
-    autocast)."""
+    `z3` Eq. 5, Eq. 8's alpha as the authors apply it: `hard_negative_weight` is log alpha (0: alpha
+    1), added to the logit of anchor i's own, row i of each set of N rows in `z3` (Table 7's
+    contradictions, then neutrals). Inputs in fp32 (after autocast)."""
     if z1.dim() != 2 or z1.shape != z2.shape:
         raise ValueError(f"z1 and z2 are two (N, D) views of the same N sentences, got "
                          f"{tuple(z1.shape)} and {tuple(z2.shape)}")
@@ -143,9 +146,9 @@ def info_nce(z1, z2, temp: float = 0.05, z3=None,
 
 
 def masked_lm_loss(prediction_scores, labels, num_masked=None) -> torch.Tensor:
-    """The auxiliary MLM term of Appendix D.2 (l + lambda * l_mlm): mean cross-entropy of the
-    vocabulary scores (..., V) at the masked positions; label -100 marks a position that is not
-    scored. A batch with nothing masked gives 0 (the released code's mean over none is NaN).
+    """l_mlm of Appendix A's auxiliary objective l + lambda * l_mlm, unweighted (mlm_loss weighs
+    it): mean cross-entropy of the vocabulary scores (..., V) at the masked positions; label -100
+    marks a position that is not scored. Nothing masked gives 0 (the released code's mean: NaN).
     `num_masked`: the whole batch's count, when these are some of its rows (--micro_batch_size)."""
     total = F.cross_entropy(prediction_scores.reshape(-1, prediction_scores.shape[-1]).float(),
                             labels.reshape(-1), ignore_index=-100, reduction="sum")
@@ -270,7 +273,7 @@ def mask_tokens(input_ids, special_ids, probability: float, mask_token_id: int, 
 
 
 class MaskedLM(NamedTuple):
-    """What --do_mlm's term needs (Appendix D.2): the MLM head, the generator its masks are drawn
+    """What --do_mlm's term needs (Appendix A): the MLM head, the generator its masks are drawn
     from, and the tokenizer's special ids (never masked), [MASK] id and vocabulary size."""
     head: torch.nn.Module
     generator: torch.Generator
@@ -281,9 +284,9 @@ class MaskedLM(NamedTuple):
 
 def mlm_loss(masked: dict, ddp_model, lm_head, sections: int, args, part=None,
              terms=None) -> torch.Tensor:
-    """lambda x the MLM loss of `part`'s rows of the masked views (laid out in `sections` stacked
-    sections of rows: NLI's columns, or the repeated views; the mean over the whole batch's masked
-    tokens), the head under autocast, as the released fp16 runs.
+    """The weighted term lambda * l_mlm (args.mlm_weight x masked_lm_loss) of `part`'s rows of the
+    masked views (in `sections` stacked sections of rows: NLI's columns, or the repeated views; the
+    mean over the whole batch's masked tokens), the head under autocast, as the released fp16 runs.
     A dict given as `terms` gets it added to its "mlm" (the parts' sum: the term), for the log."""
     rows = data.part_of(masked, part, sections)
     inputs = {k: v for k, v in rows.items() if k != "labels"}
@@ -303,7 +306,7 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
     view_options = dict(pool=common.block_pool(args.pooler), dtype=common.amp_dtype(args.precision),
                         fixed_dropout_mask=args.fixed_dropout_mask)
     gather = functools.partial(distributed.gather, rows=global_rows)  # one process: as it is
-    if mlm is not None:  # Appendix D.2's MLM term reads masked copies of the views' rows.
+    if mlm is not None:  # Appendix A's MLM term reads masked copies of the views' rows.
         views = batch if args.supervised else common.repeat_views(batch,
                                                                    2 - args.fixed_dropout_mask)
         input_ids, labels = mask_tokens(views["input_ids"], mlm.special_ids, args.mlm_probability,
@@ -341,7 +344,9 @@ def main(argv=None):
     device = run.device
 
     # The data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard
-    # negatives), tokenised once; a batch is then only gathered and padded to its longest row.
+    # negatives), tokenised once; a batch is then only gathered and padded: to --max_seq_length
+    # under the CUDA graph (on by default on one CUDA GPU), else to its longest row (--compile: to a
+    # multiple of 8; data.pad_multiple).
     default_file = "nli_for_simcse.csv" if args.supervised else "wiki1m_for_simcse.txt"
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
@@ -352,7 +357,7 @@ def main(argv=None):
             args, default_file, triplets=args.supervised, hard_negatives=not args.no_hard_negatives,
             neutral=args.neutral_hard_negatives)
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length,
-                                      data.pad_multiple(args))  # to its longest row, or alike
+                                      data.pad_multiple(args))  # padded as said above
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
@@ -362,7 +367,7 @@ def main(argv=None):
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (Table 3); None: the checkpoint's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    # --do_mlm (Appendix D.2) adds an MLM head, and draws its masks on the device from a generator
+    # --do_mlm (Appendix A) adds an MLM head, and draws its masks on the device from a generator
     # of its own; a run without it has neither.
     lm_head, mlm_generator, mlm = None, None, None
     if args.do_mlm:
@@ -386,7 +391,8 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     one_step = functools.partial(train_step, ddp_model, head, params, optimizer, scaler, args,
                                  corpus.num_columns, mlm)
-    # With --cuda_graph, on one GPU, the step is replayed from a CUDA graph (plumbing/graph.py).
+    # On one CUDA GPU the step is by default replayed from a CUDA graph (--no_cuda_graph: eager).
+    # A print in train_step shows at warm-up and capture, never at a replay (plumbing/graph.py).
     train = graph.StepGraph(one_step, optimizer, args.cuda_graph, generators=[mlm_generator])
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:

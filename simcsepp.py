@@ -33,7 +33,9 @@ from plumbing import distributed, graph, hub, options
 from plumbing.run import Run
 
 # The recipe, read first: SimCSE++ on BERT-base (Section 5.1, Table 5), trained by AdamW without
-# weight decay, its lr decayed linearly; every flag's default comes from here.
+# weight decay, its lr decayed linearly. Its values are the defaults of the flags it names (PRESETS'
+# rows replace some); the other shared flags' (--seed, --max_grad_norm, --precision, --cuda_graph)
+# are common.FLAGS' and plumbing/options.py's.
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, pooler="cls", mlp_only_train=True, m=0.9, dcl_weight=0.1,
               dcl_temp=5.0)
@@ -242,14 +244,15 @@ def main(argv=None):
     run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
-    # The data
+    # The data: batches padded to --max_seq_length under the CUDA graph (on by default on one CUDA
+    # GPU), else to their longest row (--compile: to a multiple of 8; data.pad_multiple)
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # dropout to turn off
         vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length,
-                                      data.pad_multiple(args))  # to its longest row, or alike
+                                      data.pad_multiple(args))  # padded as said above
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
@@ -272,7 +275,8 @@ def main(argv=None):
               scaler=scaler)  # what last/ saves
     batches = data.batches(loader)  # epoch after epoch
     one_step = functools.partial(train_step, ddp_model, head, params, optimizer, scaler, args)
-    # With --cuda_graph, on one GPU, the step is replayed from a CUDA graph (plumbing/graph.py).
+    # On one CUDA GPU the step is by default replayed from a CUDA graph (--no_cuda_graph: eager).
+    # A print in train_step shows at warm-up and capture, never at a replay (plumbing/graph.py).
     train = graph.StepGraph(one_step, optimizer, args.cuda_graph)
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:

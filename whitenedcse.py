@@ -7,10 +7,10 @@ positives (Eq. 7).
 
 Headline (Table 1, BERT-base, 7-task STS average): 78.78 (+2.53 over SimCSE's 76.25).
 
-    python whitenedcse.py                  # groups of 2 channels (384 for BERT-base), 3 positives
+    python whitenedcse.py                  # groups of 2 channels (384 for BERT-base), 3 views
     python whitenedcse.py --no_shuffle     # Table 4: the same grouping for every view
     python whitenedcse.py --no_whitening   # Table 6: the positives differ by dropout alone
-    python whitenedcse.py --num_pos 2      # Table 6: SGW with one positive
+    python whitenedcse.py --num_pos 2      # Table 6: SGW alone, 2 views (anchor and one positive)
     torchrun --nproc_per_node 2 whitenedcse.py   # each process whitens its own rows
 
 The released code does not run on today's PyTorch (docs/fidelity.md); this file is written from the
@@ -31,7 +31,9 @@ from plumbing import distributed, graph, hub, options
 from plumbing.run import Run
 
 # The recipe, read first: WhitenedCSE on BERT-base (Section 4.1), trained by AdamW without weight
-# decay, its lr decayed linearly; every flag's default comes from here (num_groups None: d / 2).
+# decay, its lr decayed linearly: the defaults of the flags it names (PRESETS' rows replace some;
+# num_groups None: d / 2); the other shared flags' (--seed, --max_grad_norm, --precision,
+# --cuda_graph) are common.FLAGS' and plumbing/options.py's.
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, num_pos=3)
 # The paper's settings (flags win): --num_groups, Section 4.1: "384" for BERT-base and -large, "256"
@@ -50,11 +52,12 @@ def parse_args(argv=None):
                    help="SGW groups (default: the backbone's, else groups of 2 channels, "
                         "hidden_size / 2: BERT-base's 384, Table 4's best)")
     g.add_argument("--num_pos", type=int,
-                   help="m, the number of whitened views (Table 5: 3)")
+                   help="m, the views of a sentence, the anchor included (the paper's 'number "
+                        "of positives': 3, Section 4.1, Table 5; 2: SimCSE's pair, Table 6)")
     g.add_argument("--no_shuffle", action="store_true",
                    help="identity permutation for every view (Table 4 ablation)")
     g.add_argument("--no_whitening", action="store_true",
-                   help="no SGW: the m positives differ by dropout alone (Table 6 ablation)")
+                   help="no SGW: the m views differ by dropout alone (Table 6 ablation)")
     g.add_argument("--global_whitening", action="store_true",
                    help="under torchrun: whiten with the global batch's statistics, not each "
                         "process's own rows as the released code does")
@@ -100,9 +103,9 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
         c = centred.detach()
         identity = torch.eye(width, dtype=c.dtype, device=c.device)
         covariance = c.transpose(1, 2) @ c / n + eps * identity
-        if width == 2:  # the recipes' groups: Eq. 3 in closed form, no host sync (CUDA graphs)
+        if width == 2:  # BERT's and the default groups: Eq. 3 in closed form, no host sync
             whitening = inverse_sqrt_2x2(covariance)
-        else:  # Eq. 3 as written; eigh checks its convergence on the host: one sync
+        else:  # RoBERTa's 3 or 4: Eq. 3 as written; eigh checks on the host: a sync (eager)
             eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
             inverse_sqrt = torch.diag_embed(eigenvalues.clamp_min(1e-12).rsqrt())
             whitening = eigenvectors @ inverse_sqrt @ eigenvectors.transpose(1, 2)
@@ -112,8 +115,11 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
 
 
 def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
-    """Multi-positive InfoNCE (Eq. 7 with lambda_m = 1): sum over p = 2..m of CE(s(z_1, z_p)), s =
-    cos / temp, temp the temperature."""
+    """Multi-positive InfoNCE (Eq. 7 with lambda_m = 1): the sum over p = 2..m of CE(s(z_1, z_p)),
+    s = cos / temp, temp the temperature, the m views' first the anchor: a sum over the m - 1
+    positives, so at m = 3 about twice SimCSE's loss."""
+    # Code over paper: m counts the anchor (released num_pos 3: z1, z2, z3, two CE terms), as the
+    # paper's "positives 2" is SimCSE's pair (Table 6); Eq. 7 sums p = 1..m beside its anchor h_i
     if len(views) < 2 or any(z.dim() != 2 or z.shape != views[0].shape for z in views):
         raise ValueError(f"views: m >= 2 (N, D) views of the same N sentences, got "
                          f"{[tuple(z.shape) for z in views]}")
@@ -195,12 +201,13 @@ def whitenedcse_step(encoder, batch: dict, head: WhitenedHead, generator=None, n
 
 
 def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
-    """The whitening's Eq. 3 for the recipes' groups of 2, after the paper's path: C^-1/2 of each
-    2 x 2 covariance [[a, b], [b, c]] (G, 2, 2), the ZCA matrix eigh gives, written out: W = f(l1)
-    u u^T + f(l2) w w^T, f(l) = max(l, 1e-12)^-1/2 (eigh's floor), l1 >= l2 the eigenvalues, u the
-    eigenvector of l1, w its normal. l1 = (a + c) / 2 + |((a - c) / 2, b)| adds two positive
-    numbers; l2 = det C / l1, not (a + c) / 2 - |...|, a difference that cancels (to 0 in fp32 for
-    l2 = 4e-10 beside l1 = 0.036). Call it in float64, as the whitening does."""
+    """The whitening's Eq. 3 for groups of 2 channels (BERT's presets and the default; RoBERTa's,
+    3 or 4 wide, take eigh), after the paper's path: C^-1/2 of each 2 x 2 covariance
+    [[a, b], [b, c]] (G, 2, 2), the ZCA matrix eigh gives, written out: W = f(l1) u u^T + f(l2)
+    w w^T, f(l) = max(l, 1e-12)^-1/2 (eigh's floor), l1 >= l2 the eigenvalues, u the eigenvector
+    of l1, w its normal. l1 = (a + c) / 2 + |((a - c) / 2, b)| adds two positive numbers; l2 =
+    det C / l1, not (a + c) / 2 - |...|, a difference that cancels (to 0 in fp32 for l2 = 4e-10
+    beside l1 = 0.036). Call it in float64, as the whitening does."""
     a, b, c = covariance[:, 0, 0], covariance[:, 0, 1], covariance[:, 1, 1]
     half_gap = torch.hypot((a - c) / 2, b)
     high = (a + c) / 2 + half_gap
@@ -254,24 +261,24 @@ def main(argv=None):
     run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
-    # The data
+    # The data: batches padded to --max_seq_length under the CUDA graph (on by default on one CUDA
+    # GPU), else to their longest row (--compile: to a multiple of 8; data.pad_multiple)
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # its [CLS]
         vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length,
-                                      data.pad_multiple(args))  # to its longest row, or alike
+                                      data.pad_multiple(args))  # padded as said above
     hidden = backbone.config.hidden_size
     args.num_groups = args.num_groups or hidden // 2  # no backbone setting: groups of 2 channels
     width = group_width(hidden, args.num_groups)
     # a covariance over each process's rows (the released code), or the global batch's
     processes = 1 if args.global_whitening else distributed.world_size()
-    if args.batch_size // processes <= width:
+    if args.batch_size // processes <= width:  # rows <= a group's channels: a singular covariance
         raise plumbing.UsageError(f"groups of {width} channels need --batch_size above "
                                   f"{width * processes}{f' ({width} a process)' * (processes > 1)}")
-    # fewer rows: a singular covariance
-    loader = data.make_loader(corpus, args, device, min_rows=(width + 1) * processes)
+    loader = data.make_loader(corpus, args, device, min_rows=(width + 1) * processes)  # likewise
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
     # The model: SGW, Linear and Tanh on [CLS] for training; evaluation reads [CLS].
@@ -296,7 +303,8 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     one_step = functools.partial(train_step, ddp_model, head, generator, params, optimizer,
                                  scaler, args)
-    # With --cuda_graph, on one GPU, the step is replayed from a CUDA graph (plumbing/graph.py).
+    # On one CUDA GPU the step is by default replayed from a CUDA graph (--no_cuda_graph: eager).
+    # A print in train_step shows at warm-up and capture, never at a replay (plumbing/graph.py).
     train = graph.StepGraph(one_step, optimizer, args.cuda_graph, generators=[generator])
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
