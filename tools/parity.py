@@ -37,6 +37,7 @@ import importlib.util
 import io
 import math
 import sys
+import tempfile
 import types
 from pathlib import Path
 from unittest import mock
@@ -180,22 +181,28 @@ def released_inputs(columns: list[dict]) -> dict:
 
 
 def suite_parts(released, kind: str, pooler_head: bool = True):
-    """The suite's backbone (no pooler layer: BertForCL has none) and MLP head with the released model's weights."""
+    """The suite's backbone (no pooler layer: BertForCL has none) and head with the released model's weights: the MLP
+    head, WhitenedCSE's on the released 128 groups, or None; and the head's layer holding the released mlp.dense."""
     config = copy.deepcopy(released.config)
     backbone = (transformers.BertModel if kind == "bert" else transformers.RobertaModel)(config,
                                                                                           add_pooling_layer=False)
     backbone.load_state_dict(getattr(released, kind).state_dict())
-    head = None
-    if pooler_head and hasattr(released, "mlp") and hasattr(released.mlp, "dense"):
+    mlp, head, dense = getattr(released, "mlp", None), None, None
+    if hasattr(mlp, "dbn"):  # WhitenedCSE's head: its whitening, its hard-coded 128 groups
+        head = whitenedcse.WhitenedHead(config.hidden_size, 128)
+        dense = head.linear
+    elif pooler_head and hasattr(mlp, "dense"):
         head = common.MLPHead(config)
-        head[0].load_state_dict(released.mlp.dense.state_dict())
-    return backbone.train(), head
+        dense = head[0]
+    if dense is not None:
+        dense.load_state_dict(mlp.dense.state_dict())
+    return backbone.train(), head, dense
 
 
-def suite_gradients(kind: str, backbone, dense=None) -> dict:
-    """The suite's gradients under the released names: <kind>.<parameter>, and mlp.dense's (`dense`)."""
-    return {f"{kind}.{n}": p.grad for n, p in backbone.named_parameters()} | (
-        {f"mlp.dense.{n}": p.grad for n, p in dense.named_parameters()} if dense is not None else {})
+def suite_parameters(kind: str, backbone, dense=None) -> dict:
+    """The suite's parameters under the released names: <kind>.<parameter>, and mlp.dense's (`dense`)."""
+    return {f"{kind}.{n}": p for n, p in backbone.named_parameters()} | (
+        {f"mlp.dense.{n}": p for n, p in dense.named_parameters()} if dense is not None else {})
 
 
 def released_model(module, kind: str, config, **arguments):
@@ -239,12 +246,10 @@ class MatchedDropout:
     @contextlib.contextmanager
     def on(self, *encoders):
         hooks = [e.register_forward_pre_hook(self.start_pass, with_kwargs=True) for e in encoders]
-        real = F.dropout
-        F.dropout = self.dropout
         try:
-            yield self
+            with mock.patch.object(F, "dropout", self.dropout):
+                yield self
         finally:
-            F.dropout = real
             for h in hooks:
                 h.remove()
 
@@ -284,26 +289,33 @@ def row(name: str, loss_a, loss_b, grads_a=None, grads_b=None) -> dict:
             "gradients": len(set(grads_a or {}) | set(grads_b or {}))}
 
 
-def released_step(model, inputs: dict, dropout: MatchedDropout, *passes):
+def matched_step(encoder, loss, *passes, seed: int = 0) -> torch.Tensor:
+    """`loss()` (forward passes through `encoder`, `passes` their rows' keys, and a loss) with matched dropout from
+    `seed`; backward; the loss."""
+    dropout = MatchedDropout(seed)
+    with dropout.on(encoder):
+        dropout.expect(*passes)
+        value = loss()
+    value.backward()
+    return value.detach()
+
+
+def released_step(model, inputs: dict, seed: int, *passes):
     """The released model's loss on `inputs` and its gradients, with matched dropout."""
     model.train()
     model.zero_grad(set_to_none=True)
-    encoder = getattr(model, "bert", None) or getattr(model, "roberta")
-    with dropout.on(encoder):
-        dropout.expect(*passes)
-        loss = model(**inputs).loss
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+    loss = matched_step(getattr(model, "bert", None) or model.roberta, lambda: model(**inputs).loss, *passes, seed=seed)
+    return loss, {n: p.grad for n, p in model.named_parameters()}
 
 
-def suite_step(backbone, passes: list, step, seed: int = 0) -> torch.Tensor:
-    """`step()` (the suite's forward passes and loss) with matched dropout; backward; the loss."""
-    dropout = MatchedDropout(seed)
-    with dropout.on(backbone):
-        dropout.expect(*passes)
-        loss = step()
-    loss.backward()
-    return loss.detach()
+def attention_maps(model, batch: dict, seed: int = 0):
+    """The attention maps of the suite's two views in its coming step (matched dropout), for the shared draw of AMI's
+    samples: (view 0's, view 1's)."""
+    probe = MatchedDropout(seed)
+    with torch.no_grad(), probe.on(model.backbone):
+        probe.expect(view_major(len(batch["input_ids"]), 2))
+        maps = model(**common.repeat_views(batch, 2), output_attentions=True).attentions
+    return torch.stack(maps, 1).float().chunk(2)
 
 
 class FakeEncoder(nn.Module):
@@ -341,6 +353,22 @@ def released_module(repository: str, clone: Path, file: str | None = None) -> ty
     return load_released("micse", clone, "model/models.py", patches, {"wandb": stub("wandb", log=lambda *a, **k: None)})
 
 
+def one_step(label: str, module, kind: str, config, columns: list[dict], loss, draws=None, passes=(),
+             pooler_head: bool = True, **arguments):
+    """One training step of the released model (ModelArguments `arguments`, its random draws given by `draws(the
+    suite's model)`) and of the suite's on its weights (`loss(model, head)`: its forward passes and loss), on the same
+    batch (`columns`, one a view) and dropout masks (`passes`: those of passes after the first): the row, the released
+    model, the suite's head."""
+    released = released_model(module, kind, config, **arguments)
+    backbone, head, dense = suite_parts(released, kind, pooler_head)
+    model = common.BackboneWithHeads(backbone, head)
+    with draws(model) if draws else contextlib.nullcontext():
+        loss_r, grads_r = released_step(released, released_inputs(columns), 0, sentence_major(N, len(columns)), *passes)
+    loss_s = matched_step(backbone, lambda: loss(model, head), view_major(N, len(columns)), *passes)
+    grads_s = {n: p.grad for n, p in suite_parameters(kind, backbone, dense).items()}
+    return row(label, loss_r, loss_s, grads_r, grads_s), released, head
+
+
 def simcse_rows(clone: Path) -> list[dict]:
     module = released_module("simcse", clone)
     rows = []
@@ -348,24 +376,17 @@ def simcse_rows(clone: Path) -> list[dict]:
         config = tiny_config(kind)
         for label, pooler, supervised in (("unsupervised, cls", "cls", False), ("supervised, cls", "cls", True),
                                           ("unsupervised, avg_first_last", "avg_first_last", False)):
-            released = released_model(module, kind, config, pooler_type=pooler, hard_negative_weight=0.5 * supervised)
             columns = [token_batch(kind, config, N, seed) for seed in ((0, 1, 2) if supervised else (0, 0))]
-            views = len(columns)
-            loss_r, grads_r = released_step(released, released_inputs(columns), MatchedDropout(),
-                                            sentence_major(N, views))
-            backbone, head = suite_parts(released, kind, pooler == "cls")
-            model = common.BackboneWithHeads(backbone, head)
             stacked = {k: torch.cat([c[k] for c in columns]) for k in columns[0]}
 
-            def step():
+            def loss(model, head):
                 out = model(**stacked, output_hidden_states=True)
-                z = common.embed(out.hidden_states, stacked["attention_mask"], pooler, head)
-                parts = z.chunk(views)
+                parts = common.embed(out.hidden_states, stacked["attention_mask"], pooler, head).chunk(len(columns))
                 hard = torch.cat(parts[2:]) if supervised else None
                 return simcse.info_nce(parts[0], parts[1], 0.05, hard, 0.5 * supervised)
-            loss_s = suite_step(backbone, [view_major(N, views)], step)
-            rows.append(row(f"simcse {kind}: step, {label}", loss_r, loss_s, grads_r,
-                            suite_gradients(kind, backbone, head and head[0])))
+            rows.append(one_step(f"simcse {kind}: step, {label}", module, kind, config, columns, loss,
+                                 pooler_head=pooler == "cls", pooler_type=pooler,
+                                 hard_negative_weight=0.5 * supervised)[0])
     return rows
 
 
@@ -379,22 +400,17 @@ def simcsepp_rows(clone: Path) -> list[dict]:
             ("simcse/models_vicreg.py", "DCL, avg_first_last", "avg_first_last",
              dict(m=1.0, off=False, dcl=0.1))):
         module = load_released("simcsepp", clone, file, [POST_INIT])
+        suite_pooler = "avg_embeddings_last" if pooler == "avg_first_last" else pooler  # simcsepp.parse_args
         for kind in ("bert", "roberta"):
             config = tiny_config(kind)
-            released = released_model(module, kind, config, pooler_type=pooler, pos_ratio=flags["m"])
             batch = token_batch(kind, config, N)
-            loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
-                                            sentence_major(N, 2), None)
-            backbone, head = suite_parts(released, kind, pooler == "cls")
-            model = common.BackboneWithHeads(backbone, head)
-            suite_pooler = "avg_embeddings_last" if pooler == "avg_first_last" else pooler  # simcsepp.parse_args
 
-            def step():  # the suite's own step, as train_step calls it
+            def loss(model, head):  # the suite's own step, as train_step calls it
                 return simcsepp.simcsepp_step(model, batch, head, 0.05, flags["m"], flags["dcl"], 10.0,
                                               pool=common.block_pool(suite_pooler, head), off_dropout=flags["off"])
-            loss_s = suite_step(backbone, [view_major(N, 2), None], step)
-            rows.append(row(f"simcsepp {kind}: step, {label} ({file.split('/')[-1]})", loss_r, loss_s,
-                            grads_r, suite_gradients(kind, backbone, head and head[0])))
+            rows.append(one_step(f"simcsepp {kind}: step, {label} ({file.split('/')[-1]})", module, kind, config,
+                                 [batch, batch], loss, passes=[None], pooler_head=pooler == "cls", pooler_type=pooler,
+                                 pos_ratio=flags["m"])[0])
     return rows
 
 
@@ -404,31 +420,21 @@ def sscl_rows(clone: Path) -> list[dict]:
     for kind in ("bert", "roberta"):
         for pooler in ("avg", "cls"):
             config = tiny_config(kind)
-            released = released_model(module, kind, config, pooler_type=pooler, hard_negative_layers=2, do_neg=True)
             batch = token_batch(kind, config, N)
-            loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
-                                            sentence_major(N, 2))
-            backbone, head = suite_parts(released, kind, pooler == "cls")
-            model = common.BackboneWithHeads(backbone, head)
             layers = sscl.negative_layers(config.num_hidden_layers, 2)
 
-            def step():  # the suite's own step, as train_step calls it
+            def loss(model, head):  # the suite's own step, as train_step calls it
                 return sscl.sscl_step(model, batch, layers, head, 0.05, pool=common.block_pool(pooler, head, "avg"))
-            loss_s = suite_step(backbone, [view_major(N, 2)], step)
-            rows.append(row(f"sscl {kind}: step, {pooler}, layers L-1, L-2", loss_r, loss_s, grads_r,
-                            suite_gradients(kind, backbone, head and head[0])))
+            rows.append(one_step(f"sscl {kind}: step, {pooler}, layers L-1, L-2", module, kind, config, [batch, batch],
+                                 loss, pooler_head=pooler == "cls", pooler_type=pooler, hard_negative_layers=2,
+                                 do_neg=True)[0])
     return rows
 
 
-@contextlib.contextmanager
 def given_permutations(perms: list):
     """torch.randperm returns `perms`, one a call (the released head draws its shuffles from the global stream)."""
-    real, queue = torch.randperm, list(perms)
-    torch.randperm = lambda *args, **kwargs: queue.pop(0).clone()
-    try:
-        yield
-    finally:
-        torch.randperm = real
+    queue = list(perms)
+    return mock.patch.object(torch, "randperm", lambda *args, **kwargs: queue.pop(0).clone())
 
 
 def whitenedcse_module(clone: Path, float64: bool = False) -> types.ModuleType:
@@ -472,24 +478,16 @@ def whitenedcse_rows(clone: Path) -> list[dict]:
     module = whitenedcse_module(clone)
     config = tiny_config("bert", hidden=256, layers=2)  # the released head's 128 groups: 2 channels each
     config.num_pos = 3
-    released = released_model(module, "bert", config, pooler_type="cls")
     batch = token_batch("bert", config, N)
     perms = [torch.randperm(256, generator=torch.Generator().manual_seed(s)) for s in range(3)]
-    with given_permutations(perms):
-        loss_r, grads_r = released_step(released, released_inputs([batch] * 3), MatchedDropout(),
-                                        sentence_major(N, 3))
-    backbone, _ = suite_parts(released, "bert", False)
-    head = whitenedcse.WhitenedHead(256, 128)
-    head.linear.load_state_dict(released.mlp.dense.state_dict())
-    model = common.BackboneWithHeads(backbone, head)
 
-    def step():
+    def loss(model, head):
         out = model(**common.repeat_views(batch, 3))
         views = [head(cls, perm) for cls, perm in zip(out.last_hidden_state[:, 0].float().chunk(3), perms)]
         return whitenedcse.multi_positive_info_nce(views, 0.05)
-    loss_s = suite_step(backbone, [view_major(N, 3)], step)
-    rows = [row("whitenedcse bert: step (released row layout)", loss_r, loss_s, grads_r,
-                suite_gradients("bert", backbone, head.linear))]
+    step, released, head = one_step("whitenedcse bert: step (released row layout)", module, "bert", config,
+                                    [batch] * 3, loss, lambda model: given_permutations(perms), pooler_type="cls")
+    rows = [step]
     # the head alone on [CLS] features laid out per view (all view 0, then 1, then 2): the released thirds are views
     features = torch.randn(N * 3, 256, generator=torch.Generator().manual_seed(4), dtype=torch.float32)
     x_r, x_s = features.clone().requires_grad_(True), features.clone().requires_grad_(True)
@@ -517,7 +515,6 @@ def whitenedcse_rows(clone: Path) -> list[dict]:
     return rows
 
 
-@contextlib.contextmanager
 def given_samples(attn1, attn2, layers: slice, num_samples: int, generator: torch.Generator):
     """torch.multinomial returns, for each tile the released code keeps, the entries the suite's ami_loss samples
     with `generator` (micse.ami_sample, from a copy of it: uniform without replacement, as multinomial over the 0/1
@@ -525,15 +522,8 @@ def given_samples(attn1, attn2, layers: slice, num_samples: int, generator: torc
     (h k m) i (j t z)" is micse.attention_tiles)."""
     tiles1, tiles2 = (micse.attention_tiles(a[:, layers]) for a in (attn1, attn2))
     sample = micse.ami_sample(tiles1, tiles2, num_samples, copy.deepcopy(generator))
-    real = torch.multinomial
-
-    def multinomial(weights, samples, *args, **kwargs):
-        return sample.index[sample.used][:, :samples].clone()
-    torch.multinomial = multinomial
-    try:
-        yield
-    finally:
-        torch.multinomial = real
+    return mock.patch.object(torch, "multinomial", lambda weights, samples, *args, **kwargs:
+                             sample.index[sample.used][:, :samples].clone())
 
 
 def micse_rows(clone: Path) -> list[dict]:
@@ -542,31 +532,19 @@ def micse_rows(clone: Path) -> list[dict]:
     for kind in ("bert", "roberta"):
         config = tiny_config(kind, layers=4)
         config.task_alpha, config.task_lambda = 1.0, ami_lambda
-        released = released_model(module, kind, config, style="miCSE", min_layer=0, max_layer=4)
         batch = token_batch(kind, config, N)
-        backbone, head = suite_parts(released, kind, True)
-        model = common.BackboneWithHeads(backbone, head)
-        # the attention maps both sides will see, for the shared draw of AMI's samples
-        probe = MatchedDropout()
-        with torch.no_grad(), probe.on(backbone):
-            probe.expect(view_major(N, 2))
-            attentions = torch.stack(model(**common.repeat_views(batch, 2), output_attentions=True).attentions, 1)
-        attn1, attn2 = attentions.float().chunk(2)
         generator = torch.Generator().manual_seed(7)
-        with given_samples(attn1, attn2, slice(0, 4), 150, generator):
-            loss_r, grads_r = released_step(released, released_inputs([batch, batch]), MatchedDropout(),
-                                            sentence_major(N, 2))
 
-        def step():
+        def loss(model, head):
             views = common.repeat_views(batch, 2)
             out = model(**views, output_hidden_states=True, output_attentions=True)
             z1, z2 = common.embed(out.hidden_states, views["attention_mask"], "cls", head).chunk(2)
             a1, a2 = torch.stack(out.attentions, 1).float().chunk(2)
-            loss = micse.moco_info_nce(z1, z2, torch.empty(0, z1.shape[1]), 0.05)
-            return loss + ami_lambda * micse.ami_loss(a1, a2, 150, generator)
-        loss_s = suite_step(backbone, [view_major(N, 2)], step)
-        rows.append(row(f"micse {kind}: step, InfoNCE + AMI (layers 0:4, no queue)", loss_r, loss_s,
-                        grads_r, suite_gradients(kind, backbone, head[0])))
+            return micse.moco_info_nce(z1, z2, torch.empty(0, z1.shape[1]), 0.05) + \
+                ami_lambda * micse.ami_loss(a1, a2, 150, generator)
+        rows.append(one_step(f"micse {kind}: step, InfoNCE + AMI (layers 0:4, no queue)", module, kind, config,
+                             [batch, batch], loss, lambda m: given_samples(*attention_maps(m, batch), slice(0, 4), 150,
+                                                                           generator), style="miCSE", max_layer=4)[0])
     # the loss alone on identical attention maps and embeddings; then both views' maps identical (rho = 1)
     released = module.BertForCL(tiny_config("bert", layers=4), model_args=model_args(
         style="miCSE", min_layer=0, max_layer=4, pooler_type="cls_before_pooler"))
@@ -792,14 +770,9 @@ def trajectory(name: str, clone: Path, model_dir: Path, steps: int, size: int = 
     synced.bert.load_state_dict(transformers.BertModel.from_pretrained(model_dir, add_pooling_layer=False,
                                                                        attn_implementation="eager").state_dict())
     transformers.logging.set_verbosity(verbosity)
-    backbone, head = suite_parts(synced, "bert", arguments["pooler_type"] == "cls" and repository != "whitenedcse")
-    if repository == "whitenedcse":
-        head = whitenedcse.WhitenedHead(config.hidden_size, 128)  # the released head's groups
-        head.linear.load_state_dict(synced.mlp.dense.state_dict())
-    dense = head.linear if repository == "whitenedcse" else head and head[0]  # the released mlp.dense's weights
+    backbone, head, dense = suite_parts(synced, "bert", arguments["pooler_type"] == "cls")
     model = common.BackboneWithHeads(backbone, head)
-    suite_named = {f"bert.{n}": p for n, p in backbone.named_parameters()} | (
-        {f"mlp.dense.{n}": p for n, p in dense.named_parameters()} if dense else {})
+    suite_named = suite_parameters("bert", backbone, dense)
     optimizer, schedule = common.make_optimizer(list(suite_named.values()), types.SimpleNamespace(
         lr=lr, warmup_steps=0), steps)  # the suite's own: torch AdamW, fused
     released = copy.deepcopy(synced) if free else None
@@ -818,11 +791,8 @@ def trajectory(name: str, clone: Path, model_dir: Path, steps: int, size: int = 
         generator = torch.Generator().manual_seed(t)
         draws, drawn = (lambda released_model: contextlib.nullcontext()), copy.deepcopy(generator)
         if name == "micse":  # the attention maps both sides will see, for the shared draw of AMI's samples
-            probe = MatchedDropout(t)
-            with torch.no_grad(), probe.on(backbone):
-                probe.expect(view_major(size, 2))
-                maps = torch.stack(model(**common.repeat_views(batch, 2), output_attentions=True).attentions, 1)
-            draws = lambda released_model: given_samples(*maps.float().chunk(2), slice(1, 5), 150, drawn)  # noqa: E731
+            maps = attention_maps(model, batch, t)
+            draws = lambda released_model: given_samples(*maps, slice(1, 5), 150, drawn)  # noqa: E731
         if name == "whitenedcse":  # the suite's shuffles, as its generator draws them
             perms = [torch.randperm(config.hidden_size, generator=drawn) for _ in range(views)]
             draws = lambda released_model: per_view(released_model.mlp.dbn, views, perms)  # noqa: E731
@@ -830,26 +800,26 @@ def trajectory(name: str, clone: Path, model_dir: Path, steps: int, size: int = 
         if dense:
             synced.mlp.dense.load_state_dict(dense.state_dict())
         with draws(synced):
-            loss_r, grads_r = released_step(synced, inputs, MatchedDropout(t), sentence_major(size, views))
-        loss_s = suite_step(backbone, [view_major(size, views)], lambda: suite_objective(
-            name, model, head, batch, generator, config.num_hidden_layers), t)
+            loss_r, grads_r = released_step(synced, inputs, t, sentence_major(size, views))
+        loss_s = matched_step(backbone, lambda: suite_objective(
+            name, model, head, batch, generator, config.num_hidden_layers), view_major(size, views), seed=t)
         grads_s = {n: p.grad for n, p in suite_named.items()}
         strict.append(row(f"{name} step {t + 1}: step by step", loss_r, loss_s, grads_r, grads_s))
         if max(strict[-1]["loss_rel"], strict[-1]["grad_rel"]) > tolerance:
             exact_model = copy.deepcopy(synced).double()
             with draws(exact_model):
-                exact = released_step(exact_model, inputs, MatchedDropout(t), sentence_major(size, views))
+                exact = released_step(exact_model, inputs, t, sentence_major(size, views))
             worst = strict[-1]["grad_worst"]  # each side's distance to float64, on the loss and the worst gradient
             strict[-1]["floor"], strict[-1]["suite_error"] = (max(
                 difference(loss, exact[0])[1], difference(grads.get(worst), exact[1].get(worst))[1]
                 if worst != "-" else 0.0) for loss, grads in ((loss_r, grads_r), (loss_s, grads_s)))
         if name == "whitenedcse" and t == steps - 1:  # the documented deviation's size on the trained weights
             with given_permutations(perms):
-                loss_l, grads_l = released_step(synced, inputs, MatchedDropout(t), sentence_major(size, views))
+                loss_l, grads_l = released_step(synced, inputs, t, sentence_major(size, views))
             deviations.append(row(ROW_LAYOUT, loss_l, loss_s, grads_l, grads_s))
         if free:
             with draws(released):
-                loss_f, grads_f = released_step(released, inputs, MatchedDropout(t), sentence_major(size, views))
+                loss_f, grads_f = released_step(released, inputs, t, sentence_major(size, views))
             running.append(row(f"{name} step {t + 1}: free-running", loss_f, loss_s, grads_f, grads_s))
             running[-1]["grad_norm_released"] = nn.utils.clip_grad_norm_(released.parameters(), 1.0).item()
             released_optimizer.step()
@@ -877,7 +847,6 @@ def trajectory(name: str, clone: Path, model_dir: Path, steps: int, size: int = 
 def dev_scores(repository, clone, tokenizer, config, bert, dense, pooler, senteval_dir) -> dict:
     """STS-B dev (Spearman x 100) of a trained encoder, saved (its MLP as the pooler layer, as the repositories'
     *_to_huggingface.py do), through the repository's evaluation.py with `pooler` and through eval_sts.py."""
-    import tempfile
     pairs = eval_sts.load_pairs(senteval_dir, "STSBenchmark", "dev")
     sentences = sorted({s for p in pairs for s in p[:2]})
     with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):
@@ -997,7 +966,6 @@ def main(argv=None) -> int:
 
 
 def comparisons(found: dict) -> list[dict]:
-    import tempfile
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = tiny_checkpoint(Path(tmp) / "checkpoint")
