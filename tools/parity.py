@@ -76,13 +76,8 @@ DEVIATIONS = {
     "micse bert: loss alone, rho = 1 (identical views)":
         "the released code takes log(0) = NaN and replaces the AMI term by the constant 100; the suite clamps rho^2 "
         "at 1 - 1e-6 (a finite term); neither has a gradient there",
-    "sscl eval: avg_first_last / eval_sts avg_first_last":
-        "the forks average hidden_states[0] (the embedding output): eval_sts's avg_embeddings_last (next row)",
-    "simcsepp eval: avg_first_last / eval_sts avg_first_last":
-        "the forks average hidden_states[0] (the embedding output): eval_sts's avg_embeddings_last (next row)",
-    "micse eval: avg_first_last / eval_sts avg_first_last":
-        "the forks average hidden_states[0] (the embedding output): eval_sts's avg_embeddings_last (next row)",
-}
+    **{f"{fork} eval: avg_first_last / eval_sts avg_first_last": "the forks average hidden_states[0] (the embedding "
+       "output): eval_sts's avg_embeddings_last (next row)" for fork in ("sscl", "simcsepp", "micse")}}
 ADAPTED: list[str] = []  # the adaptations applied, in order
 
 
@@ -161,15 +156,10 @@ def token_batch(kind: str, config, sentences: int, seed: int = 0) -> dict:
     """`sentences` rows of random token ids between [CLS]/<s> and [SEP]/</s>, of different lengths, padded."""
     g = torch.Generator().manual_seed(seed)
     first, last, pad = (101 % config.vocab_size, 102 % config.vocab_size, 0) if kind == "bert" else (0, 2, 1)
-    lengths = torch.randint(4, 12, (sentences,), generator=g).tolist()
-    width = max(lengths)
-    ids = torch.full((sentences, width), pad, dtype=torch.long)
-    mask = torch.zeros(sentences, width, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        ids[i, :n] = torch.cat([torch.tensor([first]), torch.randint(5, config.vocab_size, (n - 2,), generator=g),
-                                torch.tensor([last])])
-        mask[i, :n] = 1
-    batch = {"input_ids": ids, "attention_mask": mask}
+    lengths = torch.randint(4, 12, (sentences,), generator=g)
+    ids = nn.utils.rnn.pad_sequence([torch.cat([torch.tensor([first]), torch.randint(
+        5, config.vocab_size, (n - 2,), generator=g), torch.tensor([last])]) for n in lengths.tolist()], True, pad)
+    batch = {"input_ids": ids, "attention_mask": (torch.arange(ids.shape[1]) < lengths[:, None]).long()}
     if kind == "bert":
         batch["token_type_ids"] = torch.zeros_like(ids)
     return batch
@@ -318,20 +308,10 @@ def attention_maps(model, batch: dict, seed: int = 0):
     return torch.stack(maps, 1).float().chunk(2)
 
 
-class FakeEncoder(nn.Module):
-    """An encoder returning given outputs, one a call: the released cl_forward's loss on identical embeddings."""
-
-    def __init__(self, *outputs):
-        super().__init__()
-        self.outputs = list(outputs)
-
-    def forward(self, *args, **kwargs):
-        return self.outputs.pop(0)
-
-
-def outputs(last, hidden_states=None, attentions=None):
-    return transformers.modeling_outputs.BaseModelOutputWithPoolingAndCrossAttentions(
-        last_hidden_state=last, hidden_states=hidden_states, attentions=attentions, pooler_output=None)
+def given_encoder(last, attentions=None) -> mock.Mock:
+    """An encoder returning these outputs: the released cl_forward's loss on identical embeddings or attention maps."""
+    return mock.Mock(side_effect=[transformers.modeling_outputs.BaseModelOutputWithPoolingAndCrossAttentions(
+        last_hidden_state=last, attentions=attentions, pooler_output=None)])
 
 
 # ---------------------------------------------------------------------------------------------- each method
@@ -394,11 +374,11 @@ def simcsepp_rows(clone: Path) -> list[dict]:
     """models_re.py: off-dropout InfoNCE (pos_ratio is m); models_vicreg.py: InfoNCE + 0.1 DCL at tau 10, the only
     DCL the repository runs (simcsepp.py --no_off_dropout --m 1 --dcl_temp 10), also with its first-last average."""
     rows = []
-    for file, label, pooler, flags in (
-            ("simcse/models_re.py", "off-dropout InfoNCE, m 0.9", "cls", dict(m=0.9, off=True, dcl=0.0)),
-            ("simcse/models_vicreg.py", "InfoNCE + DCL tau 10", "cls", dict(m=1.0, off=False, dcl=0.1)),
-            ("simcse/models_vicreg.py", "DCL, avg_first_last", "avg_first_last",
-             dict(m=1.0, off=False, dcl=0.1))):
+    for file, label, pooler in (("simcse/models_re.py", "off-dropout InfoNCE, m 0.9", "cls"),
+                                ("simcse/models_vicreg.py", "InfoNCE + DCL tau 10", "cls"),
+                                ("simcse/models_vicreg.py", "DCL, avg_first_last", "avg_first_last")):
+        off = file.endswith("_re.py")  # off-dropout at m 0.9; else m 1 and 0.1 DCL
+        flags = dict(m=0.9, off=True, dcl=0.0) if off else dict(m=1.0, off=False, dcl=0.1)
         module = load_released("simcsepp", clone, file, [POST_INIT])
         suite_pooler = "avg_embeddings_last" if pooler == "avg_first_last" else pooler  # simcsepp.parse_args
         for kind in ("bert", "roberta"):
@@ -506,7 +486,7 @@ def whitenedcse_rows(clone: Path) -> list[dict]:
     released.mlp = nn.Identity()
     z = torch.randn(N * 3, 4, 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
     mask = torch.ones(N, 3, 4, dtype=torch.long)
-    loss_r = module.cl_forward(released, FakeEncoder(outputs(z)), input_ids=mask, attention_mask=mask).loss
+    loss_r = module.cl_forward(released, given_encoder(z), input_ids=mask, attention_mask=mask).loss
     grad_r, = torch.autograd.grad(loss_r, z)
     views = z[:, 0].view(N, 3, 16)
     loss_s = whitenedcse.multi_positive_info_nce([views[:, 0], views[:, 1], views[:, 2]], 0.05)
@@ -561,7 +541,7 @@ def micse_rows(clone: Path) -> list[dict]:
         generator = torch.Generator().manual_seed(9)
         a1, a2 = maps.view(N, 2, 4, 4, 9, 9).unbind(1)
         with given_samples(a1.detach(), a2.detach(), slice(0, 4), 150, generator):
-            loss_r = module.cl_forward(released, FakeEncoder(outputs(z, attentions=tuple(maps.unbind(1)))),
+            loss_r = module.cl_forward(released, given_encoder(z, tuple(maps.unbind(1))),
                                        input_ids=mask, attention_mask=mask).loss
         grads_r = dict(zip(("z", "attentions"), torch.autograd.grad(loss_r, [z, maps], allow_unused=True)))
         pairs = z[:, 0].view(N, 2, 16)
@@ -643,9 +623,8 @@ def evaluation_rows(repository: str, clone: Path, checkpoint: Path) -> list[dict
         for suite_pooler in suite_poolers:
             with contextlib.redirect_stdout(io.StringIO()):
                 ours = eval_sts.load_encode(str(checkpoint), suite_pooler, torch.device("cpu"))(SENTENCES)
-            rows.append(row(f"{repository} eval: {pooler} / eval_sts {suite_pooler}", torch.as_tensor(0.0),
-                            torch.as_tensor(0.0), {"embeddings": torch.as_tensor(released)},
-                            {"embeddings": torch.as_tensor(ours)}))
+            rows.append(row(f"{repository} eval: {pooler} / eval_sts {suite_pooler}", 0.0, 0.0,
+                            {"embeddings": torch.as_tensor(released)}, {"embeddings": torch.as_tensor(ours)}))
     return rows
 
 
@@ -765,11 +744,8 @@ def trajectory(name: str, clone: Path, model_dir: Path, steps: int, size: int = 
     config._attn_implementation = "eager"
     config.task_alpha, config.task_lambda, config.num_pos = 1.0, MICSE_LAMBDA, views
     synced = released_model(module, "bert", config, **arguments)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # its load report: MiniLM's pooler layer, which BertForCL has not
-    synced.bert.load_state_dict(transformers.BertModel.from_pretrained(model_dir, add_pooling_layer=False,
-                                                                       attn_implementation="eager").state_dict())
-    transformers.logging.set_verbosity(verbosity)
+    pretrained = transformers.BertModel.from_pretrained(model_dir, attn_implementation="eager").state_dict()
+    synced.bert.load_state_dict({k: v for k, v in pretrained.items() if not k.startswith("pooler.")})  # BertForCL: none
     backbone, head, dense = suite_parts(synced, "bert", arguments["pooler_type"] == "cls")
     model = common.BackboneWithHeads(backbone, head)
     suite_named = suite_parameters("bert", backbone, dense)
