@@ -425,35 +425,16 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bare_eager(args, model: str, batches: list, device, precision: str) -> float:
+def bare_step(args, model: str, batches: list, device, precision: str, graphed: bool = False) -> float | str:
     """The step without the suite: the batch already on the device, fused AdamW and the linear schedule, fp16's
-    GradScaler, clipping at 1.0, nothing recorded."""
-    import transformers
-    backbone, head, params = bare_model(model, device, args.seed)
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True)
-    schedule = transformers.get_linear_schedule_with_warmup(optimizer, 0, args.warmup + args.steps)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-
-    def step(i):
-        optimizer.zero_grad(set_to_none=True)
-        loss = bare_loss(backbone, head, batches[i % len(batches)], precision)
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-        schedule.step()
-    return timed(step, args, device)
-
-
-def bare_graph(args, model: str, batches: list, device, precision: str) -> float | str:
-    """The bare step replayed from one CUDA graph by plumbing/graph.py's StepGraph, as --cuda_graph replays the
-    suite's: its warm-up on a side stream, the capture (AdamW fused and capturable, the learning rate a device tensor
-    the schedule writes between replays, autocast's cache off), each batch copied into the graph's buffers. fp16's
-    GradScaler decides on the device too (fused AdamW skips the step where its found_inf says so)."""
+    GradScaler, clipping at 1.0, nothing recorded. `graphed`: replayed from one CUDA graph by plumbing/graph.py's
+    StepGraph, as --cuda_graph replays the suite's: its warm-up on a side stream, the capture (AdamW fused and
+    capturable, the learning rate a device tensor the schedule writes between replays, autocast's cache off), each
+    batch copied into the graph's buffers. fp16's GradScaler decides on the device too (fused AdamW skips the step
+    where its found_inf says so)."""
     import transformers
     from plumbing import graph
-    if device.type != "cuda":
+    if graphed and device.type != "cuda":
         return "needs CUDA (a torch.cuda.CUDAGraph)"
     backbone, head, params = bare_model(model, device, args.seed)
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True)
@@ -462,14 +443,14 @@ def bare_graph(args, model: str, batches: list, device, precision: str) -> float
 
     def train_step(batch):
         optimizer.zero_grad(set_to_none=True)
-        loss = bare_loss(backbone, head, batch, precision, cache=False)
+        loss = bare_loss(backbone, head, batch, precision, cache=not graphed)
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         scaler.step(optimizer)
         scaler.update()
         return loss
-    replayed = graph.StepGraph(train_step, optimizer, enabled=True)
+    replayed = graph.StepGraph(train_step, optimizer, enabled=True) if graphed else train_step
 
     def step(i):
         replayed(batches[i % len(batches)])
@@ -647,8 +628,8 @@ def compare_steps(args) -> dict:
                 else "needs CUDA (simcse.py --cuda_graph)",
                 "suite-graph-compile": lambda: suite_step(args, model, workdir, ["--cuda_graph", "--compile"])
                 if device.type == "cuda" else "needs CUDA (simcse.py --cuda_graph)",
-                "bare": lambda: bare_eager(args, model, batches, device, precision),
-                "bare-graph": lambda: bare_graph(args, model, batches, device, precision),
+                "bare": lambda: bare_step(args, model, batches, device, precision),
+                "bare-graph": lambda: bare_step(args, model, batches, device, precision, graphed=True),
                 "sentence-transformers": lambda: sentence_transformers_trainer(args, model, device, precision,
                                                                                 workdir),
                 "contrastive-trainer": lambda: sentence_transformers_trainer(args, model, device, precision,
