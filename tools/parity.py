@@ -859,12 +859,10 @@ def status(result: dict, tolerance: float) -> str:
 
 def table(results: list[dict], tolerance: float) -> str:
     """The comparisons as a Markdown table (the worst gradient's name is in --json)."""
-    lines = ["| comparison | loss (released) | loss rel. diff. | gradients | worst rel. diff. | status |",
-             "|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['name']} | {r['loss_released']:.6f} | {r['loss_rel']:.1e} | {r['gradients']} | "
-                     f"{r['grad_rel']:.1e} | {status(r, tolerance)} |")
-    return "\n".join(lines)
+    rows = [f"| {r['name']} | {r['loss_released']:.6f} | {r['loss_rel']:.1e} | {r['gradients']} | "
+            f"{r['grad_rel']:.1e} | {status(r, tolerance)} |" for r in results]
+    return "\n".join(["| comparison | loss (released) | loss rel. diff. | gradients | worst rel. diff. | status |",
+                      "|---|---|---|---|---|---|", *rows])
 
 
 def readme_title(clone: Path) -> str | None:
@@ -946,8 +944,7 @@ def comparisons(found: dict) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = tiny_checkpoint(Path(tmp) / "checkpoint")
         for key, path in found.items():
-            results += METHODS[key](path)
-            results += evaluation_rows(key, path, checkpoint)
+            results += METHODS[key](path) + evaluation_rows(key, path, checkpoint)
     return results
 
 
