@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gc
 import importlib.util
 import math
 import os
@@ -36,6 +35,7 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
+
 
 
 class UsageError(ValueError):
@@ -85,9 +85,6 @@ def cli(main) -> None:
     finally:
         while _after_main:  # torchrun's processes: the process groups last (distributed.shutdown)
             _after_main.pop()()
-        # what is left goes with the process: frozen, the interpreter's last garbage collections skip it (with torch
-        # and transformers loaded they took 2-3 s after the run's last line, which Slurm's KillWait counts)
-        gc.freeze()
 
 
 class Parser(argparse.ArgumentParser):
