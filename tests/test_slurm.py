@@ -138,7 +138,8 @@ class Place:
     def training(self, row: str = "simcse", start: int = 1, saved=True):
         """Until the run trains in its job's `start`-th start: the job's note says so, and (`saved`) last/ was saved
         since. A resumed run's save stands for a second or two before it ends: where a scenario only needs the job
-        running (its interpreter starting, or the run), saved=False asks for the note alone."""
+        running (its interpreter starting, or the run), saved=False asks for the note alone; the save is asked
+        for every 0.1 s (a file's date), the note alone every 0.5 s."""
         last = self.folder / "runs" / self.name / f"{row}.seed1" / "last"
 
         def trains():
@@ -190,8 +191,8 @@ def flags(tmp_path_factory, corpus, senteval_dir):
 
 @pytest.fixture(scope="module")
 def setting(flags):
-    """The tiny model, the runs' flags, and the uninterrupted run of them (seed 1): its results and best/; "one":
-    two_tasks's one-process run (its flags, its results)."""
+    """The tiny model, the runs' flags, and the uninterrupted run of them (seed 1): its best/ (results.json beside
+    it); "one": two_tasks's one-process run (its flags, its results); "torchrun": two_nodes's reference folder."""
     folder, model, args = flags
     straight = folder / "straight"
     importlib.import_module("simcse").main([*args, "--seed", "1", "--output_dir", str(straight)])
@@ -206,9 +207,8 @@ def setting(flags):
                               cwd=ROOT, capture_output=True, text=True, timeout=600,
                               env=dict(os.environ, OMP_NUM_THREADS=THREADS, HF_HUB_OFFLINE="1"))
     assert launched.returncode == 0, launched.stderr[-3000:]
-    return {"folder": folder, "args": args, "results": json.loads((straight / "results.json").read_text()),
-            "best": straight / "best", "one": (one, json.loads((folder / "one" / "results.json").read_text())),
-            "torchrun": (args, json.loads((folder / "torchrun" / "results.json").read_text()))}
+    return {"folder": folder, "args": args, "best": straight / "best", "torchrun": folder / "torchrun",
+            "one": (one, json.loads((folder / "one" / "results.json").read_text()))}
 
 
 def same_trajectory(got: list[dict], want: list[dict], resumed_at: list[int]) -> bool:
@@ -220,17 +220,17 @@ def same_trajectory(got: list[dict], want: list[dict], resumed_at: list[int]) ->
         all(row["step"] in resumed_at for row in extra)
 
 
-def same_as_straight(place: Place, row: str, setting: dict, reference="straight") -> None:
-    """The kept results and best/ weights: the uninterrupted run's (`reference`: the one-process run's, or the
-    two-process torchrun run's), bit for bit; its timing kept beside them."""
+def same_as_straight(place: Place, row: str, setting: dict, reference: Path | None = None) -> None:
+    """The kept results and best/ weights: the uninterrupted run's (the straight run's, or the run folder
+    `reference`'s: the two-process torchrun run's), bit for bit; its timing kept beside them."""
     from safetensors.torch import load_file
-    kept, want = place.kept(row), setting["results"] if reference == "straight" else setting[reference][1]
+    reference = reference or setting["best"].parent
+    kept, want = place.kept(row), json.loads((reference / "results.json").read_text())
     for key in ("train_loss", "grad_norm", "best_step", "best_dev_stsb", "test"):
         assert kept[key] == want[key], (place.name, row, key)  # floats compared exactly
     assert same_trajectory(kept["trajectory"], want["trajectory"], kept.get("resumptions", [])), (place.name, row)
     got = load_file(place.folder / "runs" / place.name / f"{row}.seed1" / "best" / "model.safetensors")
-    ref = load_file((setting["best"] if reference == "straight" else Path(want["args"]["output_dir"]) / "best")
-                    / "model.safetensors")
+    ref = load_file(reference / "best" / "model.safetensors")
     assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref), (place.name, row)
     assert kept["report"]["wall_s"] > 0 and kept["report"]["cpu_s"] > 0, kept.get("report")
 
@@ -302,8 +302,8 @@ def two_nodes(place: Place, setting: dict) -> None:
     """#89 item 6: one run across both nodes (--nodes 2: a task on each through srun, gloo, the rendezvous from
     Slurm's variables as submitit gives them) trains as torchrun's two processes on one machine do, bit for bit;
     node c2 set DOWN under it takes the job down on both nodes, Slurm requeues it, and it resumes from last/ to the
-    same results. Status says it ran on both nodes, then requeued and pending, then done. (After preempt_node, in
-    its thread: both take c2 down.)"""
+    same results. squeue places it on both nodes; status says running, then done, requeued 1 time(s). (After
+    preempt_node, in its thread: both take c2 down.)"""
     place.submit("--nodes", "2", slurm=["nodelist=c1,c2"])
     job, = place.job_ids()
     place.training()
@@ -314,7 +314,7 @@ def two_nodes(place: Place, setting: dict) -> None:
     assert place.line() == "simcse seed 1: done, requeued 1 time(s)" and place.job_ids() == [job], place.line()
     kept = place.kept("simcse")
     assert kept["world_size"] == 2 and kept["resumptions"], kept["resumptions"]
-    same_as_straight(place, "simcse", setting, reference="torchrun")
+    same_as_straight(place, "simcse", setting, reference=setting["torchrun"])
 
 
 def cancel_pending(place: Place, setting: dict) -> None:
