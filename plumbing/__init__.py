@@ -27,7 +27,9 @@ cleanrl_utils/).
 from __future__ import annotations
 
 import argparse
+import atexit
 import csv
+import gc
 import importlib.util
 import math
 import os
@@ -64,6 +66,11 @@ def cli(main) -> None:
     """Run `main()`; a UsageError becomes one line on stderr and exit status 2, and so does running out of memory,
     once the run in progress has kept what it reached (Run.out_of_memory)."""
     on_out_of_memory(None)
+    # at the process's end, what is left is frozen: the interpreter's last garbage collections then skip torch's and
+    # transformers' objects, which took 2-3 s after a run's last line (Slurm's KillWait counts them); frozen only then,
+    # since a process that runs several mains (tests/test_distributed.py's driver) needs its collections between them
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
     try:
         main()
     except UsageError as err:
