@@ -37,8 +37,7 @@ from plumbing import files, progress  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]  # the suite
 RUNS_DIR = Path("runs")  # the runs' output folders, relative to the suite
-STS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness", "avg"]
-TRANSFER = ["MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC", "avg"]
+STS, TRANSFER = tables.STS, tables.TRANSFER
 
 # The papers' numbers, transcribed once: (source, {column: value or (value, ±)}). Checked against
 # ../shared/papers/ by tests/test_protocols.py.
@@ -338,8 +337,8 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     return mean, (math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan)
 
 
-def cell(mean: float, std: float) -> str:
-    return f"{mean:.2f}" if math.isnan(std) else f"{mean:.2f} ± {std:.2f}"
+def cell(mean: float, std: float, digits: int = 2) -> str:
+    return f"{mean:.{digits}f}" if math.isnan(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
 def paper_cell(value) -> str:
