@@ -51,9 +51,7 @@ SEEDS = [42, 43, 44]
 # the pretrained model under each pooler a row evaluates with (SSCL: avg), so every row has its own start
 INITIAL = (("initial", "cls_before_pooler", "[CLS]"), ("initial_avg", "avg", "avg"))
 TRANSFER_MODE = "fasttest"  # SentEval's prototyping setting: the full protocol is ~4x the classifier time
-PROTOCOL = ["--model_name_or_path", MODEL, "--train_file", "../shared/data/wiki1m_head.txt",
-            "--senteval_dir", SENTEVAL, "--batch_size", "32", "--lr", "3e-5",
-            "--warmup_steps", "0", "--max_steps", "150", "--eval_steps", "50"]
+PROTOCOL = protocols.SMOKE_ARGS  # MODEL, wiki1m_head.txt and SENTEVAL, batch 32, 150 steps, a dev gate every 50
 # name, script, method flags, the paper's BERT-base 7-task average for that row (the paper's, not ours), source
 RUNS = [
     ("simcse", "simcse.py", [], "76.25", "SimCSE, Table 5"),
@@ -74,8 +72,7 @@ FEW_SHOT = [
 ]
 BASELINE = {"simcse_10pct": None, "micse_10pct": "simcse_10pct", "simcse_1pct": None, "micse_1pct": "simcse_1pct",
             "simcse": None, **{name: "simcse" for name, *_ in RUNS[1:]}}
-STS_COLUMNS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICKRelatedness", "avg"]
-TRANSFER_COLUMNS = ["MR", "CR", "SUBJ", "MPQA", "SST2", "TREC", "MRPC", "avg"]
+STS_COLUMNS, TRANSFER_COLUMNS = protocols.STS, protocols.TRANSFER
 
 
 def fail(message: str):
@@ -84,7 +81,7 @@ def fail(message: str):
 
 
 # ---- aggregation (pure; tested against hand-computed numbers) ----
-mean_std = protocols.mean_std  # one implementation, shared with the protocol pages
+mean_std, fmt = protocols.mean_std, protocols.cell  # one implementation each, shared with the protocol pages
 
 
 def paired_difference(run: dict[int, float], base: dict[int, float]) -> tuple[float, float, bool, int]:
@@ -95,10 +92,6 @@ def paired_difference(run: dict[int, float], base: dict[int, float]) -> tuple[fl
     mean, std = mean_std(diffs)
     se = std / math.sqrt(len(diffs))
     return mean, se, len(diffs) > 1 and abs(mean) > 2 * se, len(diffs)
-
-
-def fmt(mean: float, std: float, digits: int = 2) -> str:
-    return f"{mean:.{digits}f}" if math.isnan(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
 def fmt_diff(mean: float, se: float, marked: bool) -> str:
@@ -632,7 +625,7 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs:
         failed = [(run, said) for run, (state, said) in zip(ended, cluster.situations(ended)) if state != "done"]
     else:
         plan(todo)
-        failed = [(run, err) for run, err in ((run, failed_run(make_here)(run)) for run in todo) if err]
+        failed = [(run, err) for run, err in ((run, made_here(run)) for run in todo) if err]
     for run, err in failed:
         print(f"== failed: {protocols.command_line(run)} ({err})", flush=True)
     # after --wait none of its runs is queued; here, an earlier submission's may be
@@ -651,15 +644,13 @@ def make_here(run: dict) -> None:
     files.write_json(folder / protocols.kept_name(run), {**results, "report": cost})
 
 
-def failed_run(make):
-    """make(run) returning None, or the error of a run that failed (the others go on)."""
-    def wrapped(run):
-        try:
-            make(run)
-        except (subprocess.CalledProcessError, OSError, json.JSONDecodeError) as err:
-            return err
-        return None
-    return wrapped
+def made_here(run: dict):
+    """make_here(run): None, or the error of a run that failed (the others go on)."""
+    try:
+        make_here(run)
+    except (subprocess.CalledProcessError, OSError, json.JSONDecodeError) as err:
+        return err
+    return None
 
 
 def check_gpus(text: str | None) -> list[int] | None:
