@@ -175,15 +175,12 @@ def bench_saves(device, repeats: int = 3) -> dict:
         times = {"copy": [], "best": [], "last": []}
         best = checkpoint.BestCopy(backbone, head, tokenizer, "cls_before_pooler")  # its buffers, once
         for _ in range(repeats):
-            start = time.perf_counter()
-            best.update(backbone, head)
-            times["copy"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            best.write(tmp)
-            times["best"].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            resume.save(args, 1, state, range(125), history, {"best_dev": 0.0, "best_step": 0, "train_time": 0.0})
-            times["last"].append(time.perf_counter() - start)
+            for name, save in (("copy", lambda: best.update(backbone, head)), ("best", lambda: best.write(tmp)),
+                               ("last", lambda: resume.save(args, 1, state, range(125), history,
+                                                            {"best_dev": 0.0, "best_step": 0, "train_time": 0.0}))):
+                start = time.perf_counter()
+                save()
+                times[name].append(time.perf_counter() - start)
         sizes = {name: sum(f.stat().st_size for f in (Path(tmp) / name).rglob("*") if f.is_file())
                  for name in ("best", "last")}
     median = {k: statistics.median(v) for k, v in times.items()}
@@ -783,8 +780,7 @@ def main(argv=None):
     parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                         help="each run's --precision (auto: bf16 on a GPU that has it, fp16 on an older one, fp32 "
                              "on CPU); the bare steps' autocast follows it")
-    parser.add_argument("--model_name_or_path", default=None, help="the model to train (required but with "
-                                                                   "--save_cost and --size)")
+    parser.add_argument("--model_name_or_path", help="the model to train (required but with --save_cost and --size)")
     parser.add_argument("--train_file", default=None, help="sentences to draw the batches from")
     parser.add_argument("--senteval_dir", default=None, help="SentEval data (dev gate and evaluation timing)")
     parser.add_argument("--methods", nargs="+", default=["simcse"], help="method scripts; simcse is always included")
@@ -824,10 +820,11 @@ def main(argv=None):
             raise plumbing.UsageError(f"--size {args.size}: no tokenizer at {TOKENIZER}; give --model_name_or_path "
                                       "a local folder with one")
         return compare_steps(args) if args.compare_steps else recipe_minutes(args, method_args(args.method_args))
+    for name in ("model_name_or_path", "train_file", "senteval_dir", "supervised_file"):  # the runs' cwd is the suite
+        path = getattr(args, name)
+        if path and Path(path).exists():
+            setattr(args, name, str(Path(path).resolve()))
     if args.flag_cost:
-        for name in ("model_name_or_path", "train_file", "senteval_dir"):  # the runs' cwd is the suite
-            if getattr(args, name) and Path(getattr(args, name)).exists():
-                setattr(args, name, str(Path(getattr(args, name)).resolve()))
         bench_flags(args)
         return
     plumbing.check_range(args, "steps", lambda v: v >= 1, "a positive integer")
@@ -836,10 +833,6 @@ def main(argv=None):
         raise plumbing.UsageError(f"--compare_with {args.compare_with}: no simcse.py there; "
                                   "give a checkout of this suite")
     device = plumbing.resolve_device(args.device)
-    for name in ("model_name_or_path", "train_file", "senteval_dir", "supervised_file"):  # the runs' cwd is the suite
-        path = getattr(args, name)
-        if path and Path(path).exists():
-            setattr(args, name, str(Path(path).resolve()))
     extra = method_args(args.method_args)
 
     rows = ["simcse"] + [m for m in args.methods if m != "simcse"] + (["simcse-sup"] if args.supervised_file else [])
