@@ -138,19 +138,13 @@ def cpu_of_children() -> float:
     return used.ru_utime + used.ru_stime
 
 
-def check_submitit():
-    """submitit, else one line naming the install."""
-    plumbing.check_installed(True, "submitit", "report.py run --executor")
-    import submitit
-    return submitit
-
-
 def make_executor(folder: Path, executor: str, gpus_per_job: int, nodes: int, timeout_min: int,
                   partition: str | None, account: str | None, signal_delay_s: int, extra: dict,
                   tasks_per_node: int | None = None, max_timeouts: int = 3):
     """submitit's executor for the jobs; what it refuses (an unknown Slurm parameter), or what the cluster cannot
     give (slurm.check_request), is one line."""
-    submitit = check_submitit()
+    plumbing.check_installed(True, "submitit", "report.py run --executor")  # else one line naming the install
+    import submitit
     if executor == "slurm" and shutil.which("srun") is None:
         raise plumbing.UsageError("--executor slurm: this machine has no srun (Slurm's commands); submit from a "
                                   "login node of the cluster, or use --executor local")
