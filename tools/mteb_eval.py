@@ -42,11 +42,6 @@ from plumbing import hub, provenance  # noqa: E402
 PAPERS_STS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICK-R"]
 
 
-def load_mteb():
-    plumbing.check_installed(True, "mteb", "tools/mteb_eval.py")
-    return importlib.import_module("mteb")
-
-
 class SuiteEncoder:
     """MTEB's encoder protocol around the suite's encode(list[str]) (eval mode, fp32, the pooler given): MTEB's
     batches of texts in, embeddings out; cosine similarity, as the suite scores STS."""
@@ -169,7 +164,8 @@ def evaluate(model: str, pooler: str | None, tasks: list[str], sts_file: str | N
              device, batch_size: int = 128, hub_model_id: str | None = None) -> dict:
     """{task: main score x 100} of `model` on MTEB's `tasks` (and the --sts_file task), MTEB's result files and the
     table under the output folder."""
-    mteb = load_mteb()
+    plumbing.check_installed(True, "mteb", "tools/mteb_eval.py")
+    mteb = importlib.import_module("mteb")
     pooler = eval_sts.checkpoint_pooler(model, pooler)
     chosen = [local_sts_task(mteb, Path(sts_file))] if sts_file else []
     if tasks:
