@@ -132,11 +132,10 @@ def standing_in(stubs: dict):
 
 def model_args(**overrides) -> types.SimpleNamespace:
     """The released ModelArguments a cl_forward reads (train.py's defaults), with `overrides`."""
-    values = dict(pooler_type="cls", temp=0.05, hard_negative_weight=0.0, do_mlm=False, mlm_weight=0.1,
-                  mlp_only_train=True, pos_ratio=1.0, hard_negative_layers=2, do_neg=True, style="miCSE",
-                  min_layer=0, max_layer=2, diag_only=False)
-    values.update(overrides)
-    return types.SimpleNamespace(**values)
+    defaults = dict(pooler_type="cls", temp=0.05, hard_negative_weight=0.0, do_mlm=False, mlm_weight=0.1,
+                    mlp_only_train=True, pos_ratio=1.0, hard_negative_layers=2, do_neg=True, style="miCSE",
+                    min_layer=0, max_layer=2, diag_only=False)
+    return types.SimpleNamespace(**defaults | overrides)
 
 
 # -------------------------------------------------------------------------------------------- the tiny models
@@ -316,8 +315,6 @@ def given_encoder(last, attentions=None) -> mock.Mock:
 
 # ---------------------------------------------------------------------------------------------- each method
 N = 6  # sentences in the batch
-
-
 POST_INIT = ("    cls.init_weights()", "    cls.post_init()",
              "cl_init's init_weights() -> post_init() (transformers 5 sets up a model's tied-weight map there)")
 
@@ -377,8 +374,7 @@ def simcsepp_rows(clone: Path) -> list[dict]:
     for file, label, pooler in (("simcse/models_re.py", "off-dropout InfoNCE, m 0.9", "cls"),
                                 ("simcse/models_vicreg.py", "InfoNCE + DCL tau 10", "cls"),
                                 ("simcse/models_vicreg.py", "DCL, avg_first_last", "avg_first_last")):
-        off = file.endswith("_re.py")  # off-dropout at m 0.9; else m 1 and 0.1 DCL
-        flags = dict(m=0.9, off=True, dcl=0.0) if off else dict(m=1.0, off=False, dcl=0.1)
+        flags = dict(m=0.9, off=True, dcl=0.0) if file.endswith("_re.py") else dict(m=1.0, off=False, dcl=0.1)
         module = load_released("simcsepp", clone, file, [POST_INIT])
         suite_pooler = "avg_embeddings_last" if pooler == "avg_first_last" else pooler  # simcsepp.parse_args
         for kind in ("bert", "roberta"):
@@ -437,8 +433,7 @@ def whitenedcse_module(clone: Path, float64: bool = False) -> types.ModuleType:
                         ("S.rsqrt()", "S.clamp_min(1e-12).rsqrt()", "the suite's floor on an eigenvalue (a documented "
                          "deviation): without it the first step is NaN (a channel of MiniLM's [CLS] is constant, "
                          "std 5e-33: its eigenvalue is 0 or below, its gain inf or NaN)")]
-    package = stub("whitenedcse")
-    package.__path__ = []
+    package = stub("whitenedcse", __path__=[])
     sgw = load_released("whitenedcse", clone, "whitenedcse/shuffled_group_whitening.py", sgw_patches)
     stubs = {"whitenedcse": package, "whitenedcse.shuffled_group_whitening": sgw,
              "whitenedcse.whiten_norm": stub("whitenedcse.whiten_norm"),
@@ -467,7 +462,6 @@ def whitenedcse_rows(clone: Path) -> list[dict]:
         return whitenedcse.multi_positive_info_nce(views, 0.05)
     step, released, head = one_step("whitenedcse bert: step (released row layout)", module, "bert", config,
                                     [batch] * 3, loss, lambda model: given_permutations(perms), pooler_type="cls")
-    rows = [step]
     # the head alone on [CLS] features laid out per view (all view 0, then 1, then 2): the released thirds are views
     features = torch.randn(N * 3, 256, generator=torch.Generator().manual_seed(4), dtype=torch.float32)
     x_r, x_s = features.clone().requires_grad_(True), features.clone().requires_grad_(True)
@@ -479,20 +473,18 @@ def whitenedcse_rows(clone: Path) -> list[dict]:
     weights = torch.randn_like(out_r)
     (out_r * weights).sum().backward()
     (out_s * weights).sum().backward()
-    rows.append(row("whitenedcse: the head on rows laid out per view", (out_r * weights).sum(),
-                    (out_s * weights).sum(), {"x": x_r.grad, "mlp.dense.weight": released.mlp.dense.weight.grad},
-                    {"x": x_s.grad, "mlp.dense.weight": head.linear.weight.grad}))
+    per_view = row("whitenedcse: the head on rows laid out per view", (out_r * weights).sum(),
+                   (out_s * weights).sum(), {"x": x_r.grad, "mlp.dense.weight": released.mlp.dense.weight.grad},
+                   {"x": x_s.grad, "mlp.dense.weight": head.linear.weight.grad})
     # the loss alone on identical views (the head replaced by the identity)
     released.mlp = nn.Identity()
     z = torch.randn(N * 3, 4, 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
     mask = torch.ones(N, 3, 4, dtype=torch.long)
     loss_r = module.cl_forward(released, given_encoder(z), input_ids=mask, attention_mask=mask).loss
     grad_r, = torch.autograd.grad(loss_r, z)
-    views = z[:, 0].view(N, 3, 16)
-    loss_s = whitenedcse.multi_positive_info_nce([views[:, 0], views[:, 1], views[:, 2]], 0.05)
+    loss_s = whitenedcse.multi_positive_info_nce(list(z[:, 0].view(N, 3, 16).unbind(1)), 0.05)
     grad_s, = torch.autograd.grad(loss_s, z)
-    rows.append(row("whitenedcse: loss alone, 3 positives", loss_r, loss_s, {"z": grad_r}, {"z": grad_s}))
-    return rows
+    return [step, per_view, row("whitenedcse: loss alone, 3 positives", loss_r, loss_s, {"z": grad_r}, {"z": grad_s})]
 
 
 def given_samples(attn1, attn2, layers: slice, num_samples: int, generator: torch.Generator):
@@ -544,8 +536,7 @@ def micse_rows(clone: Path) -> list[dict]:
             loss_r = module.cl_forward(released, given_encoder(z, tuple(maps.unbind(1))),
                                        input_ids=mask, attention_mask=mask).loss
         grads_r = dict(zip(("z", "attentions"), torch.autograd.grad(loss_r, [z, maps], allow_unused=True)))
-        pairs = z[:, 0].view(N, 2, 16)
-        loss_s = micse.moco_info_nce(pairs[:, 0], pairs[:, 1], torch.empty(0, 16), 0.05) + \
+        loss_s = micse.moco_info_nce(*z[:, 0].view(N, 2, 16).unbind(1), torch.empty(0, 16), 0.05) + \
             ami_lambda * micse.ami_loss(a1, a2, 150, generator)
         grads_s = dict(zip(("z", "attentions"), torch.autograd.grad(loss_s, [z, maps], allow_unused=True)))
         rows.append(row(f"micse bert: {label}", loss_r, loss_s, grads_r, grads_s))
@@ -555,6 +546,8 @@ def micse_rows(clone: Path) -> list[dict]:
 # ----------------------------------------------------------------------------------------- evaluation poolers
 SENTENCES = ["the cat sat on the mat", "a man is playing a guitar", "two dogs run in the park near the river",
              "she reads", "the old man and the sea"]
+EVALUATION_PATCHES = [("tokenizer.batch_encode_plus(", "tokenizer(",
+                       "tokenizer.batch_encode_plus (removed in transformers 5) -> tokenizer(...), the same encoding")]
 
 
 def tiny_checkpoint(folder: Path) -> Path:
@@ -570,19 +563,14 @@ def tiny_checkpoint(folder: Path) -> Path:
     return folder
 
 
-EVALUATION_PATCHES = [("tokenizer.batch_encode_plus(", "tokenizer(",
-                       "tokenizer.batch_encode_plus (removed in transformers 5) -> tokenizer(...), the same encoding")]
-
-
-class Captured(Exception):
-    """Raised by the stand-in SentEval once it has the batcher's embeddings."""
-
-
 def evaluation_embeddings(repository: str, clone: Path, checkpoint: Path, pooler: str,
                           sentences=SENTENCES) -> np.ndarray:
     """The embeddings of SENTENCES by the repository's evaluation.py batcher with `pooler`, SentEval replaced by a
     stand-in that calls the batcher once."""
     captured = {}
+
+    class Captured(Exception):
+        """Raised by the stand-in SentEval once it has the batcher's embeddings."""
 
     class SE:
         def __init__(self, params, batcher, prepare):
@@ -596,15 +584,13 @@ def evaluation_embeddings(repository: str, clone: Path, checkpoint: Path, pooler
     engine = stub("senteval.engine", SE=SE)
     stubs = {"senteval": stub("senteval", engine=engine), "senteval.engine": engine,
              "wandb": stub("wandb", init=lambda *a, **k: types.SimpleNamespace(log=lambda *a, **k: None),
-                           log=lambda *a, **k: None)}
-    for name in ("prettytable", "xlrd", "openpyxl"):
-        if importlib.util.find_spec(name) is None:
-            stubs[name] = stub(name, PrettyTable=object, Workbook=object)
+                           log=lambda *a, **k: None),
+             **{name: stub(name, PrettyTable=object, Workbook=object) for name in ("prettytable", "xlrd", "openpyxl")
+                if importlib.util.find_spec(name) is None}}
     adapt(repository, "evaluation.py: SentEval (and wandb, and prettytable/xlrd/openpyxl where not installed) are "
                       "stand-ins; the batcher's embeddings of a few sentences are read")
     source = (clone / "evaluation.py").read_text()
-    patches = [(old, new, why) for old, new, why in EVALUATION_PATCHES if old in source]
-    module = load_released(repository, clone, "evaluation.py", patches, stubs)
+    module = load_released(repository, clone, "evaluation.py", [p for p in EVALUATION_PATCHES if p[0] in source], stubs)
     argv = ["evaluation.py", "--model_name_or_path", str(checkpoint), "--pooler", pooler, "--mode", "test",
             "--task_set", "sts"]
     with standing_in(stubs), mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(io.StringIO()), \
@@ -619,8 +605,7 @@ def evaluation_rows(repository: str, clone: Path, checkpoint: Path) -> list[dict
     rows, forked = [], repository in ("simcsepp", "sscl", "micse")  # forked before SimCSE's fix
     for pooler in ("cls", "cls_before_pooler", "avg", "avg_top2", "avg_first_last"):
         released = evaluation_embeddings(repository, clone, checkpoint, pooler)
-        suite_poolers = [pooler] + (["avg_embeddings_last"] if pooler == "avg_first_last" and forked else [])
-        for suite_pooler in suite_poolers:
+        for suite_pooler in [pooler] + (["avg_embeddings_last"] if pooler == "avg_first_last" and forked else []):
             with contextlib.redirect_stdout(io.StringIO()):
                 ours = eval_sts.load_encode(str(checkpoint), suite_pooler, torch.device("cpu"))(SENTENCES)
             rows.append(row(f"{repository} eval: {pooler} / eval_sts {suite_pooler}", 0.0, 0.0,
@@ -957,14 +942,13 @@ def runs_table(runs: list[dict], tolerance: float) -> str:
     for run in runs:
         strict, free, dev = run["strict"], run["free"], run.get("dev", {})
         first = next((r for r in free if max(r["loss_rel"], r["grad_rel"]) > tolerance), None)
-        last = free[-1] if free else {}
         scores = [" / ".join(f"{v:.2f}" for v in dev[side].values()) if side in dev else "-"
                   for side in ("released", "suite")]
         lines.append(f"| {run['name']}, {run['steps']} steps | {max(r['loss_rel'] for r in strict):.1e} / "
                      f"{max(r['grad_rel'] for r in strict):.1e} | "
                      + (f"{max(r['loss_rel'] for r in free):.1e} | " if free else "- | ")
                      + (f"{first['name'].split(':')[0].split()[-1]} ({first['grad_worst']}) | " if first else "none | ")
-                     + (f"{last['weight_abs']:.1e} ({last['weight_abs_outside']:.1e}) | " if free else "- | ")
+                     + (f"{free[-1]['weight_abs']:.1e} ({free[-1]['weight_abs_outside']:.1e}) | " if free else "- | ")
                      + " | ".join(scores) + " |")
     return "\n".join(lines)
 
@@ -972,8 +956,7 @@ def runs_table(runs: list[dict], tolerance: float) -> str:
 def report(results: list[dict], tolerance: float, json_path: str | None, runs: list | None = None) -> int:
     """The table (of `runs` where given), the documented deviations, --json; 1 when a comparison differs and is not
     documented."""
-    print()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, tolerance {tolerance:g} "
+    print(f"\ntorch {torch.__version__}, transformers {transformers.__version__}, tolerance {tolerance:g} "
           "(relative to the largest magnitude)")
     print(table(results, tolerance) if runs is None else runs_table(runs, tolerance))
     failed = [r["name"] for r in results if status(r, tolerance) == "DIFFERS"]
