@@ -121,11 +121,20 @@ if [ -d .whl ]; then  # what this machine lacks of the wheels carried in .whl/ (
 fi
 DATA=.gpu_data
 RUNS="--train_file $DATA/wiki1m_head.txt --senteval_dir $DATA/senteval --device cuda"
+# the same SimCSE step timed each way of --rows (compare, graph_compile, st_trainer): BERT-base-sized, batch 64 x 32
+COMPARE="tools/bench.py --compare_steps --size bert-base --model_name_or_path $DATA/tokenizer $RUNS --batch_size 64
+         --max_seq_length 32 --steps 100 --warmup 10"
 say() { echo "== $* ($(date +%T))" | tee -a "$OUT/log.txt"; }
 limit() {  # STAGE COMMAND...: the command under the stage's limit; SIGKILL 10 s after SIGTERM, should it linger
     local stage=$1
     shift
     timeout -k 10 "${LIMIT[$stage]}" "$@"
+}
+into() {  # FILE STAGE COMMAND...: limit's, its output and then its exit status in OUT/FILE
+    local file=$OUT/$1
+    shift
+    limit "$@" > "$file" 2>&1
+    echo "exit $?" >> "$file"
 }
 
 stage_machine() {
@@ -135,25 +144,17 @@ torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).total_memory /
     } > "$OUT/gpu.txt" 2>&1
 }
 
-stage_compare() {
-    limit compare python3 tools/bench.py --compare_steps --size bert-base --model_name_or_path $DATA/tokenizer $RUNS \
-        --batch_size 64 --max_seq_length 32 --steps 100 --warmup 10 > "$OUT/compare_steps.txt" 2>&1
-    echo "exit $?" >> "$OUT/compare_steps.txt"
-}
+stage_compare() { into compare_steps.txt compare python3 $COMPARE; }
 
 recipes() {  # SIZE STEPS GATE_EVERY FILE STAGE [BENCH FLAGS...]
     local size=$1 steps=$2 every=$3 file=$4 stage=$5
     shift 5
-    limit "$stage" python3 tools/bench.py --recipe_minutes --size "$size" --model_name_or_path $DATA/tokenizer \
-        $RUNS --supervised_file $DATA/nli_snli_devtest.csv --recipe_steps "$steps" --gate_every "$every" "$@" \
-        > "$OUT/$file" 2>&1
-    echo "exit $?" >> "$OUT/$file"
+    into "$file" "$stage" python3 tools/bench.py --recipe_minutes --size "$size" --model_name_or_path \
+        $DATA/tokenizer $RUNS --supervised_file $DATA/nli_snli_devtest.csv --recipe_steps "$steps" \
+        --gate_every "$every" "$@"
 }
 stage_st_trainer() {  # the sentence-transformers path's speed beside the suite's own step (#91)
-    limit st_trainer python3 tools/bench.py --compare_steps --size bert-base --model_name_or_path $DATA/tokenizer \
-        $RUNS --batch_size 64 --max_seq_length 32 --steps 100 --warmup 10 --rows suite suite-graph \
-        contrastive-trainer > "$OUT/st_trainer.txt" 2>&1
-    echo "exit $?" >> "$OUT/st_trainer.txt"
+    into st_trainer.txt st_trainer python3 $COMPARE --rows suite suite-graph contrastive-trainer
 }
 
 stage_recipes_base() { recipes bert-base 80 20 recipes_bert_base.txt recipes_base \
@@ -205,7 +206,7 @@ stage_runs_per_gpu() {  # K processes at once, as the local executor places K ru
 }
 
 stage_traces() {
-    limit traces python3 - <<'EOF' > "$OUT/traces.txt" 2>&1
+    into traces.txt traces python3 - <<'EOF'
 import sys, tempfile, traceback
 from pathlib import Path
 sys.path[:0] = [".", "tests"]
@@ -235,7 +236,6 @@ for family in ("mpnet", "deberta-v2"):  # as the suite calls them: through Backb
         except Exception:
             traceback.print_exc(file=sys.stdout)
 EOF
-    echo "exit $?" >> "$OUT/traces.txt"
 }
 
 stage_fewshot() {  # the protocol's rows at its precision, each script's graph step, gates and final evaluation
@@ -248,10 +248,7 @@ stage_fewshot() {  # the protocol's rows at its precision, each script's graph s
 
 stage_graph_compile() {
     LIMIT[half]=$((LIMIT[graph_compile] / 2))
-    limit half python3 tools/bench.py --compare_steps --size bert-base --model_name_or_path $DATA/tokenizer $RUNS \
-        --batch_size 64 --max_seq_length 32 --steps 100 --warmup 10 --rows suite-graph suite-graph-compile \
-        > "$OUT/graph_compile.txt" 2>&1
-    echo "exit $?" >> "$OUT/graph_compile.txt"
+    into graph_compile.txt half python3 $COMPARE --rows suite-graph suite-graph-compile
     limit half python3 - >> "$OUT/graph_compile.txt" 2>&1 <<'EOF'
 import contextlib, io, json, sys, tempfile
 sys.path[:0] = [".", "tools"]
@@ -311,8 +308,7 @@ EOF
 }
 
 stage_test_cuda() {
-    limit test_cuda python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py > "$OUT/test_cuda.txt" 2>&1
-    echo "exit $?" >> "$OUT/test_cuda.txt"
+    into test_cuda.txt test_cuda python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py
 }
 
 stage_bench() {
@@ -323,22 +319,19 @@ tokenizer = transformers.AutoTokenizer.from_pretrained(".gpu_data/tokenizer")
 transformers.BertModel(transformers.BertConfig()).save_pretrained(".gpu_data/bert-base-random")
 tokenizer.save_pretrained(".gpu_data/bert-base-random")
 EOF
-    limit bench python3 tools/bench.py --model_name_or_path $DATA/bert-base-random $RUNS \
+    into bench.txt bench python3 tools/bench.py --model_name_or_path $DATA/bert-base-random $RUNS \
         --supervised_file $DATA/nli_snli_devtest.csv --methods simcse simcsepp sscl whitenedcse micse --batch_size 64 \
-        --max_seq_length 32 --steps 40 --warmup 5 --skip_eval > "$OUT/bench.txt" 2>&1
-    echo "exit $?" >> "$OUT/bench.txt"
+        --max_seq_length 32 --steps 40 --warmup 5 --skip_eval
 }
 
 stage_graph() {
-    limit graph python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -k "graph or capturable" \
-        > "$OUT/graph_tests.txt" 2>&1
-    echo "exit $?" >> "$OUT/graph_tests.txt"
+    into graph_tests.txt graph python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py -k "graph or capturable"
 }
 
 stage_recipes_graph() { both_ways recipes_graph bert-base 60 20 recipes_; }
 
 stage_families() {
-    limit families python3 - <<'EOF' > "$OUT/families.txt" 2>&1
+    into families.txt families python3 - <<'EOF'
 import contextlib, io, json, sys, tempfile
 from pathlib import Path
 sys.path[:0] = [".", "tests"]
@@ -366,13 +359,11 @@ for family in families.FAMILIES:
         except BaseException as error:
             print(f"| {family} | failed | {type(error).__name__}: {str(error)[:160]} |", flush=True)
 EOF
-    echo "exit $?" >> "$OUT/families.txt"
 }
 
 stage_gate() {
-    limit gate python3 tools/bench.py --gate_floor --size bert-base --model_name_or_path $DATA/tokenizer \
-        --senteval_dir $DATA/senteval --device cuda --steps 5 > "$OUT/gate.txt" 2>&1
-    echo "exit $?" >> "$OUT/gate.txt"
+    into gate.txt gate python3 tools/bench.py --gate_floor --size bert-base --model_name_or_path $DATA/tokenizer \
+        --senteval_dir $DATA/senteval --device cuda --steps 5
 }
 
 stage_saves() {
