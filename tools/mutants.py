@@ -40,13 +40,11 @@ ST_LOSSES = "tests/test_st_losses.py::"
 MUTANTS = {
     # the four that passed every test before tests/test_flags.py, and the DCL sign
     "simcse-hard-negative-weight": ("simcse.py", "args.temp, columns, args.hard_negative_weight,",
-                                    "args.temp, columns, 0.0,",
-                                    [FLAGS]),
+                                    "args.temp, columns, 0.0,", [FLAGS]),
     "simcsepp-dcl-only-temp": ("simcsepp.py", "dcl_temp=args.dcl_temp,", "dcl_temp=args.temp,", [FLAGS]),
     "whitenedcse-groups": ("whitenedcse.py", "head = WhitenedHead(hidden, args.num_groups,",
                            "head = WhitenedHead(hidden, hidden // 2,", [FLAGS]),
-    "sscl-tie": ("sscl.py", "if run.dev_gate(step) > run.best_dev", "if run.dev_gate(step) >= run.best_dev",
-                 [FLAGS]),
+    "sscl-tie": ("sscl.py", "if run.dev_gate(step) > run.best_dev", "if run.dev_gate(step) >= run.best_dev", [FLAGS]),
     "simcsepp-dcl-sign": ("simcsepp.py", "        loss = loss + dcl\n", "        loss = loss - dcl\n", [FLAGS]),
     # the losses
     "info-nce-no-temperature": ("simcse.py", "logits = cos_sim(z1, z2) / temp", "logits = cos_sim(z1, z2)",
@@ -70,14 +68,11 @@ MUTANTS = {
                          "list(source.parameters()), momentum)", ["tests/test_micse.py"]),
     "micse-ami-lambda": ("micse.py", "ami_lambda=args.ami_lambda,", "ami_lambda=2.5e-3,", [FLAGS]),
     "gather-local-rows": ("plumbing/distributed.py", "return torch.cat([part[:n] for part, n in zip(parts, counts)])",
-                          "return t",
-                          ["tests/test_distributed.py::test_two_processes_train_like_one[simcse]"]),
+                          "return t", ["tests/test_distributed.py::test_two_processes_train_like_one[simcse]"]),
     "warmup-ignored": ("common.py", "get_linear_schedule_with_warmup(optimizer, args.warmup_steps,",
-                       "get_linear_schedule_with_warmup(optimizer, 0,",
-                       ["tests/test_common.py"]),
+                       "get_linear_schedule_with_warmup(optimizer, 0,", ["tests/test_common.py"]),
     "spearman-is-pearson": ("eval_sts.py", "    from scipy.stats import spearmanr\n",
-                            "    from scipy.stats import pearsonr as spearmanr\n",
-                            ["tests/test_eval_sts.py"]),
+                            "    from scipy.stats import pearsonr as spearmanr\n", ["tests/test_eval_sts.py"]),
     "resume-skips-rng": ("plumbing/resume.py", "torch.set_rng_state(", "(lambda state: None)(",
                          ["tests/test_resume.py"]),
     # the CUDA graph's plumbing, on CPU (tests/test_graph.py's faked capture and replay)
@@ -124,8 +119,7 @@ MUTANTS = {
     # the cluster path, against a real Slurm (tests/test_slurm.py: skipped where tools/local_slurm.sh's is not up)
     "slurm-sigterm-is-failure": ("tools/cluster.py", "            if self.terminated and code != 0:  # Slurm",
                                  "            if False:  # Slurm", [SLURM_STOPS]),
-    "slurm-starts-not-counted": ("tools/cluster.py", 'starts=was.get("starts", 0) + 1,', "starts=1,",
-                                 [SLURM_STOPS]),
+    "slurm-starts-not-counted": ("tools/cluster.py", 'starts=was.get("starts", 0) + 1,', "starts=1,", [SLURM_STOPS]),
     "slurm-array-raw-id": ("tools/cluster.py", '{"job": str(job.job_id), "executor"',
                            '{"job": str(job.job_id).split("_")[0], "executor"', [SLURM_STOPS]),
     "slurm-lost-is-queued": ("tools/cluster.py", "            elif state in PENDING:",
