@@ -114,8 +114,7 @@ def measure_similarity(encode, senteval_dir, split: str = "test") -> dict:
     left, right = (unit_rows(np.stack([table[p[i]] for p in pairs])) for i in (0, 1))
     cosines = np.sum(left * right, axis=1)
     gold = [p[2] for p in pairs]
-    return {"groups": similarity_groups(cosines, gold), "cosine": [round(float(c), 4) for c in cosines],
-            "gold": gold}
+    return {"groups": similarity_groups(cosines, gold), "cosine": [round(float(c), 4) for c in cosines], "gold": gold}
 
 
 # ----------------------------------------------------------------------------------------------- figures
@@ -292,8 +291,7 @@ def main(argv=None) -> None:
                                                      f"SetSim: {label}")
                 print(f"{label} ({pooler}): SetSim {measured[label]}")
             elif args.analysis == "spectrum":
-                measured[label] = measure_spectrum(eval_sts.load_encode(path, pooler, device), senteval_dir,
-                                                   args.split)
+                measured[label] = measure_spectrum(eval_sts.load_encode(path, pooler, device), senteval_dir, args.split)
                 print(f"{label} ({pooler}): effective rank {measured[label]['effective_rank']}")
             else:
                 measured[label] = measure_similarity(eval_sts.load_encode(path, pooler, device), senteval_dir,
@@ -301,8 +299,7 @@ def main(argv=None) -> None:
                 means = ", ".join(f"{g['gold']}: {g['mean']}" for g in measured[label]["groups"])
                 print(f"{label} ({pooler}): mean cosine by gold score {means}")
         out.mkdir(parents=True, exist_ok=True)
-        {"spectrum": plot_spectrum, "similarity": plot_similarity, "setsim": plot_setsim}[args.analysis](
-            measured, png)
+        {"spectrum": plot_spectrum, "similarity": plot_similarity, "setsim": plot_setsim}[args.analysis](measured, png)
     split = "dev" if args.analysis == "trajectory" else args.split  # the trajectory is measured on STS-B dev
     files.write_json(json_path, {"analysis": args.analysis, "stsb_split": split, "results": measured})
     print(f"wrote {json_path}")
