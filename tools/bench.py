@@ -170,8 +170,7 @@ def bench_saves(device, repeats: int = 3) -> dict:
         tokenizer = transformers.BertTokenizerFast(vocab_file=str(vocab))
         args = types.SimpleNamespace(output_dir=tmp)
         state = {"backbone": backbone, "head": head, "optimizer": optimizer, "scheduler": scheduler}
-        history = types.SimpleNamespace(losses=[], grad_norms=[], terms={}, trajectory=[], resumptions=[],
-                                        skipped=[])
+        history = types.SimpleNamespace(losses=[], grad_norms=[], terms={}, trajectory=[], resumptions=[], skipped=[])
         times = {"copy": [], "best": [], "last": []}
         best = checkpoint.BestCopy(backbone, head, tokenizer, "cls_before_pooler")  # its buffers, once
         for _ in range(repeats):
@@ -196,8 +195,7 @@ def bench_saves(device, repeats: int = 3) -> dict:
           f"improving: best/ and last/ at every gate {old:.0f} s ({100 * old / train_s:.0f}%); a device copy at each "
           f"gate ({2 * DEVICE_COPY_BYTES_PER_S / 1e12:.0f} TB/s) and best/ once {new:.2f} s "
           f"({100 * new / train_s:.1f}%), no last/ within 10 minutes of training")
-    return {"seconds": median, "bytes": sizes, "weights_bytes": weights, "old_s": old, "new_s": new,
-            "train_s": train_s}
+    return {"seconds": median, "bytes": sizes, "weights_bytes": weights, "old_s": old, "new_s": new, "train_s": train_s}
 
 
 FLAG_SETTINGS = {"neither": [], "--gradient_checkpointing": ["--gradient_checkpointing"],
@@ -232,8 +230,7 @@ def bench_flags(args) -> dict:
     base = found["neither"]
     print(f"\nflags, {args.model_name_or_path}, batch {args.batch_size} x {args.max_seq_length} tokens, fp32, "
           f"{plumbing.resolve_device(args.device)}")
-    print(f"{'setting':<26}{'step peak MiB':>15}{'x neither':>11}{'estimated MiB':>15}{'steps/s':>9}"
-          f"{'x neither':>11}")
+    print(f"{'setting':<26}{'step peak MiB':>15}{'x neither':>11}{'estimated MiB':>15}{'steps/s':>9}{'x neither':>11}")
     for name, row in found.items():
         rate, base_rate = sum(row["rates"]) / 2, sum(base["rates"]) / 2
         print(f"{name:<26}{row['measured'] / 2**20:>15.0f}{row['measured'] / base['measured']:>11.2f}"
@@ -488,9 +485,8 @@ def gate_floor(args) -> dict:
                 seconds.append(time.perf_counter() - start)
             times[name] = statistics.median(seconds[1:])
         precision = options.resolve_precision("fp32", device)
-        print(f"the STS-B dev gate, {describe_setting(args, model, device, precision)}: "
-              f"{len(gate.sentences.index)} sentences in {len(gate.sentences.tokens)} batches; the median of "
-              f"{args.steps} after one")
+        print(f"the STS-B dev gate, {describe_setting(args, model, device, precision)}: {len(gate.sentences.index)} "
+              f"sentences in {len(gate.sentences.tokens)} batches; the median of {args.steps} after one")
         print(f"\n| what | seconds |\n|---|---|\n| the dev gate (dev_measures) | {times['gate']:.3f} |\n"
               f"| its floor: the bare fp32 forward of the same batches | {times['floor']:.3f} |\n"
               f"| gate / floor | {times['gate'] / times['floor']:.2f} |")
@@ -689,9 +685,8 @@ def recipe_row(name: str, args, model: str, workdir, extra: dict) -> dict | str:
     n, m = args.recipe_steps, args.gate_every
     batch, steps, eval_steps = recipe_schedule(script, flags, model, extra.get(script, []))
     out = Path(workdir) / name
-    results, clock, ended = run_in_process(script, [*run_flags(args, model, out, train_file), *flags,
-                                                    "--max_steps", str(n), "--eval_steps", str(m),
-                                                    *extra.get(script, [])])
+    results, clock, ended = run_in_process(script, [*run_flags(args, model, out, train_file), *flags, "--max_steps",
+                                                    str(n), "--eval_steps", str(m), *extra.get(script, [])])
     shutil.rmtree(out)  # its best/: BERT-large's is 1.3 GB
     curve, gates = training_curve(results), [row["step"] for row in results["trajectory"] if row.get("gate")]
     step_s = (curve[n] - curve[m]) / (n - m)
@@ -752,9 +747,8 @@ def main(argv=None):
                         help="estimate the GPU memory of each paper recipe instead (tools/memory.py: its own flags, "
                              "and the method's, e.g. --fraction, --precision, --batch_size, --gradient_checkpointing, "
                              "--micro_batch_size, which each row takes as a run would)")
-    parser.add_argument("--flag_cost", action="store_true",
-                        help="only measure --gradient_checkpointing and --micro_batch_size against neither "
-                             "(bench_flags)")
+    parser.add_argument("--flag_cost", action="store_true", help="only measure --gradient_checkpointing and "
+                        "--micro_batch_size against neither (bench_flags)")
     parser.add_argument("--save_cost", action="store_true",
                         help="only measure what saving a BERT-base-sized checkpoint costs (bench_saves)")
     parser.add_argument("--compare_steps", action="store_true",
@@ -774,9 +768,8 @@ def main(argv=None):
     parser.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), choices=list(RECIPE_NAMES),
                         help="--recipe_minutes: the recipes, each with its presets (default: the six)")
     parser.add_argument("--recipe_steps", type=int, default=100, help="--recipe_minutes: steps run of each recipe")
-    parser.add_argument("--gate_every", type=int, default=25,
-                        help="--recipe_minutes: a dev gate every this many steps of them (the step time is "
-                             "measured after the first)")
+    parser.add_argument("--gate_every", type=int, default=25, help="--recipe_minutes: a dev gate every this many steps "
+                        "of them (the step time is measured after the first)")
     parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
                         help="each run's --precision (auto: bf16 on a GPU that has it, fp16 on an older one, fp32 "
                              "on CPU); the bare steps' autocast follows it")
