@@ -78,8 +78,7 @@ class Job:
                 self._note(run, first, state="stopped", reason="SIGTERM from Slurm", code=code, **self._spent(run))
                 raise SystemExit(143)
             if code != 0:
-                self._note(run, first, state="failed", reason=f"the run exited with status {code}",
-                           **self._spent(run))
+                self._note(run, first, state="failed", reason=f"the run exited with status {code}", **self._spent(run))
                 if not first and code in (130, 143):  # stopped with the other tasks' run: the first reports it
                     raise SystemExit(code)
                 raise RuntimeError(f"{protocols.command_line(run)} exited with status {code}")
@@ -157,9 +156,8 @@ def make_executor(folder: Path, executor: str, gpus_per_job: int, nodes: int, ti
                                  **({"slurm_max_num_timeout": max_timeouts} if executor == "slurm" else {}))
     named = {f"slurm_{k}": v for k, v in {"partition": partition, "account": account}.items() if v}
     try:
-        made.update_parameters(timeout_min=timeout_min, nodes=nodes,
-                               tasks_per_node=tasks_per_node or gpus_per_job or 1, gpus_per_node=gpus_per_job,
-                               **named, **extra)
+        made.update_parameters(timeout_min=timeout_min, nodes=nodes, tasks_per_node=tasks_per_node or gpus_per_job or 1,
+                               gpus_per_node=gpus_per_job, **named, **extra)
         if executor == "slurm":  # --requeue: a site's JobRequeue=0 would cancel a pre-empted job instead
             made.update_parameters(slurm_signal_delay_s=signal_delay_s,
                                    slurm_additional_parameters={"requeue": True,
@@ -440,9 +438,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--wait", action="store_true", help="wait for the jobs, then write the page")
     g.add_argument("--gpus_per_job", type=int, default=0, help="GPUs of each job (with --nodes: a node's)")
     g.add_argument("--nodes", type=int, default=1, help="each run across this many nodes (torch.distributed)")
-    g.add_argument("--tasks_per_node", type=int, default=None,
-                   help="processes of a run on each node (default: --gpus_per_job, else 1); on CPUs, e.g. 2 runs "
-                        "one run as two processes (gloo)")
+    g.add_argument("--tasks_per_node", type=int, default=None, help="processes of a run on each node (default: "
+                   "--gpus_per_job, else 1); on CPUs, e.g. 2 runs one run as two processes (gloo)")
     g.add_argument("--runs_per_gpu", type=int, default=1, help="local: runs at once on each GPU of --gpus")
     g.add_argument("--timeout_min", type=int, default=None, help="a job's time limit (Slurm: 240; local: none)")
     g.add_argument("--partition", default=None, help="Slurm's partition")
