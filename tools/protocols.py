@@ -72,8 +72,7 @@ RELEASED_PRECISION = {
 FEW_SHOT_PRECISION = "miCSE's README commands pass no --fp16; its Table 2's SimCSE baseline, for which the " \
     "authors give no command, runs at the same precision here"
 FEW_SHOT_FRACTIONS = {"0.1%": 0.001, "1%": 0.01, "10%": 0.1, "100%": 1.0}
-FEW_SHOT_METHODS = {"simcse": ("simcse.py", []), "ami": ("micse.py", ["--queue_size", "0"]),
-                    "micse": ("micse.py", [])}
+FEW_SHOT_METHODS = {"simcse": ("simcse.py", []), "ami": ("micse.py", ["--queue_size", "0"]), "micse": ("micse.py", [])}
 
 BUILT_IN = {
     "paper": {
