@@ -411,8 +411,7 @@ def protocol_section(ctx) -> list[str]:
 
 def initial_dev(ctx, name: str) -> float | None:
     """The step-0 STS-B dev score of a row's runs: the initial checkpoint under that row's pooler."""
-    scores = [dev_curve(r)[0][1] for r in ctx.runs.get(name, {}).values()
-              if dev_curve(r) and dev_curve(r)[0][0] == 0]
+    scores = [dev_curve(r)[0][1] for r in ctx.runs.get(name, {}).values() if dev_curve(r) and dev_curve(r)[0][0] == 0]
     return sum(scores) / len(scores) if scores else None
 
 
