@@ -116,10 +116,9 @@ def latex_table(table: dict, paper: dict[str, str] | None = None, label: str = "
     note = r"\\ \footnotesize{\dag{} the paper's own number, not ours}" if "paper†" in header else ""
     return "\n".join([r"\begin{table}[t]", r"\centering", r"\small",
                       r"\begin{tabular}{l" + "r" * (len(header) - 1) + "}", r"\toprule",
-                      " & ".join(escape(h).replace("†", r"\dag{}") for h in header) + r" \\", r"\midrule",
-                      *body, r"\bottomrule", r"\end{tabular}",
-                      rf"\caption{{{escape(table['title'])}{note}}}", rf"\label{{tab:{label}}}" if label else "",
-                      r"\end{table}", ""])
+                      " & ".join(escape(h).replace("†", r"\dag{}") for h in header) + r" \\", r"\midrule", *body,
+                      r"\bottomrule", r"\end{tabular}", rf"\caption{{{escape(table['title'])}{note}}}",
+                      rf"\label{{tab:{label}}}" if label else "", r"\end{table}", ""])
 
 
 def slug(title: str) -> str:
