@@ -217,9 +217,8 @@ def recorded_hub_id(local: Path) -> str | None:
 def main(argv=None) -> dict:
     parser = plumbing.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_name_or_path", required=True, help="a run's best/, any local model or a Hub id")
-    parser.add_argument("--pooler", default=None, choices=common.POOLERS,
-                        help="default: the one the training run recorded (best/eval_pooler.json), else "
-                             "cls_before_pooler, as eval_sts.py")
+    parser.add_argument("--pooler", default=None, choices=common.POOLERS, help="default: the one the training run "
+                        "recorded (best/eval_pooler.json), else cls_before_pooler, as eval_sts.py")
     parser.add_argument("--tasks", nargs="*", default=None,
                         help="MTEB task names (default: the papers' 7 STS tasks, unless --sts_file is given)")
     parser.add_argument("--sts_file", default=None, help="a local STS task: CSV/TSV of sentence1, sentence2, score")
