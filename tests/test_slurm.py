@@ -11,6 +11,7 @@ within the warning; one run across both nodes trains as torchrun's two processes
 input is one line before anything is queued. Slurm holds a requeued job for 2 minutes before it starts it again
 (BeginTime): the tests release such jobs after 15 s (`scontrol update jobid=J starttime=now`), as an impatient admin
 would."""
+import contextlib
 import importlib
 import json
 import os
@@ -130,6 +131,28 @@ class Place:
             time.sleep(every)
         raise AssertionError(f"{self.name}: not {why} within {timeout} s; status: {self.status()}")
 
+    @contextlib.contextmanager
+    def held(self, row: str = "simcse", ranks=(None,)):
+        """The run's processes stopped (SIGSTOP) while the scenario sends its signal, continued once Slurm's SIGTERM
+        is pending (or Slurm continued them, or they are gone: a SIGKILL): a tiny run (90 steps, two seconds or so of
+        training) cannot end between the test seeing it train and the signal landing, which on busy cores it did (CI:
+        the requeue scenario's run ended first, and the job was done without a stop)."""
+        folder = self.folder / "runs" / self.name / f"{row}.seed1"
+        pids = [self.until(lambda: run_process(folder, rank), why=f"{row}'s process (rank {rank})", every=0.1)
+                for rank in ranks]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            for pid in pids:  # stopped before the signal is sent (SIGSTOP lands asynchronously)
+                self.until(lambda: held_without_sigterm(pid), why=f"{row}'s process stopped", every=0.01)
+            yield
+            for pid in pids:
+                self.until(lambda: not held_without_sigterm(pid), why="Slurm's SIGTERM to the held run", every=0.05)
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+
     def says(self, *words: str, row: str = "simcse", timeout=240) -> str:
         """Until status's line for the row has one of `words`: the line (status asked every 3 s)."""
         return self.until(lambda: next((s for s in [self.line(row)] if any(w in s for w in words)), None), timeout,
@@ -242,7 +265,8 @@ def usr2(place: Place, setting: dict) -> None:
     place.submit()
     job, = place.job_ids()
     place.training()
-    slurm("scancel", "--signal=USR2", job)
+    with place.held():
+        slurm("scancel", "--signal=USR2", job)
     place.training(start=2, saved=False)
     assert "requeued 1 time(s)" in place.line()
     place.says("done")
@@ -256,7 +280,8 @@ def requeue(place: Place, setting: dict) -> None:
     place.submit()
     job, = place.job_ids()
     place.training()
-    slurm("scontrol", "requeue", job)
+    with place.held():
+        slurm("scontrol", "requeue", job)
     place.until(lambda: place.progress().get("state") == "stopped", why="stopped")
     assert place.progress()["code"] == 143  # the run saved last/ and exited as a SIGTERM asks, not killed
     line = place.says("requeued 1")
@@ -276,7 +301,8 @@ def preemption_then_node_down(place: Place, setting: dict) -> None:
     place.submit(slurm=["nodelist=c2"])
     job, = place.job_ids()
     place.training()
-    slurm("sbatch", "-p", "urgent", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 2")
+    with place.held():
+        slurm("sbatch", "-p", "urgent", "-c", "2", "-o", "/dev/null", "--wrap", "sleep 2")
     place.training(start=2, saved=False)  # the resumed job running: the node falls under it (its save can't be waited)
     node_falls_under(place, job)
     assert place.line() == "simcse seed 1: done, requeued 2 time(s)" and place.job_ids() == [job], place.line()
@@ -284,10 +310,13 @@ def preemption_then_node_down(place: Place, setting: dict) -> None:
     two_nodes(Place(place.folder, "two_nodes", setting["args"], ["simcse"]), setting)  # c2 is this thread's
 
 
-def node_falls_under(place: Place, job: str) -> None:
-    """Node c2 set DOWN under the running job, then back: Slurm requeues the job, which runs to its end."""
-    slurm("scontrol", "update", "nodename=c2", "state=down", "reason=suite-test")
-    try:  # its processes end (KillWait) before it comes back, as a node that fell would have lost them
+def node_falls_under(place: Place, job: str, ranks=(None,)) -> None:
+    """Node c2 set DOWN under the running job (its run's processes held till Slurm signals them), then back: Slurm
+    requeues the job, which runs to its end."""
+    try:
+        with place.held(ranks=ranks):
+            slurm("scontrol", "update", "nodename=c2", "state=down", "reason=suite-test")
+        # its processes end (KillWait) before it comes back, as a node that fell would have lost them
         place.until(lambda: place.progress().get("state") != "running", why="stopped by its node's fall")
         time.sleep(3)
     finally:
@@ -310,7 +339,7 @@ def two_nodes(place: Place, setting: dict) -> None:
     line = place.line()
     assert line.startswith(f"simcse seed 1: running (job {job}):"), line
     assert slurm("squeue", "-h", "-j", job, "-o", "%N").strip() == "c[1-2]"  # a task on each node
-    node_falls_under(place, job)
+    node_falls_under(place, job, ranks=(0, 1))
     assert place.line() == "simcse seed 1: done, requeued 1 time(s)" and place.job_ids() == [job], place.line()
     kept = place.kept("simcse")
     assert kept["world_size"] == 2 and kept["resumptions"], kept["resumptions"]
@@ -342,7 +371,8 @@ def cancel_running(place: Place, setting: dict) -> None:
     place.submit()
     job, = place.job_ids()
     place.training()
-    slurm("scancel", job)
+    with place.held():
+        slurm("scancel", job)
     assert f"job {job}: CANCELLED" in place.says("failed")  # sacct's word can come before the job's own note
     place.until(lambda: place.progress().get("state") == "stopped", why="stopped")
     assert place.progress()["code"] == 143
@@ -397,7 +427,9 @@ def two_tasks(place: Place, setting: dict) -> None:
     place.submit("--tasks_per_node", "2")
     place.training()
     folder = place.folder / "runs" / place.name / "simcse.seed1"
-    os.kill(run_process(folder, rank=1), signal.SIGTERM)
+    rank_1 = run_process(folder, rank=1)
+    assert rank_1, f"no process of rank 1 writes {folder}"
+    os.kill(rank_1, signal.SIGTERM)
     line = place.says("failed")
     assert "(the run exited with status 143)" in line, line
     stopped = json.loads((folder / "results.json").read_text())
@@ -420,17 +452,28 @@ def two_tasks(place: Place, setting: dict) -> None:
     assert first == stopped["steps"] and stop < 190 and stopped_in < 20, (first, stop, stopped_in)
 
 
-def run_process(folder: Path, rank: int) -> int:
-    """The process of `rank` of the run that writes `folder`: its command line names the folder and its environment
-    the rank (a DataLoader worker, a child of it, would match too: none here, --num_workers 0)."""
+def run_process(folder: Path, rank: int | None = None) -> int | None:
+    """The process (of `rank`, where the run has several) of the run that writes `folder`, else None: its command
+    line names the folder and its environment the rank (a DataLoader worker, a child of it, would match too: none
+    here, --num_workers 0)."""
     for proc in Path("/proc").iterdir():
         try:
-            if str(folder) in (proc / "cmdline").read_text() and \
-                    f"\0RANK={rank}\0" in "\0" + (proc / "environ").read_text(errors="replace"):
+            if str(folder) in (proc / "cmdline").read_text() and (rank is None or f"\0RANK={rank}\0" in "\0" + (
+                    proc / "environ").read_text(errors="replace")):
                 return int(proc.name)
         except (OSError, ValueError):
             continue
-    raise AssertionError(f"no process of rank {rank} writes {folder}")
+    return None
+
+
+def held_without_sigterm(pid: int) -> bool:
+    """The process is stopped and no SIGTERM is pending for it (/proc's State and its pending signals' masks)."""
+    try:
+        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except (OSError, ValueError):
+        return False  # gone
+    pending = int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)
+    return status["State"].startswith("T") and not pending & 1 << (signal.SIGTERM - 1)
 
 
 SCENARIOS = {"two_tasks": (two_tasks, ["simcse"], []), "usr2": (usr2, ["simcse"], []),
