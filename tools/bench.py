@@ -605,9 +605,7 @@ def one_row(measure):
 
 
 def compare_steps(args) -> dict:
-    """--compare_steps: the same SimCSE step timed each way of --rows, one after another in this process, on the
-    same device, model, batch and --max_seq_length; steps/s over --steps steps after --warmup untimed ones,
-    examples/s, MFU and simcse.py's steps/s over each row's. {row: steps/s, or why it did not run}."""
+    """--compare_steps, as the module's docstring says: {row: steps/s, or why it did not run}."""
     from plumbing import options
     device = plumbing.resolve_device(args.device)
     precision = args.precision = options.resolve_precision(args.precision, device)
