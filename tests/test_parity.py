@@ -107,7 +107,9 @@ CLONES = {"simcse": "SimCSE", "micse": "acl2023-micse", "simcsepp off-dropout": 
 def test_three_steps_on_minilm_agree_step_by_step(method):
     """The released model, given the suite's weights at each step of a run on MiniLM's real weights (torch AdamW at
     the released settings, the same batches, dropout masks, AMI's samples and WhitenedCSE's shuffles): loss and every
-    gradient within 1e-5, at steps 1-3. Catches what real features or trained weights do to a formula that tiny random
+    gradient within 1e-5 at steps 1-3, or beyond it by rounding alone as tools/parity.py judges it (the suite within
+    1e-5 of the released code run in float64, or no further from it than 4 x the released code's own error: on an
+    AVX-512 Xeon WhitenedCSE's step 2 is 1.5e-5 apart, on an AVX2 EPYC within 1e-5). Catches what real features or trained weights do to a formula that tiny random
     models hide (a clamp or floor that bites on real attention maps; a term's rounding on real [CLS] features), and a
     run's machinery that drifts (a step's weights, masks or samples not the suite's own). SimCSE++ and WhitenedCSE,
     which carry no licence, run where SUITE_RELEASED_CODE names a folder holding their clones (not in CI)."""
@@ -120,7 +122,7 @@ def test_three_steps_on_minilm_agree_step_by_step(method):
         run = parity.trajectory(method, clone, SHARED / "models" / "all-MiniLM-L6-v2", 3, free=False)
     assert len(run["strict"]) == 3 and not run["free"] and "dev" not in run
     for r in run["strict"]:
-        assert r["loss_rel"] <= 1e-5 and r["grad_rel"] <= 1e-5 and r["gradients"] == 103, r
+        assert parity.status(r, 1e-5).startswith("ok") and r["gradients"] == 103, r
     assert len({r["loss_suite"] for r in run["strict"]}) == 3  # the weights (and batches) move from step to step
 
 
