@@ -12,40 +12,7 @@
 # same warm machine, the second call `tools/gpu_check.sh OUT recipes_large` (300 s) if the session has the time.
 # The other stages were measured once (docs/gpu.md) and run by name where a change needs them again.
 #
-#   machine        the GPU, driver, torch and transformers                                     gpu.txt
-#   graph          the CUDA graph's tests in tests/test_cuda.py: every method's replayed step against its eager
-#                  step (a spread model, fp32), fresh randomness at each replay, the capturable optimizer, a
-#                  graph run resumed                                                            graph_tests.txt
-#   recipes_graph  the six rows' recipes in minutes at BERT-base size, 60 steps with a dev gate every 20 and the
-#                  whole final evaluation each, with --cuda_graph and with --no_cuda_graph    recipes_*graph.txt
-#   families       each encoder family of docs/backbones.md (tiny, random) trained 8 steps by simcse.py on the
-#                  GPU with the graph: captured and replayed, or eager after its one line        families.txt
-#   gate           the STS-B dev gate against a bare fp32 forward of its batches (bench.py --gate_floor)  gate.txt
-#   compare        the same SimCSE step six ways, BERT-base-sized (random weights, bert-base-uncased's shape and
-#                  WordPiece), batch 64 x 32, --precision auto: simcse.py eager, --compile and --cuda_graph,
-#                  a bare eager step, the bare step in a CUDA graph, sentence-transformers'
-#                  trainer; 100 steps timed after 10 (tools/bench.py --compare_steps)           compare_steps.txt
-#   recipes_base   the six rows' recipes eagerly: 80 steps with a dev gate every 20          recipes_bert_base.txt
-#   flags          the memory flags on supervised SimCSE's batch of 512, bf16, against the estimate      flags.txt
-#   recipes_large  the six rows at BERT-large size, 40 steps, a gate every 10, with and without the graph
-#                                                                                       recipes_bert_large_*.txt
-#   test_cuda      tests/test_cuda.py                                                                test_cuda.txt
-#   bench          each method as a user runs it, BERT-base-sized, batch 64 x 32 (tools/bench.py)      bench.txt
-#   saves          what writing best/ and last/ costs (tools/bench.py --save_cost)                     saves.txt
-#   recipes_micse  miCSE's few-shot recipe (the sixth row) alone, with and without the graph  recipes_micse_*.txt
-#   traces         the capture of a tiny random MPNet's and DeBERTa-v2's training step as the suite runs it (the
-#                  families the graph falls back on), the whole traceback: the line that touches the host  traces.txt
-#   fewshot        the few-shot protocol's three scripts (simcse.py, micse.py --queue_size 0, micse.py) at its
-#                  precision (fp32), 40 steps with a gate every 20, the graph on: its step, gate and final
-#                  evaluation times, from which docs/cluster.md prices the protocol            fewshot_*.txt
-#   graph_compile  SimCSE's step with the graph and with the graph around the compiled encoder (--compile),
-#                  timed as `compare` times it, and their losses side by side (dropout 0, 30 steps)  graph_compile.txt
-#   runs_per_gpu   K copies of SimCSE's recipe (--recipe_minutes, the graph) at once on the GPU, each a process as
-#                  `report.py run --runs_per_gpu K` starts them: K = 1, 4, then 4 under NVIDIA MPS where the machine
-#                  has it (RPG_SETTINGS="1:off 2:off 4:on" and the like; RPG_STEPS, RPG_GATE: 500 steps, a gate
-#                  every 125): each copy's minutes and the wall time of the K together        runs_per_gpu.txt
-#   st_trainer     st_losses' ContrastiveTrainer (SimCSELoss) beside simcse.py's eager and graphed step, timed as
-#                  `compare` times them, BERT-base-sized, --precision auto (bf16)                  st_trainer.txt
+# The stages, what each runs and the file it writes under OUT: docs/gpu.md#the-stages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 declare -A LIMIT=([machine]=15 [compare]=170 [recipes_base]=200 [flags]=45 [recipes_large]=240 [test_cuda]=240
