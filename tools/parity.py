@@ -498,6 +498,16 @@ def given_samples(attn1, attn2, layers: slice, num_samples: int, generator: torc
                              sample.index[sample.used][:, :samples].clone())
 
 
+def rho_edge(attn1, attn2, layers: slice, num_samples: int, generator: torch.Generator) -> bool:
+    """Whether miCSE's rho = +-1 edge acts on these maps: a sampled tile's rho^2 beyond 1 - 1e-6, where the suite
+    clamps and the released code takes log(0) (or NaN, then 100). The same samples as given_samples'."""
+    tiles1, tiles2 = (micse.attention_tiles(a[:, layers]) for a in (attn1, attn2))
+    sample = micse.ami_sample(tiles1, tiles2, num_samples, copy.deepcopy(generator))
+    log1, log2 = micse.centred_logs(tiles1, sample), micse.centred_logs(tiles2, sample)
+    rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)
+    return bool((rho[sample.used] ** 2 > 1 - 1e-6).any())
+
+
 def micse_rows(clone: Path) -> list[dict]:
     module = released_module("micse", clone)
     rows, ami_lambda = [], 1e-2  # a weight large enough that the AMI term shows in the loss
@@ -742,7 +752,7 @@ def trajectory(name: str, clone: Path, model_dir: Path, steps: int, size: int = 
                                                                                       weight_decay=0.0)
         released_schedule = transformers.get_linear_schedule_with_warmup(released_optimizer, 0, steps)
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
-    strict, running, deviations = [], [], []
+    strict, running, deviations, edges = [], [], [], 0
     for t, texts in enumerate(corpus_batches(corpus, steps, size)):
         stacked = dict(tokenizer([s for column in texts for s in column], padding=True, truncation=True,
                                  max_length=32, return_tensors="pt"))
@@ -754,6 +764,7 @@ def trajectory(name: str, clone: Path, model_dir: Path, steps: int, size: int = 
         if name == "micse":  # the attention maps both sides will see, for the shared draw of AMI's samples
             maps = attention_maps(model, batch, t)
             draws = lambda released_model: given_samples(*maps, slice(1, 5), 150, drawn)  # noqa: E731
+            edges += rho_edge(*maps, slice(1, 5), 150, drawn)
         if name == "whitenedcse":  # the suite's shuffles, as its generator draws them
             perms = [torch.randperm(config.hidden_size, generator=drawn) for _ in range(views)]
             draws = lambda released_model: per_view(released_model.mlp.dbn, views, perms)  # noqa: E731
@@ -797,7 +808,8 @@ def trajectory(name: str, clone: Path, model_dir: Path, steps: int, size: int = 
                   f"{r['loss_rel']:.1e}), grad norm {r['grad_norm_released']:.4f} / {norm:.4f}, largest weight diff. "
                   f"{weights:.1e} ({where}; {outside:.1e} outside the key biases); step by step: "
                   f"{strict[-1]['grad_rel']:.1e}")
-    result = {"name": name, "steps": steps, "strict": strict, "free": running, "deviations": deviations}
+    result = {"name": name, "steps": steps, "strict": strict, "free": running, "deviations": deviations,
+              **({"rho_edge_steps": edges} if name == "micse" else {})}
     if free and senteval_dir is not None:
         result["dev"] = {side: dev_scores(repository, clone, tokenizer, config, bert, mlp, pooler, senteval_dir)
                          for side, bert, mlp in (("released", released.bert, dense and released.mlp.dense),
@@ -944,7 +956,8 @@ def runs_table(runs: list[dict], tolerance: float) -> str:
         first = next((r for r in free if max(r["loss_rel"], r["grad_rel"]) > tolerance), None)
         scores = [" / ".join(f"{v:.2f}" for v in dev[side].values()) if side in dev else "-"
                   for side in ("released", "suite")]
-        lines.append(f"| {run['name']}, {run['steps']} steps | {max(r['loss_rel'] for r in strict):.1e} / "
+        edge = f", rho = 1 edge at {run['rho_edge_steps']} step(s)" if "rho_edge_steps" in run else ""
+        lines.append(f"| {run['name']}, {run['steps']} steps{edge} | {max(r['loss_rel'] for r in strict):.1e} / "
                      f"{max(r['grad_rel'] for r in strict):.1e} | "
                      + (f"{max(r['loss_rel'] for r in free):.1e} | " if free else "- | ")
                      + (f"{first['name'].split(':')[0].split()[-1]} ({first['grad_worst']}) | " if first else "none | ")
