@@ -90,3 +90,20 @@ def test_every_papers_bibtex_is_in_the_docs_and_the_suite_has_a_citation_file():
         assert bibtex in methods, method
     cff = (ROOT / "CITATION.cff").read_text()
     assert cff.startswith("cff-version: 1.2.0") and "title:" in cff and "message:" in cff
+
+
+def test_cli_freezes_what_is_left_at_the_process_end_only():
+    """plumbing.cli freezes the objects left when the process ends (atexit: the interpreter's last collections then
+    skip them, 1.5-3 s after a run's last line with torch loaded), not when main() returns: a process that runs
+    several mains (tests/test_distributed.py's driver) keeps its collections between them. Fails without the freeze,
+    and with a freeze at main()'s return (the one that hung that driver's launch)."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    probe = ("import atexit, gc, plumbing\n"
+             "atexit.register(lambda: print('at exit', gc.get_freeze_count() > 0))  # runs after cli's (LIFO)\n"
+             "plumbing.cli(lambda: None)\n"
+             "plumbing.cli(lambda: None)\n"
+             "print('between mains', gc.get_freeze_count() > 0)\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["between mains False", "at exit True"], out
