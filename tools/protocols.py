@@ -344,12 +344,34 @@ def paper_cell(value) -> str:
     return cell(*value) if isinstance(value, tuple) else f"{value:.2f}"
 
 
-def score_rows(protocol: dict, found: dict, columns: list[str], key: str) -> list[str]:
-    """For each row: the paper's cells (with their source), ours (mean ± std over the seeds), and ours − paper."""
-    lines = ["| row | n | " + " | ".join(columns) + " |", "|---|---|" + "---|" * len(columns)]
+def paired_difference(run: dict[int, float], base: dict[int, float]) -> tuple[float, float, bool, int]:
+    """Mean of run - base over the seeds both have, its standard error, whether |mean| > 2 SE, and the pair count."""
+    diffs = [run[s] - base[s] for s in sorted(run) if s in base]
+    if not diffs:
+        return math.nan, math.nan, False, 0
+    mean, std = mean_std(diffs)
+    se = std / math.sqrt(len(diffs))
+    return mean, se, len(diffs) > 1 and abs(mean) > 2 * se, len(diffs)
+
+
+def fmt_diff(mean: float, se: float, marked: bool) -> str:
+    if math.isnan(mean):
+        return "—"
+    text = f"{mean:+.2f}" if math.isnan(se) else f"{mean:+.2f} ± {se:.2f}"
+    return f"**{text}**" if marked else text
+
+
+def score_rows(protocol: dict, found: dict, columns: list[str], key: str,
+               baseline: tuple[str, dict] | None = None) -> list[str]:
+    """For each row: the paper's cells (with their source), ours (mean ± std over the seeds), and ours − paper. With
+    `baseline` ((its column's header, {row: its baseline row or None})), the rows are paired with their baselines
+    instead: a last column, the seed-paired difference of the last score column to the baseline ± its standard error
+    (in bold beyond two standard errors)."""
+    lines = ["| row | n | " + " | ".join(columns) + (f" | {baseline[0]}" if baseline else "") + " |",
+             "|---|---|" + "---|" * (len(columns) + bool(baseline))]
     for row in protocol["rows"]:
         by_seed = {s: r[key] for s, r in found.get(row["name"], {}).items() if key in r}
-        source, paper = PAPER.get(row.get("paper"), (None, {})) if key == "test" else (None, {})
+        source, paper = PAPER.get(row.get("paper"), (None, {})) if key == "test" and not baseline else (None, {})
         ours = {c: mean_std([v[c] for v in by_seed.values()]) for c in columns
                 if by_seed and all(c in v for v in by_seed.values())}
         name = tables.markdown_cell(row["name"])
@@ -358,10 +380,29 @@ def score_rows(protocol: dict, found: dict, columns: list[str], key: str) -> lis
                          + " | ".join(paper_cell(paper[c]) if c in paper else "" for c in columns) + " |")
         lines.append(f"| {name}{': ours' if paper else ''} | {len(by_seed)} | "
                      + " | ".join(cell(*ours[c]) if c in ours else "—" for c in columns) + " |")
+        if baseline:
+            base = {s: r[key][columns[-1]] for s, r in found.get(baseline[1].get(row["name"]), {}).items() if key in r}
+            diff = paired_difference({s: v[columns[-1]] for s, v in by_seed.items()}, base)[:3]
+            lines[-1] += f" {fmt_diff(*diff) if baseline[1].get(row['name']) else '—'} |"
         if paper and ours:
             diffs = [f"{ours[c][0] - (paper[c][0] if isinstance(paper[c], tuple) else paper[c]):+.2f}"
                      if c in paper and c in ours else "" for c in columns]
             lines.append(f"| {name}: ours − paper | | " + " | ".join(diffs) + " |")
+    return lines
+
+
+def best_dev_rows(protocol: dict, found: dict, note: tuple[str, dict] | None = None) -> list[str]:
+    """Each row's best STS-B dev (mean ± std over the seeds) and best steps, seed by seed; `note` ((its header,
+    {row: text})): a last column (the smoke page's papers' averages)."""
+    lines = ["| row | best dev (mean ± std) | best step (per seed) |" + (f" {note[0]} |" if note else ""),
+             "|---|---|---|" + ("---|" if note else "")]
+    for row in protocol["rows"]:
+        by_seed = found.get(row["name"], {})
+        if by_seed:
+            devs = [r["best_dev_stsb"] for r in by_seed.values() if r.get("best_dev_stsb") is not None]
+            lines.append(f"| {tables.markdown_cell(row['name'])} | {cell(*mean_std(devs)) if devs else '—'} | "
+                         + ", ".join(str(by_seed[s].get("best_step")) for s in sorted(by_seed)) + " |"
+                         + (f" {note[1][row['name']]} |" if note else ""))
     return lines
 
 
@@ -394,29 +435,13 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True, underway: 
     lines += ["## STS test (best STS-B dev checkpoint)", ""] + score_rows(protocol, found, STS, "test") + [""]
     if any("transfer" in r for by_seed in found.values() for r in by_seed.values()):
         lines += ["## Transfer (SentEval)", ""] + score_rows(protocol, found, TRANSFER, "transfer") + [""]
-    lines += ["## Best STS-B dev", "", "| row | best dev (mean ± std) | best steps |", "|---|---|---|"]
-    for row in protocol["rows"]:
-        by_seed = found.get(row["name"], {})
-        if by_seed:
-            devs = [r["best_dev_stsb"] for r in by_seed.values() if r.get("best_dev_stsb") is not None]
-            lines.append(f"| {tables.markdown_cell(row['name'])} | {cell(*mean_std(devs)) if devs else '—'} | "
-                         + ", ".join(str(r.get("best_step")) for r in by_seed.values()) + " |")
+    lines += ["## Best STS-B dev", ""] + best_dev_rows(protocol, found)
     if precision_lines(protocol):
         lines += ["", "## Precision", "", "Each row at the precision its paper's released scripts trained in:", ""] \
             + [f"- {line}" for line in precision_lines(protocol)]
     lines += ["", "## Commands", "", "```bash"] + [command_line(r) for r in every] + ["```", ""]
     page = folder / "RESULTS.md"
-    page.write_text("\n".join(lines))
-    print(f"wrote {page}")
-    if damaged:
-        print(skipped_line(damaged, page))
-    # for a paper: the page's tables in LaTeX (the papers' averages beside ours) and every run in a CSV
-    paper = {row["name"]: paper_cell(PAPER[row["paper"]][1]["avg"]).split(" ")[0] for row in protocol["rows"]
-             if "avg" in PAPER.get(row.get("paper"), (None, {}))[1]}
-    tables.write_latex(lines, folder / "latex", {"STS test (best STS-B dev checkpoint)": paper})
-    tables.write_csv([tables.run_row(row["name"], row["script"], row.get("flags", []), seed, result)
-                      for row in protocol["rows"] for seed, result in sorted(found.get(row["name"], {}).items())],
-                     folder / "runs.csv")
+    save_page(lines, page, protocol, found, damaged, folder)
     if plots:
         plot_dev_curves(protocol, found, folder / "dev_curves.png")
     if plots and protocol.get("sweep"):
@@ -426,31 +451,56 @@ def write_page(protocol: dict, results_dir: Path, plots: bool = True, underway: 
     return page
 
 
+def save_page(lines: list[str], page: Path, protocol: dict, found: dict, damaged: list, tables_dir: Path,
+              papers: dict | None = None, titles: tuple = ("STS test (best STS-B dev checkpoint)",)) -> None:
+    """The page, and for a paper its tables in LaTeX (`papers`, {row: the paper's average}, beside ours in the
+    tables `titles` names; default: the rows' PAPER averages) and every run in a CSV, in `tables_dir`."""
+    page.write_text("\n".join(lines))
+    print(f"wrote {page}")
+    if damaged:
+        print(skipped_line(damaged, page))
+    if papers is None:
+        papers = {row["name"]: paper_cell(PAPER[row["paper"]][1]["avg"]).split(" ")[0] for row in protocol["rows"]
+                  if "avg" in PAPER.get(row.get("paper"), (None, {}))[1]}
+    tables.write_latex(lines, tables_dir / "latex", {title: papers for title in titles})
+    tables.write_csv([tables.run_row(row["name"], row["script"], row.get("flags", []), seed, result)
+                      for row in protocol["rows"] for seed, result in sorted(found.get(row["name"], {}).items())],
+                     tables_dir / "runs.csv")
+
+
 def plot_text(text) -> str:
     """A name as matplotlib shows it: its dollar signs literal (else mathtext reads them)."""
     return str(text).replace("$", r"\$")
 
 
-def plot_dev_curves(protocol: dict, found: dict, path: Path) -> None:
-    """STS-B dev at the dev gates of each row's runs: the mean over seeds, with their min-max band."""
+def plot_dev_curves(protocol: dict, found: dict, path: Path, panels: list | None = None, title: str = "") -> None:
+    """STS-B dev at the dev gates of each row's runs: the mean over seeds, with their min-max band. `panels`:
+    [(its title, its rows' names)] side by side (default: every row in one)."""
     plt = files.pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row in protocol["rows"]:
-        curves = [{r["step"]: r["stsb_dev"] for r in files.trajectory(results) if r.get("gate")}
-                  for results in found.get(row["name"], {}).values()]
-        steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-        if steps:
-            per_step = [[c[s] for c in curves] for s in steps]
-            line, = ax.plot(steps, [sum(v) / len(v) for v in per_step], marker="o", markersize=3,
-                            label=f"{plot_text(row['name'])} (n={len(curves)})")
-            ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], alpha=0.15,
-                            color=line.get_color())
-    ax.set_xlabel("training step")
-    ax.set_ylabel("STS-B dev (mean; band: min–max over seeds)")
-    ax.set_title(f"Protocol {protocol['name']}: STS-B dev during training", fontsize=10)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
+    every_row = [row["name"] for row in protocol["rows"]]
+    panels = panels or [(f"Protocol {protocol['name']}: STS-B dev during training", every_row)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), sharey=True, squeeze=False)
+    for ax, (panel, names) in zip(axes[0], panels):
+        for name in names:
+            curves = [{r["step"]: r["stsb_dev"] for r in files.trajectory(results) if r.get("gate")}
+                      for results in found.get(name, {}).values()]
+            steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+            if steps:
+                per_step = [[c[s] for c in curves] for s in steps]
+                line, = ax.plot(steps, [sum(v) / len(v) for v in per_step], marker="o", markersize=3,
+                                label=f"{plot_text(name)} (n={len(curves)})")
+                ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], alpha=0.15,
+                                color=line.get_color())
+        ax.set_title(panel, fontsize=10)
+        ax.set_xlabel("training step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no runs yet", transform=ax.transAxes, ha="center", color="gray")
+    axes[0][0].set_ylabel("STS-B dev Spearman × 100 (mean; band: min–max over seeds)")
+    if title:
+        fig.suptitle(title)
     files.save_figure(fig, path)
 
 

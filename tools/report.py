@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shlex
@@ -75,6 +74,15 @@ BASELINE = {"simcse_10pct": None, "micse_10pct": "simcse_10pct", "simcse_1pct": 
 STS_COLUMNS, TRANSFER_COLUMNS = protocols.STS, protocols.TRANSFER
 
 
+def smoke(rows: list[tuple]) -> dict:
+    """Rows of RUNS or FEW_SHOT as a protocol's rows, for protocols.py's tables, CSV and plot."""
+    return {"name": "smoke", "rows": [{"name": name, "script": script, "flags": flags}
+                                      for name, script, flags, *_ in rows]}
+
+
+MAIN, FEW, EVERY = smoke(RUNS), smoke(FEW_SHOT), smoke(RUNS + FEW_SHOT)
+
+
 def fail(message: str):
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -82,23 +90,7 @@ def fail(message: str):
 
 # ---- aggregation (pure; tested against hand-computed numbers) ----
 mean_std, fmt = protocols.mean_std, protocols.cell  # one implementation each, shared with the protocol pages
-
-
-def paired_difference(run: dict[int, float], base: dict[int, float]) -> tuple[float, float, bool, int]:
-    """Mean of run - base over the seeds both have, its standard error, whether |mean| > 2 SE, and the pair count."""
-    diffs = [run[s] - base[s] for s in sorted(run) if s in base]
-    if not diffs:
-        return math.nan, math.nan, False, 0
-    mean, std = mean_std(diffs)
-    se = std / math.sqrt(len(diffs))
-    return mean, se, len(diffs) > 1 and abs(mean) > 2 * se, len(diffs)
-
-
-def fmt_diff(mean: float, se: float, marked: bool) -> str:
-    if math.isnan(mean):
-        return "—"
-    text = f"{mean:+.2f}" if math.isnan(se) else f"{mean:+.2f} ± {se:.2f}"
-    return f"**{text}**" if marked else text
+paired_difference, fmt_diff = protocols.paired_difference, protocols.fmt_diff
 
 
 # ---- running ----
@@ -110,6 +102,11 @@ def run_dir(name: str, seed: int) -> Path:
 def command(script, flags, seed, out_dir):
     return [sys.executable, script, *PROTOCOL, "--seed", str(seed), *flags, "--output_dir", str(out_dir),
             "--overwrite_output_dir"]
+
+
+def command_text(name: str, script: str, flags: list[str], seed) -> str:
+    """A smoke run's command line as the page and `commands` print it (seed S on the page)."""
+    return " ".join(["python", *map(str, command(script, flags, seed, run_dir(name, seed))[1:])])
 
 
 def timed(cmd, env=None) -> dict:
@@ -228,26 +225,6 @@ def read_json(path: Path) -> dict:
     return found
 
 
-def metric_rows(runs, names, columns, get):
-    """Table rows 'name | n | mean ± std per column | paired difference of the last column to the baseline'."""
-    lines = []
-    for name in names:
-        if name not in runs:
-            continue
-        values = {seed: get(r) for seed, r in runs[name].items() if get(r) is not None}
-        if not values:
-            continue
-        cells = [fmt(*mean_std([v[c] for v in values.values()])) for c in columns]
-        base = BASELINE[name]
-        diff = "—"
-        if base and base in runs:
-            base_values = {s: get(r) for s, r in runs[base].items() if get(r) is not None}
-            diff = fmt_diff(*paired_difference({s: v[columns[-1]] for s, v in values.items()},
-                                               {s: v[columns[-1]] for s, v in base_values.items()})[:3])
-        lines.append(f"| {name} | {len(values)} | " + " | ".join(cells) + f" | {diff} |")
-    return lines
-
-
 def write(results_dir: Path | None = None, page: Path | None = None, plots: bool = True,
           tables_dir: Path | None = None) -> None:
     """RESULTS.md from results/*.json, one function per section; every fact on it comes from there. Its tables as
@@ -267,20 +244,16 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     lines = (header(ctx) + protocol_section(ctx) + sts_section(ctx) + few_shot_section(ctx)
              + transfer_section(ctx) + align_uniform_section(ctx) + speed_section(ctx)
              + commands_section(ctx))
-    page.write_text("\n".join(lines))
-    print(f"wrote {page}")
-    if damaged:
-        print(protocols.skipped_line(damaged, page))
     # for a paper: the page's tables in LaTeX (the papers' averages beside ours) and every run in a CSV
     paper = {name: cell.split(" ")[0] for name, _, _, cell, _ in RUNS + FEW_SHOT}
-    tables.write_latex(lines, tables_dir / "latex", {"STS test (best STS-B dev checkpoint)": paper,
-                                                     "Few-shot: SimCSE and miCSE on a fraction of the corpus": paper})
-    tables.write_csv([tables.run_row(name, script, flags, seed, runs[name][seed])
-                      for name, script, flags, *_ in RUNS + FEW_SHOT for seed in sorted(runs.get(name, {}))],
-                     tables_dir / "runs.csv")
+    titles = ("STS test (best STS-B dev checkpoint)", "Few-shot: SimCSE and miCSE on a fraction of the corpus")
+    protocols.save_page(lines, page, EVERY, runs, damaged, tables_dir, paper, titles)
     print(f"wrote {tables_dir / 'latex'}/*.tex and {tables_dir / 'runs.csv'}")
-    if plots:
-        plot_dev_curves(runs, results_dir, ctx.main_names, ctx.few_names)
+    if plots and pyplot():
+        protocols.plot_dev_curves(EVERY, runs, results_dir / "dev_curves.png",
+                                  [("every method, full wiki1m head", ctx.main_names),
+                                   ("few-shot (fraction of the head)", ctx.few_names)],
+                                  "STS-B dev during training (all-MiniLM-L6-v2, same protocol)")
         plot_align_uniform(runs, results_dir, ctx.main_names, ctx.few_names)
 
 
@@ -297,7 +270,6 @@ def context(results_dir: Path, runs: dict) -> types.SimpleNamespace:
         runs=runs, every_run=every_run, initial_sts=initial_sts, initial_transfer=initial_transfer,
         info=read_json(results_dir / "machine.json"),
         main_names=[name for name, *_ in RUNS], few_names=[name for name, *_ in FEW_SHOT],
-        rows={name: (script, flags, paper, source) for name, script, flags, paper, source in RUNS + FEW_SHOT},
         seeds=sorted({s for by_seed in runs.values() for s in by_seed}),
         done=len(every_run), with_transfer=sum("transfer" in r for r in every_run),
         diff_header="avg − SimCSE (paired)")
@@ -410,37 +382,30 @@ def protocol_section(ctx) -> list[str]:
 
 
 def initial_dev(ctx, name: str) -> float | None:
-    """The step-0 STS-B dev score of a row's runs: the initial checkpoint under that row's pooler."""
-    scores = [dev_curve(r)[0][1] for r in ctx.runs.get(name, {}).values() if dev_curve(r) and dev_curve(r)[0][0] == 0]
+    """The step-0 STS-B dev score of a row's runs: the initial checkpoint under that row's pooler (the first dev gate
+    of each run's trajectory, or of the older "dev_curve")."""
+    gates = [[r for r in files.trajectory(results) if r.get("gate")] for results in ctx.runs.get(name, {}).values()]
+    scores = [curve[0]["stsb_dev"] for curve in gates if curve and curve[0]["step"] == 0]
     return sum(scores) / len(scores) if scores else None
 
 
-def dev_curve(results: dict) -> list[tuple[int, float]]:
-    """[(step, STS-B dev)] at a run's dev gates, from its trajectory (or the older "dev_curve")."""
-    return [(row["step"], row["stsb_dev"]) for row in files.trajectory(results) if row.get("gate")]
+def initial_rows(scores: dict, columns: list[str]) -> list[str]:
+    """The initial checkpoint's rows of a table, one per pooler evaluated."""
+    return [f"| initial checkpoint ({label}) | 1 | " + " | ".join(f"{found[t]:.2f}" for t in columns) + " | — |"
+            for label, found in scores.items()]
 
 
 def sts_section(ctx) -> list[str]:
-    lines = ["## STS test (best STS-B dev checkpoint)", "",
-             "| run | n | " + " | ".join(STS_COLUMNS) + f" | {ctx.diff_header} |",
-             "|---|---|" + "---|" * (len(STS_COLUMNS) + 1)]
-    lines += [f"| initial checkpoint ({label}) | 1 | " + " | ".join(f"{scores[t]:.2f}" for t in STS_COLUMNS)
-              + " | — |" for label, scores in ctx.initial_sts.items()]
-    lines += metric_rows(ctx.runs, ctx.main_names, STS_COLUMNS, lambda r: r.get("test"))
+    table = protocols.score_rows(MAIN, ctx.runs, STS_COLUMNS, "test", (ctx.diff_header, BASELINE))
     avg_dev, cls_dev = initial_dev(ctx, "sscl"), initial_dev(ctx, "simcse")
     figures = (f"; the initial checkpoint's STS-B dev figure with that pooler is {avg_dev:.2f}, not {cls_dev:.2f}"
                if avg_dev is not None and cls_dev is not None else "")
-    lines += ["", "SSCL trains and evaluates with the average pooler, as its released scripts do (the others "
-              "evaluate [CLS]), so compare SSCL's rows with the initial checkpoint (avg) here and in the transfer "
-              f"table{figures}.", "",
-              "| run | best dev STS-B | best step (per seed) | paper's BERT-base avg (not ours) |", "|---|---|---|---|"]
-    for name in ctx.main_names + ctx.few_names:
-        if name in ctx.runs:
-            by_seed = ctx.runs[name]
-            steps = ", ".join(str(by_seed[s]["best_step"]) for s in sorted(by_seed))
-            dev = fmt(*mean_std([r["best_dev_stsb"] for r in by_seed.values()]))
-            lines.append(f"| {name} | {dev} | {steps} | {ctx.rows[name][2]} ({ctx.rows[name][3]}) |")
-    return lines
+    papers = {name: f"{paper} ({source})" for name, _, _, paper, source in RUNS + FEW_SHOT}
+    return ["## STS test (best STS-B dev checkpoint)", "", *table[:2], *initial_rows(ctx.initial_sts, STS_COLUMNS),
+            *table[2:], "", "SSCL trains and evaluates with the average pooler, as its released scripts do (the "
+            "others evaluate [CLS]), so compare SSCL's rows with the initial checkpoint (avg) here and in the transfer "
+            f"table{figures}.", "",
+            *protocols.best_dev_rows(EVERY, ctx.runs, ("paper's BERT-base avg (not ours)", papers))]
 
 
 def few_shot_section(ctx) -> list[str]:
@@ -452,19 +417,14 @@ def few_shot_section(ctx) -> list[str]:
              "each seed draws its own subset (data.subsample), as miCSE's five subsets do, and miCSE takes its "
              "per-fraction λ (micse.py's PRESETS) while the protocol's batch, learning rate and steps override the "
              "rest of those settings. The paper's column is miCSE's Table 2: BERT-base on fractions of the full "
-             "wiki1m, mean ± std over 5 subsets. The last column pairs miCSE with SimCSE on the same subsets.", "",
-             "| run | n | " + " | ".join(STS_COLUMNS) + " | miCSE − SimCSE (paired) |",
-             "|---|---|" + "---|" * (len(STS_COLUMNS) + 1)]
-    return lines + metric_rows(ctx.runs, ctx.few_names, STS_COLUMNS, lambda r: r.get("test"))
+             "wiki1m, mean ± std over 5 subsets. The last column pairs miCSE with SimCSE on the same subsets.", ""]
+    return lines + protocols.score_rows(FEW, ctx.runs, STS_COLUMNS, "test", ("miCSE − SimCSE (paired)", BASELINE))
 
 
 def transfer_section(ctx) -> list[str]:
-    lines = ["", f"## Transfer tasks (`--mode {TRANSFER_MODE}`, accuracy × 100)", "",
-             "| run | n | " + " | ".join(TRANSFER_COLUMNS) + f" | {ctx.diff_header} |",
-             "|---|---|" + "---|" * (len(TRANSFER_COLUMNS) + 1)]
-    lines += [f"| initial checkpoint ({label}) | 1 | " + " | ".join(f"{scores[t]:.2f}" for t in TRANSFER_COLUMNS)
-              + " | — |" for label, scores in ctx.initial_transfer.items()]
-    lines += metric_rows(ctx.runs, ctx.main_names + ctx.few_names, TRANSFER_COLUMNS, lambda r: r.get("transfer"))
+    table = protocols.score_rows(EVERY, ctx.runs, TRANSFER_COLUMNS, "transfer", (ctx.diff_header, BASELINE))
+    lines = ["", f"## Transfer tasks (`--mode {TRANSFER_MODE}`, accuracy × 100)", "", *table[:2],
+             *initial_rows(ctx.initial_transfer, TRANSFER_COLUMNS), *table[2:]]
     if "avg" in ctx.initial_transfer:
         lines += ["", "SSCL's row is avg-pooled, the others [CLS]: its difference to SimCSE mixes the method with "
                   "the pooler, and what SSCL's training changed is its distance to the initial checkpoint (avg)."]
@@ -509,11 +469,8 @@ def commands_section(ctx) -> list[str]:
              f"python tools/report.py run --seeds {' '.join(map(str, ctx.seeds))}     # all of the below, resumable",
              *[f"python eval_sts.py --model_name_or_path {MODEL} --pooler {pooler} --senteval_dir {SENTEVAL} "
                f"--json results/{stem}.json" for stem, pooler, _ in INITIAL]]
-    for name in ctx.main_names + ctx.few_names:
-        if name in ctx.runs:
-            script, flags, _, _ = ctx.rows[name]
-            lines.append(" ".join(["python", script, *PROTOCOL, "--seed", "S", *flags, "--output_dir",
-                                   f"runs/report/{name}.seedS", "--overwrite_output_dir"]))
+    lines += [command_text(name, script, flags, "S") for name, script, flags, *_ in RUNS + FEW_SHOT
+              if name in ctx.runs]
     lines += [f"python eval_transfer.py --model_name_or_path runs/report/NAME.seedS/best --pooler POOLER "
               f"--senteval_dir {SENTEVAL} --mode {TRANSFER_MODE}", "```", "",
               "The papers' setting on a GPU (`bert-base-uncased`, the full wiki1m, the scripts' defaults are the "
@@ -534,39 +491,9 @@ def pyplot():
         return None
 
 
-def plot_dev_curves(runs, results_dir, main_names, few_names):
-    plt = pyplot()
-    if plt is None:
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    for ax, names, title in ((axes[0], main_names, "every method, full wiki1m head"),
-                             (axes[1], few_names, "few-shot (fraction of the head)")):
-        for name in names:
-            if name not in runs:
-                continue
-            curves = [dict(dev_curve(r)) for r in runs[name].values()]
-            steps = sorted(set.intersection(*(set(c) for c in curves)))
-            per_step = [[c[s] for c in curves] for s in steps]
-            line, = ax.plot(steps, [sum(v) / len(v) for v in per_step], marker="o", label=f"{name} (n={len(curves)})")
-            ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(),
-                            alpha=0.15)
-        ax.set_title(title)
-        ax.set_xlabel("training step")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "no runs yet", transform=ax.transAxes, ha="center", color="gray")
-    axes[0].set_ylabel("STS-B dev Spearman × 100 (mean; band: min–max over seeds)")
-    fig.suptitle("STS-B dev during training (all-MiniLM-L6-v2, same protocol)")
-    files.save_figure(fig, results_dir / "dev_curves.png")
-
-
 def plot_align_uniform(runs, results_dir, main_names, few_names):
     """SimCSE's Figure 2 style: each run's initial -> best checkpoint (means over seeds) as an arrow."""
-    plt = pyplot()
-    if plt is None:
-        return
+    plt = files.pyplot()
     fig, ax = plt.subplots(figsize=(7, 6))
     tab20 = plt.get_cmap("tab20").colors
     colors = tab20[0::2] + tab20[1::2]  # 20 distinct colours: the default cycle repeats after 10 rows
@@ -702,8 +629,7 @@ def main(argv=None):
                 for seed in args.seeds or SEEDS:
                     for name, script, flags, *_ in RUNS + FEW_SHOT:
                         if not args.only or name in args.only:
-                            print(" ".join(["python", *map(str, command(script, flags, seed,
-                                                                        run_dir(name, seed))[1:])]))
+                            print(command_text(name, script, flags, seed))
                 return
             if args.action == "run":
                 if not (SHARED / "models" / "all-MiniLM-L6-v2").is_dir():
