@@ -18,14 +18,9 @@ Headline (Table 5, BERT-base, 7-task STS average): 76.25 unsupervised; supervise
 Offline, add --model_name_or_path DIR --train_file FILE --senteval_dir DIR. "Code over paper" marks
 a line that follows the released code (princeton-nlp/SimCSE) over the paper; see docs/methods.md.
 """
-from __future__ import annotations
-
 import functools
-import math
 from typing import NamedTuple
 
-import torch
-import torch.nn.functional as F
 import transformers
 
 import common
@@ -34,10 +29,9 @@ import plumbing
 from plumbing import backbones, distributed, graph, hub, options
 from plumbing.run import Run
 
-# The recipe, read first: unsupervised SimCSE on BERT-base (Table A.1), trained by AdamW without
-# weight decay, its lr decayed linearly. Its values are the defaults of the flags it names (PRESETS'
-# rows replace some); the other shared flags' (--seed, --max_grad_norm, --precision, --cuda_graph)
-# are common.FLAGS' and plumbing/options.py's.
+# The recipe, read first: unsupervised SimCSE on BERT-base (Table A.1), AdamW without weight decay,
+# its lr decayed linearly: the defaults of the flags it names (PRESETS' rows replace some); the
+# other flags' (--seed, --max_grad_norm, --precision, --cuda_graph): common.FLAGS', options.py's.
 # Code over paper: STS-B dev every 125 steps, as run_unsup_example.sh (Appendix A says every 250)
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, pooler="cls", mlp_only_train=True, hard_negative_weight=0.0,
@@ -51,9 +45,8 @@ PRESETS = {
     "roberta-large": ({"batch_size": 512, "lr": 3e-5}, "Table A.1, RoBERTa-large"),
     "supervised bert-large": ({"lr": 1e-5}, "Table A.1, supervised bert-large"),
     "supervised roberta-large": ({"lr": 1e-5}, "Table A.1, supervised roberta-large"),
-    # Few-shot (miCSE Table 2's SimCSE rows): SimCSE's own batch and lr (miCSE Section 4: "we follow
-    # the same hyperparameters proposed by the authors"); no schedule is given for SimCSE, so epochs
-    # and dev steps are miCSE's per-fraction ones (its README's commands).
+    # Few-shot (miCSE Table 2's SimCSE rows): SimCSE's batch and lr (miCSE Section 4: "we follow the
+    # same hyperparameters proposed by the authors"), miCSE's epochs and dev steps (its README's).
     **{f"fraction {fraction:g}": ({"epochs": epochs, "eval_steps": eval_steps}, f"miCSE's few-shot "
                                   f"schedule for fraction {fraction:g} (SimCSE's batch and lr)")
        for fraction, epochs, eval_steps in ((0.1, 10, 500), (0.01, 50, 500), (0.001, 500, 500),
@@ -181,8 +174,7 @@ def simcse_views(encoder, batch: dict, head=None, columns: int = 1, *, pool=None
 def simcse_objective(z1, z2, *hard, temp: float = 0.05, hard_negative_weight: float = 0.0,
                      positives_only: bool = False, gather=None) -> torch.Tensor:
     """InfoNCE of the views (Eq. 4) or of the NLI columns with hard negatives (Eq. 5);
-    `positives_only`: miCSE Table 4's pairs alone. `gather`: torchrun's, the global batch's rows
-    (None: one process)."""
+    positives_only: miCSE Table 4's pairs alone; gather: torchrun's, the global rows (None: one)."""
     if gather is not None:
         z1, z2, hard = gather(z1), gather(z2), [gather(h) for h in hard]
     if positives_only:
@@ -273,8 +265,7 @@ def mask_tokens(input_ids, special_ids, probability: float, mask_token_id: int, 
 
 
 class MaskedLM(NamedTuple):
-    """What --do_mlm's term needs (Appendix A): the MLM head, the generator its masks are drawn
-    from, and the tokenizer's special ids (never masked), [MASK] id and vocabulary size."""
+    """What --do_mlm's term needs (Appendix A); special_ids: the tokenizer's, never masked."""
     head: torch.nn.Module
     generator: torch.Generator
     special_ids: torch.Tensor
@@ -284,10 +275,9 @@ class MaskedLM(NamedTuple):
 
 def mlm_loss(masked: dict, ddp_model, lm_head, sections: int, args, part=None,
              terms=None) -> torch.Tensor:
-    """The weighted term lambda * l_mlm (args.mlm_weight x masked_lm_loss) of `part`'s rows of the
-    masked views (in `sections` stacked sections of rows: NLI's columns, or the repeated views; the
-    mean over the whole batch's masked tokens), the head under autocast, as the released fp16 runs.
-    A dict given as `terms` gets it added to its "mlm" (the parts' sum: the term), for the log."""
+    """lambda * l_mlm (args.mlm_weight x masked_lm_loss) of `part`'s rows of the masked views (in
+    `sections` stacked sections: NLI's columns or the repeated views; the mean over the batch's
+    masked tokens), the head under autocast as the released fp16 runs; added to `terms`' "mlm"."""
     rows = data.part_of(masked, part, sections)
     inputs = {k: v for k, v in rows.items() if k != "labels"}
     with common.autocast(inputs["input_ids"].device, args.precision):
@@ -332,7 +322,7 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, columns: int, m
             mlm and functools.partial(mlm_loss, masked, ddp_model, mlm.head, sections, args,
                                       terms=terms))
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or float("inf"))
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
     return loss, grad_norm, terms
@@ -344,9 +334,7 @@ def main(argv=None):
     device = run.device
 
     # The data: wiki1m sentences, or NLI triplets laid out (all anchors, all positives, all hard
-    # negatives), tokenised once; a batch is then only gathered and padded: to --max_seq_length
-    # under the CUDA graph (on by default on one CUDA GPU), else to its longest row (--compile: to a
-    # multiple of 8; data.pad_multiple).
+    # negatives); a batch padded to --max_seq_length under a CUDA graph, else to its longest row.
     default_file = "nli_for_simcse.csv" if args.supervised else "wiki1m_for_simcse.txt"
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
@@ -367,8 +355,7 @@ def main(argv=None):
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (Table 3); None: the checkpoint's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    # --do_mlm (Appendix A) adds an MLM head, and draws its masks on the device from a generator
-    # of its own; a run without it has neither.
+    # --do_mlm (Appendix A): an MLM head, its masks drawn on the device from a generator of its own
     lm_head, mlm_generator, mlm = None, None, None
     if args.do_mlm:
         lm_head = mlm_head(backbone, args.model_name_or_path).to(device).train()
@@ -392,7 +379,6 @@ def main(argv=None):
     one_step = functools.partial(train_step, ddp_model, head, params, optimizer, scaler, args,
                                  corpus.num_columns, mlm)
     # On one CUDA GPU the step is by default replayed from a CUDA graph (--no_cuda_graph: eager).
-    # A print in train_step shows at warm-up and capture, never at a replay (plumbing/graph.py).
     train = graph.StepGraph(one_step, optimizer, args.cuda_graph, generators=[mlm_generator])
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
