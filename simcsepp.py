@@ -18,13 +18,7 @@ Headline (Table 3, BERT-base, 7-task STS average): 78.05 (SimCSE: 76.25; off-dro
 "Code over paper" marks a line that follows the authors' released code (which made the published
 numbers) over the paper; docs/methods.md says how this file settles what the paper leaves open.
 """
-from __future__ import annotations
-
 import functools
-import math
-
-import torch
-import torch.nn.functional as F
 
 import common
 import data
@@ -32,10 +26,9 @@ import plumbing
 from plumbing import distributed, graph, hub, options
 from plumbing.run import Run
 
-# The recipe, read first: SimCSE++ on BERT-base (Section 5.1, Table 5), trained by AdamW without
-# weight decay, its lr decayed linearly. Its values are the defaults of the flags it names (PRESETS'
-# rows replace some); the other shared flags' (--seed, --max_grad_norm, --precision, --cuda_graph)
-# are common.FLAGS' and plumbing/options.py's.
+# The recipe, read first: SimCSE++ on BERT-base (Section 5.1, Table 5), AdamW without weight decay,
+# its lr decayed linearly: the defaults of the flags it names (PRESETS' rows replace some); the
+# other flags' (--seed, --max_grad_norm, --precision, --cuda_graph): common.FLAGS', options.py's.
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, pooler="cls", mlp_only_train=True, m=0.9, dcl_weight=0.1,
               dcl_temp=5.0)
@@ -43,7 +36,6 @@ RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, wa
 PRESETS = {
     "bert-large": ({"lr": 8e-6}, "SimCSE++ Section 5.1, large models"),
     "roberta-large": ({"lr": 8e-6}, "SimCSE++ Section 5.1, large models"),
-    # Table 4's row: BERT first-last avg. + DCL(wiki, tau_DCL = 0.05), first-last as the code has it
     "dcl_only": ({"pooler": "avg_embeddings_last", "dcl_temp": 0.05}, "SimCSE++ Table 4"),
 }
 
@@ -51,19 +43,16 @@ PRESETS = {
 def parse_args(argv=None):
     parser = options.parser(__doc__, method="simcsepp", recipe=RECIPE)
     g = parser.add_argument_group("SimCSE++ (Section 5.1 defaults)")
-    g.add_argument("--m", type=float,
-                   help="weight m on the positive logit (Table 5 best: 0.9)")
-    g.add_argument("--dcl_weight", type=float,
-                   help="lambda, weight of the DCL loss (Table 5: 0.1)")
+    g.add_argument("--m", type=float, help="weight m on the positive logit (Table 5 best: 0.9)")
+    g.add_argument("--dcl_weight", type=float, help="lambda, weight of the DCL loss (Table 5: 0.1)")
     g.add_argument("--dcl_temp", type=float,
                    help="DCL temperature (Table 5's best: 5; the released models_vicreg.py: 10)")
     g.add_argument("--no_off_dropout", action="store_true",
                    help="negatives from the dropout views s(z1_i, z2_j), no third pass; m still "
                         "scales the positive: Table 3's '+DCL' row is --no_off_dropout --m 1")
-    g.add_argument("--dcl_only", action="store_true",
-                   help="Table 4: DCL alone as the objective (no InfoNCE); sets --pooler "
-                        "avg_embeddings_last (the released first-last average) and --dcl_temp "
-                        "0.05 unless given")
+    g.add_argument("--dcl_only", action="store_true", help="Table 4: DCL alone as the objective "
+                   "(no InfoNCE); sets --pooler avg_embeddings_last (the released first-last "
+                   "average) and --dcl_temp 0.05 unless given")
     args = options.parse(parser, argv, PRESETS, lambda known, backbone: (
         ["dcl_only"] if known.dcl_only else []) + [backbone])
     if args.pooler == "avg_first_last":  # the released code's first-last average: hidden_states[0]
@@ -85,11 +74,9 @@ def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def off_dropout_info_nce(z1, z2, z_dropout_off, temp: float = 0.05, m: float = 0.9) -> torch.Tensor:
-    """Off-dropout InfoNCE (Eq. 3 as the authors implemented it).
-
-    loss_i = -m s(z1_i, z2_i) + log(e^{m s(z1_i, z2_i)} + sum_{j != i} e^{s(z0_i, z0_j)}), s = cos /
-    temp (the temperature), where z0 = `z_dropout_off` is the batch encoded with dropout off.
-    """
+    """Off-dropout InfoNCE (Eq. 3 as the authors implemented it): loss_i = -m s(z1_i, z2_i) +
+    log(e^{m s(z1_i, z2_i)} + sum_{j != i} e^{s(z0_i, z0_j)}), s = cos / temp (the temperature),
+    where z0 = `z_dropout_off` is the batch encoded with dropout off."""
     if z1.dim() != 2 or not z1.shape == z2.shape == z_dropout_off.shape:
         raise ValueError(f"z1, z2 and z_dropout_off are three (N, D) encodings of the same N "
                          f"sentences, got {[tuple(z.shape) for z in (z1, z2, z_dropout_off)]}")
@@ -98,16 +85,14 @@ def off_dropout_info_nce(z1, z2, z_dropout_off, temp: float = 0.05, m: float = 0
 
 
 def view_negatives_info_nce(z1, z2, temp: float = 0.05, m: float = 0.9) -> torch.Tensor:
-    """The ablation without the dropout-off pass (--no_off_dropout; with m = 1 Table 3's "+DCL"):
-    the negatives are the dropout views', s(z1_i, z2_j), and m still scales the positive; with
-    m = 1 this is SimCSE's InfoNCE exactly."""
+    """Without the dropout-off pass (--no_off_dropout): the negatives are the dropout views',
+    s(z1_i, z2_j), and m still scales the positive; m = 1: SimCSE's InfoNCE (Table 3's "+DCL")."""
     cross = cos_sim(z1, z2) / temp
     return m_positive_cross_entropy(cross, cross, m)
 
 
 def m_positive_cross_entropy(cross, negatives, m: float) -> torch.Tensor:
-    """Row i's cross-entropy for target i over the logits m cross_ii (its positive) and negatives_ij
-    (j != i)."""
+    """Row i's cross-entropy, target i, over m cross_ii (its positive) and negatives_ij (j != i)."""
     diagonal = torch.eye(len(cross), dtype=torch.bool, device=cross.device)
     # Code over paper: m scales the positive logit; Eq. 3 puts m on the sum of the negatives.
     logits = torch.where(diagonal, m * cross, negatives)
@@ -115,11 +100,9 @@ def m_positive_cross_entropy(cross, negatives, m: float) -> torch.Tensor:
 
 
 def dcl_loss(z1, z2, temp: float = 5.0) -> torch.Tensor:
-    """Dimension-wise contrastive learning (Eq. 5 as the authors implemented it).
-
-    Standardise each dimension over the batch (BatchNorm1d without affine, training mode), C = z1~^T
-    z2~ / (N temp) (D x D); loss = mean over c of [-C_cc + log sum_d e^{C_cd}].
-    """
+    """Dimension-wise contrastive learning (Eq. 5 as the authors implemented it): standardise each
+    dimension over the batch (BatchNorm1d without affine, training mode), C = z1~^T z2~ / (N temp)
+    (D x D); loss = mean over c of [-C_cc + log sum_d e^{C_cd}]."""
     if z1.dim() != 2 or z1.shape != z2.shape:
         raise ValueError(f"z1 and z2 are two (N, D) views of the same N sentences, got "
                          f"{tuple(z1.shape)} and {tuple(z2.shape)}")
@@ -136,8 +119,7 @@ def simcsepp_views(encoder, batch: dict, head=None, *, pool=None, dtype=None,
     """(z1, z2, z_dropout_off) in fp32: two dropout views of N sentences in one pass of `encoder`
     (in train mode, each sentence twice), then the batch again with every dropout off (Eq. 3's
     negatives: eval mode, gradients kept, as the authors' code); off_dropout False: (z1, z2). z:
-    [CLS] through `head` (None: [CLS]), or pool(hidden_states, attention_mask). `dtype`: autocast's
-    for the passes; None: fp32."""
+    [CLS] through `head` (None: [CLS]) or pool(hidden_states, attention_mask); dtype: autocast's."""
     device = batch["input_ids"].device
 
     def encoded(inputs):
@@ -163,9 +145,8 @@ def simcsepp_objective(z1, z2, z_dropout_off=None, *, temp: float = 0.05, m: flo
                        dcl_weight: float = 0.1, dcl_temp: float = 5.0, dcl_only: bool = False,
                        gather=None, terms=None) -> torch.Tensor:
     """Off-dropout InfoNCE (Eq. 3) + dcl_weight x DCL (Eq. 5); z_dropout_off None: the views'
-    negatives (view_negatives_info_nce); dcl_only: DCL alone (Table 4). `gather`: torchrun's, the
-    global batch's rows for DCL's statistics and the negatives (None: one process). A dict given as
-    `terms` gets the two terms ("info_nce", "dcl"), detached, for a log."""
+    negatives (view_negatives_info_nce); dcl_only: DCL alone (Table 4). gather: torchrun's, the
+    global rows (for DCL's statistics and the negatives); a dict `terms` gets "info_nce", "dcl"."""
     if gather is not None:
         z1, z2 = gather(z1), gather(z2)
     if dcl_only:  # Table 4: DCL alone
@@ -202,10 +183,9 @@ def simcsepp_step(encoder, batch: dict, head=None, temp: float = 0.05, m: float 
         loss = simcsepp_step(model.train(), batch, head)
         loss.backward(); optimizer.step(); optimizer.zero_grad()
 
-    Three passes of the batch a step: two dropout views (the positives) and one with dropout off
-    (the negatives). The defaults are the recipe's (RECIPE); Table 3's "+DCL": off_dropout False,
-    m 1; "+Off-Info": dcl_weight 0; Table 4's "+DCL(wiki)": dcl_only, dcl_temp 0.05. The
-    arguments: simcsepp_views's and simcsepp_objective's."""
+    The defaults are the recipe's (RECIPE); Table 3's "+DCL": off_dropout False, m 1; "+Off-Info":
+    dcl_weight 0; Table 4's "+DCL(wiki)": dcl_only, dcl_temp 0.05. The arguments: simcsepp_views's
+    and simcsepp_objective's."""
     z = simcsepp_views(encoder, batch, head, pool=pool, dtype=dtype,
                        off_dropout=off_dropout and not dcl_only)
     return simcsepp_objective(*z, temp=temp, m=m, dcl_weight=dcl_weight, dcl_temp=dcl_temp,
@@ -213,8 +193,7 @@ def simcsepp_step(encoder, batch: dict, head=None, temp: float = 0.05, m: float 
 # --- end of the objective ---
 
 
-def train_step(ddp_model, head, params, optimizer, scaler, args, batch: dict,
-               global_rows: int):
+def train_step(ddp_model, head, params, optimizer, scaler, args, batch: dict, global_rows: int):
     """One optimizer step on this process's rows of the batch; (loss, grad norm, {term: value})."""
     optimizer.zero_grad(set_to_none=True)  # before the passes: the old gradients freed
     terms = {}  # the loss's two terms, logged beside it
@@ -233,7 +212,7 @@ def train_step(ddp_model, head, params, optimizer, scaler, args, batch: dict,
             functools.partial(simcsepp_objective, **loss_options),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or float("inf"))
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
     return loss, grad_norm, terms
@@ -244,8 +223,7 @@ def main(argv=None):
     run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
-    # The data: batches padded to --max_seq_length under the CUDA graph (on by default on one CUDA
-    # GPU), else to their longest row (--compile: to a multiple of 8; data.pad_multiple)
+    # The data: a batch padded to --max_seq_length under a CUDA graph, else to its longest row
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # dropout to turn off
@@ -276,7 +254,6 @@ def main(argv=None):
     batches = data.batches(loader)  # epoch after epoch
     one_step = functools.partial(train_step, ddp_model, head, params, optimizer, scaler, args)
     # On one CUDA GPU the step is by default replayed from a CUDA graph (--no_cuda_graph: eager).
-    # A print in train_step shows at warm-up and capture, never at a replay (plumbing/graph.py).
     train = graph.StepGraph(one_step, optimizer, args.cuda_graph)
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
