@@ -17,13 +17,7 @@ Headline (Table 2, BERT-base, 7-task STS average): 77.90 for SSCL-SimCSE (SimCSE
 "Code over paper" marks a line that follows the authors' released code (which made the published
 numbers) over the paper; docs/methods.md says how this file settles what the paper leaves open.
 """
-from __future__ import annotations
-
 import functools
-import math
-
-import torch
-import torch.nn.functional as F
 
 import common
 import data
@@ -31,15 +25,13 @@ import plumbing
 from plumbing import distributed, graph, hub, options, progress
 from plumbing.run import Run
 
-# The recipe, read first: SSCL-SimCSE on BERT-base (Section 4.2 and the released scripts), trained
-# by AdamW without weight decay, its lr decayed linearly: the defaults of the flags it names
-# (PRESETS' rows replace some); the other shared flags' (--seed, --max_grad_norm, --precision,
-# --cuda_graph) are common.FLAGS' and plumbing/options.py's.
+# The recipe, read first: SSCL-SimCSE on BERT-base (Section 4.2, the released scripts), AdamW
+# without weight decay, its lr decayed linearly: the defaults of the flags it names (PRESETS' rows
+# replace some; --seed, --max_grad_norm, --precision, --cuda_graph: common.FLAGS', options.py's).
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, pooler="avg", mlp_only_train=True, neg_layers=2,
               layer_negatives="both")
-# The paper's other settings (flags the user gives win): the released scripts' average pooler
-# (the recipe's too), and 1e-5 for BERT-large (4.2).
+# The paper's other settings (your flags win): the released scripts' pooler, BERT-large's lr (4.2)
 PRESETS = {
     "released": ({"pooler": "avg"}, "SSCL's released scripts"),
     "bert-large": ({"lr": 1e-5}, "SSCL Section 4.2, BERT-large"),
@@ -58,9 +50,8 @@ def parse_args(argv=None):
                         "anchor: the anchor's view's, N (the paper's 'N pairs to 2N', Table 7)")
     g.add_argument("--no_dropout_positive", action="store_true",
                    help="SSCL-BERT (Table 2): no dropout positive; a sentence is its own positive")
-    g.add_argument("--output_dim", type=int, default=None,
-                   help="Table 5: every representation linearly projected to this many dimensions, "
-                        "also at evaluation (128, 256)")
+    g.add_argument("--output_dim", type=int, default=None, help="Table 5: every representation "
+                   "linearly projected to this many dimensions, also at evaluation (128, 256)")
     g.add_argument("--report_oversmoothing", action="store_true",
                    help="SetSim (Eq. 2) of adjacent layers on STS-B test before and after training")
     args = options.parse(parser, argv, PRESETS, lambda known, backbone: ["released", backbone])
@@ -85,12 +76,10 @@ def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def sscl_loss(z1, z2, layer_negatives, temp: float = 0.05) -> torch.Tensor:
-    """SSCL's contrastive loss with intermediate-layer negatives (Eq. 4).
-
-    logits = [s(z1, z2) | s(z1, n1_l) | s(z1, n2_l) for each layer l], s = cos / temp (temp: the
-    temperature), target i for row i; `layer_negatives` is a list of tuples, one a layer: that
-    layer's representations of the two dropout views (n1, n2), or of the anchor's view only (n1,).
-    """
+    """SSCL's contrastive loss with intermediate-layer negatives (Eq. 4): logits = [s(z1, z2) |
+    s(z1, n1_l) | s(z1, n2_l) for each layer l], s = cos / temp (temp: the temperature), target i
+    for row i; `layer_negatives`, a tuple a layer: that layer's representations of the two dropout
+    views (n1, n2), or of the anchor's view only (n1,)."""
     if z1.dim() != 2 or z1.shape != z2.shape:
         raise ValueError(f"z1 and z2 are two (N, D) views of the same N sentences, got "
                          f"{tuple(z1.shape)} and {tuple(z2.shape)}")
@@ -112,7 +101,7 @@ def sscl_views(encoder, batch: dict, layers=None, head=None, *, pool=None, dtype
     twice). The negatives: each of `layers` (hidden_states' indices; None: L-1 and L-2) pooled
     like z from the same pass, gradients kept, of both views (2N a layer, the released code's) or
     of the anchor's (both_views False). z: the tokens' average (the released pooler), or pool(
-    hidden_states, attention_mask); then `projection` (Table 5). `dtype`: autocast's; None: fp32."""
+    hidden_states, attention_mask); then `projection` (Table 5). dtype: autocast's."""
     num_views = 2 if dropout_positive else 1
     views = {k: v.repeat(num_views, 1) for k, v in batch.items()}
     device, mask = batch["input_ids"].device, views["attention_mask"]
@@ -142,8 +131,7 @@ def sscl_views(encoder, batch: dict, layers=None, head=None, *, pool=None, dtype
 def sscl_objective(z1, z2, *negatives, temp: float = 0.05, per_layer: int = 2,
                    gather=None) -> torch.Tensor:
     """sscl_loss of sscl_views's outputs: the negatives grouped `per_layer` (2: both views', 1: the
-    anchor's) into each layer's tuple. `gather`: under torchrun, a function that gathers a tensor's
-    rows from every process (the global batch, layer negatives too); None: one process."""
+    anchor's) into each layer's tuple. gather: torchrun's, the global batch's rows (None: one)."""
     if gather is not None:  # global (the released code: each process's own; docs/fidelity.md)
         negatives, z1, z2 = [gather(n) for n in negatives], gather(z1), gather(z2)
     layer_negatives = [tuple(negatives[i:i + per_layer]) for i in range(0, len(negatives),
@@ -169,8 +157,7 @@ def sscl_step(encoder, batch: dict, layers=None, head=None, temp: float = 0.05, 
 
     The defaults are the recipe's (RECIPE; layers L-1 and L-2 of both views, Figure 3b); Figure 3a:
     layers=(k,); Table 2's SSCL-BERT: dropout_positive False; Table 5: a projection nn.Linear(d,
-    128 or 256), kept at evaluation; Table 7's "N pairs": both_views False. The arguments:
-    sscl_views's and sscl_objective's."""
+    128 or 256), kept at evaluation; Table 7's "N pairs": both_views False. See sscl_views."""
     z1, z2, *negatives = sscl_views(encoder, batch, layers, head, pool=pool, dtype=dtype,
                                     projection=projection, dropout_positive=dropout_positive,
                                     both_views=both_views)
@@ -237,7 +224,7 @@ def train_step(ddp_model, head, projection, neg_layers, params, optimizer, scale
             functools.partial(sscl_objective, temp=args.temp, per_layer=per_layer, gather=gather),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or float("inf"))
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
     return loss, grad_norm
@@ -248,8 +235,7 @@ def main(argv=None):
     run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
-    # The data: batches padded to --max_seq_length under the CUDA graph (on by default on one CUDA
-    # GPU), else to their longest row (--compile: to a multiple of 8; data.pad_multiple)
+    # The data: a batch padded to --max_seq_length under a CUDA graph, else to its longest row
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # a state a layer
@@ -285,7 +271,6 @@ def main(argv=None):
     one_step = functools.partial(train_step, ddp_model, head, projection, neg_layers, params,
                                  optimizer, scaler, args)
     # On one CUDA GPU the step is by default replayed from a CUDA graph (--no_cuda_graph: eager).
-    # A print in train_step shows at warm-up and capture, never at a replay (plumbing/graph.py).
     train = graph.StepGraph(one_step, optimizer, args.cuda_graph)
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
@@ -299,7 +284,7 @@ def main(argv=None):
                 run.save_best(step, backbone, head, tokenizer, eval_pooler, projection)
 
     # The end: best/ evaluated as eval_sts.py evaluates it (its projection too), then results.json;
-    # --report_oversmoothing adds SetSim of the pretrained model and of best/ on STS-B test.
+    # --report_oversmoothing adds SetSim before and after training (STS-B test).
     results = run.evaluate_best(eval_pooler)
     if args.report_oversmoothing and results is not None and not results["interrupted"]:
         sentences = run.sentences("STSBenchmark", "test")
