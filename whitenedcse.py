@@ -16,13 +16,7 @@ Headline (Table 1, BERT-base, 7-task STS average): 78.78 (+2.53 over SimCSE's 76
 The released code does not run on today's PyTorch (docs/fidelity.md); this file is written from the
 paper and that code, "Code over paper" marking a line that follows the code (docs/methods.md).
 """
-from __future__ import annotations
-
 import functools
-import math
-
-import torch
-import torch.nn.functional as F
 
 import common
 import data
@@ -30,10 +24,9 @@ import plumbing
 from plumbing import distributed, graph, hub, options
 from plumbing.run import Run
 
-# The recipe, read first: WhitenedCSE on BERT-base (Section 4.1), trained by AdamW without weight
-# decay, its lr decayed linearly: the defaults of the flags it names (PRESETS' rows replace some;
-# num_groups None: d / 2); the other shared flags' (--seed, --max_grad_norm, --precision,
-# --cuda_graph) are common.FLAGS' and plumbing/options.py's.
+# The recipe, read first: WhitenedCSE on BERT-base (Section 4.1), AdamW without weight decay, its lr
+# decayed linearly: the defaults of the flags it names (PRESETS' rows replace some; num_groups None:
+# d / 2); the other flags' (--seed, --max_grad_norm, --precision, --cuda_graph): common.FLAGS'.
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, num_pos=3)
 # The paper's settings (flags win): --num_groups, Section 4.1: "384" for BERT-base and -large, "256"
@@ -84,12 +77,11 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
                              eps: float = 0.0) -> torch.Tensor:
     """Shuffled group whitening, SGW (Section 3.2, Eq. 6: H = shuffle^-1(GW(shuffle(Z)))): the
     channels x[:, perm] in `num_groups` consecutive groups (Eq. 5), each centred over the batch and
-    times the ZCA (zero-phase component analysis) matrix of its covariance C = X^T X / N (+ eps I),
-    W = U diag(lambda^-1/2) U^T (Eq. 3), then put back in their order. W comes from the detached
-    covariance, as the authors' code has it: gradients flow through X only. In float64 (fp32 out,
-    even under autocast), because a real encoder's nearly constant channels (variance 1e-10 beside
-    0.04) make fp32's rounding of their covariance decide their gain (19x off, losses of 18).
-    Apple's MPS has no float64: there, run the whitening on the CPU."""
+    times the ZCA matrix of its covariance C = X^T X / N (+ eps I), W = U diag(lambda^-1/2) U^T (Eq.
+    3), then put back in their order. W from the detached covariance (the authors' code): gradients
+    flow through X only. In float64 (fp32 out, even under autocast), because a real encoder's nearly
+    constant channels (variance 1e-10 beside 0.04) make fp32's rounding of their covariance decide
+    their gain (19x off, losses of 18). Apple's MPS has no float64: whiten on the CPU there."""
     n, d = x.shape
     if d % num_groups:
         raise ValueError(f"{d} channels cannot be split into {num_groups} equal groups")
@@ -116,8 +108,7 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
 
 def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
     """Multi-positive InfoNCE (Eq. 7 with lambda_m = 1): the sum over p = 2..m of CE(s(z_1, z_p)),
-    s = cos / temp, temp the temperature, the m views' first the anchor: a sum over the m - 1
-    positives, so at m = 3 about twice SimCSE's loss."""
+    s = cos / temp, z_1 the anchor (the m views' first): at m = 3 about twice SimCSE's loss."""
     # Code over paper: m counts the anchor (released num_pos 3: z1, z2, z3, two CE terms), as the
     # paper's "positives 2" is SimCSE's pair (Table 6); Eq. 7 sums p = 1..m beside its anchor h_i
     if len(views) < 2 or any(z.dim() != 2 or z.shape != views[0].shape for z in views):
@@ -131,7 +122,6 @@ def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
 class WhitenedHead(torch.nn.Module):
     """The training head on [CLS] (Section 4.1): shuffled group whitening, then Linear(D, D) and
     Tanh; dropped at evaluation, which reads [CLS]. num_groups None: groups of 2 channels, D / 2."""
-
     def __init__(self, hidden_size: int, num_groups: int | None = None, init_std: float = 0.02):
         super().__init__()
         self.num_groups = num_groups or hidden_size // 2
@@ -147,9 +137,8 @@ class WhitenedHead(torch.nn.Module):
 
 
 def whitenedcse_views(encoder, batch: dict, num_pos: int = 3, *, dtype=None) -> tuple:
-    """The [CLS] features of `num_pos` dropout views of N sentences, in fp32: one pass of
-    `encoder` (in train mode) over the batch repeated num_pos times, a dropout mask a copy.
-    `batch`: a tokenizer's output. `dtype`: autocast's for the pass alone; None: fp32."""
+    """The [CLS] features of `num_pos` dropout views of N sentences, in fp32: one pass of `encoder`
+    (in train mode) over the batch repeated num_pos times; dtype: autocast's."""
     views = {k: v.repeat(num_pos, 1) for k, v in batch.items()}
     device = batch["input_ids"].device
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):  # the encoder only
@@ -160,11 +149,10 @@ def whitenedcse_views(encoder, batch: dict, num_pos: int = 3, *, dtype=None) -> 
 def whitenedcse_objective(*cls, head: WhitenedHead, generator=None, temp: float = 0.05,
                           shuffle: bool = True, whiten: bool = True, gather=None,
                           global_whitening: bool = False) -> torch.Tensor:
-    """Each view shuffled (a fresh permutation of the channels per view and step, Eq. 11, from
-    `generator`), whitened in groups and through the head; the multi-positive InfoNCE of the views
-    (Eq. 7). shuffle False: Table 4's one grouping; whiten False: Table 6's dropout-only positives.
-    `gather`: torchrun's; each process whitens its own rows (the released code's) unless
-    global_whitening."""
+    """Each view shuffled (a fresh channel permutation per view and step, Eq. 11, from `generator`),
+    whitened in groups and through the head; the multi-positive InfoNCE of the views (Eq. 7).
+    shuffle False: Table 4's one grouping; whiten False: Table 6's dropout-only positives. gather:
+    torchrun's; each process whitens its own rows (the released code's) unless global_whitening."""
     if global_whitening and gather is not None:  # each covariance over the global batch
         cls = [gather(c) for c in cls]
     hidden, device = cls[0].shape[1], cls[0].device
@@ -201,13 +189,12 @@ def whitenedcse_step(encoder, batch: dict, head: WhitenedHead, generator=None, n
 
 
 def inverse_sqrt_2x2(covariance: torch.Tensor) -> torch.Tensor:
-    """The whitening's Eq. 3 for groups of 2 channels (BERT's presets and the default; RoBERTa's,
-    3 or 4 wide, take eigh), after the paper's path: C^-1/2 of each 2 x 2 covariance
-    [[a, b], [b, c]] (G, 2, 2), the ZCA matrix eigh gives, written out: W = f(l1) u u^T + f(l2)
-    w w^T, f(l) = max(l, 1e-12)^-1/2 (eigh's floor), l1 >= l2 the eigenvalues, u the eigenvector
-    of l1, w its normal. l1 = (a + c) / 2 + |((a - c) / 2, b)| adds two positive numbers; l2 =
-    det C / l1, not (a + c) / 2 - |...|, a difference that cancels (to 0 in fp32 for l2 = 4e-10
-    beside l1 = 0.036). Call it in float64, as the whitening does."""
+    """The whitening's Eq. 3 for groups of 2 channels, after the paper's path (eigh): C^-1/2 of
+    each 2 x 2 covariance [[a, b], [b, c]] (G, 2, 2), the ZCA matrix eigh gives, written out: W =
+    f(l1) u u^T + f(l2) w w^T, f(l) = max(l, 1e-12)^-1/2 (eigh's floor), l1 >= l2 the eigenvalues,
+    u the eigenvector of l1, w its normal. l1 = (a + c) / 2 + |((a - c) / 2, b)| adds two positive
+    numbers; l2 = det C / l1, not (a + c) / 2 - |...|, a difference that cancels (to 0 in fp32 for
+    l2 = 4e-10 beside l1 = 0.036). Call it in float64, as the whitening does."""
     a, b, c = covariance[:, 0, 0], covariance[:, 0, 1], covariance[:, 1, 1]
     half_gap = torch.hypot((a - c) / 2, b)
     high = (a + c) / 2 + half_gap
@@ -250,7 +237,7 @@ def train_step(ddp_model, head, generator, params, optimizer, scaler, args, batc
             functools.partial(whitenedcse_objective, **loss_options),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or float("inf"))
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
     return loss, grad_norm
@@ -261,8 +248,7 @@ def main(argv=None):
     run = Run(args)  # every flag checked, the seeds set, the device (and torchrun's process group)
     device = run.device
 
-    # The data: batches padded to --max_seq_length under the CUDA graph (on by default on one CUDA
-    # GPU), else to their longest row (--compile: to a multiple of 8; data.pad_multiple)
+    # The data: a batch padded to --max_seq_length under a CUDA graph, else to its longest row
     with distributed.main_process_first():  # downloads and datasets' cache: process 0 first
         tokenizer, backbone = hub.load_pretrained(args.model_name_or_path)
         prebuilt_mask, switched_on = run.check_encoder(backbone, tokenizer)  # its [CLS]
@@ -273,7 +259,6 @@ def main(argv=None):
     hidden = backbone.config.hidden_size
     args.num_groups = args.num_groups or hidden // 2  # no backbone setting: groups of 2 channels
     width = group_width(hidden, args.num_groups)
-    # a covariance over each process's rows (the released code), or the global batch's
     processes = 1 if args.global_whitening else distributed.world_size()
     if args.batch_size // processes <= width:  # rows <= a group's channels: a singular covariance
         raise plumbing.UsageError(f"groups of {width} channels need --batch_size above "
@@ -304,7 +289,6 @@ def main(argv=None):
     one_step = functools.partial(train_step, ddp_model, head, generator, params, optimizer,
                                  scaler, args)
     # On one CUDA GPU the step is by default replayed from a CUDA graph (--no_cuda_graph: eager).
-    # A print in train_step shows at warm-up and capture, never at a replay (plumbing/graph.py).
     train = graph.StepGraph(one_step, optimizer, args.cuda_graph, generators=[generator])
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
