@@ -15,13 +15,7 @@ Headline (Table 2, BERT-base, 7-task STS average): 78.13 on all of wiki1m; at 1%
 "Code over paper" marks a line that follows the authors' released code (which made the published
 numbers) over the paper; docs/methods.md says how this file settles what the paper leaves open.
 """
-from __future__ import annotations
-
 import functools
-import math
-
-import torch
-import torch.nn.functional as F
 
 import common
 import data
@@ -31,10 +25,9 @@ from plumbing.run import Run
 
 ATTN_IMPLEMENTATION = "eager"  # transformers 5's default SDPA returns no attention weights
 
-# The recipe, read first: miCSE on all of wiki1m with BERT-base (Section 3.1, its queue and momentum
-# encoder included), trained by AdamW without weight decay, its lr warmed up then decayed linearly.
-# Its values are the defaults of the flags it names (PRESETS' rows replace some); the other shared
-# flags' (--seed, --max_grad_norm, --precision, --cuda_graph) are common.FLAGS' and options.py's.
+# The recipe, read first: miCSE on all of wiki1m with BERT-base (Section 3.1, queue and momentum
+# encoder included), AdamW without weight decay, its lr warmed up then decayed linearly: the flags'
+# defaults (PRESETS' rows replace some; the other flags': common.FLAGS' and plumbing/options.py).
 RECIPE = dict(batch_size=50, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=250,
               eval_steps=125, pooler="cls", mlp_only_train=True, ami_lambda=2.5e-3, ami_samples=150,
               queue_size=384, momentum=0.995, momentum_dropout=0.3)
@@ -46,9 +39,8 @@ PRESETS = {
     **{fraction: (dict(batch_size=64, lr=1e-5, epochs=epochs, warmup_steps=0, ami_lambda=ami_lambda,
                        eval_steps=eval_steps), f"miCSE's settings for fraction {fraction:g} (the "
                   "authors' README)")
-       for fraction, epochs, ami_lambda, eval_steps in (
-           (0.1, 10, 5e-4, 500), (0.01, 50, 1e-4, 500), (0.001, 500, 1e-3, 500),
-           (0.0001, 2500, 1e-3, 250))},
+       for fraction, epochs, ami_lambda, eval_steps in ((0.1, 10, 5e-4, 500), (0.01, 50, 1e-4, 500),
+           (0.001, 500, 1e-3, 500), (0.0001, 2500, 1e-3, 250))},
 }
 
 
@@ -62,9 +54,8 @@ def parse_args(argv=None):
                    help="the end (excluded) of AMI's layers (default 11 of 12: L-1), an even count")
     g.add_argument("--ami_samples", type=int, help="entries sampled a tile (3.1)")
     g.add_argument("--queue_size", type=int, help="queued negatives (0: no queue)")
-    g.add_argument("--no_negatives", action="store_true",
-                   help="Table 4 / Figure 9: the positive pairs alone with AMI, no negatives (with "
-                        "--queue_size 0)")
+    g.add_argument("--no_negatives", action="store_true", help="Table 4 / Figure 9: the positive "
+                   "pairs alone with AMI, no negatives (with --queue_size 0)")
     g.add_argument("--momentum", type=float, help="the momentum encoder's EMA")
     g.add_argument("--momentum_dropout", type=float, help="its dropout rate")
     known, _ = parser.parse_known_args(argv)
@@ -224,9 +215,7 @@ class EmbeddingQueue:
     """The newest `size` keys (the momentum encoder's embeddings of past batches: Eq. 2's queue)
     and their sentences' ids, a ring buffer written in place (a CUDA graph replays it); `filled`:
     the slots that hold a key (the others left out: Eq. 2's growing queue), `position`: the next.
-    The paper's queue is first in, first out, queue = torch.cat([queue, keys])[-size:]: the same
-    keys, here rotated by `position` (tests/test_micse.py holds the two equal, bit for bit)."""
-
+    The paper's queue, torch.cat([queue, keys])[-size:], holds the same keys (test_micse.py)."""
     def __init__(self, size: int, dim: int, device=None):
         self.size, self.tensor = size, torch.zeros(size, dim, device=device)
         self.ids = torch.full((size,), -1, dtype=torch.long, device=device)
@@ -328,10 +317,9 @@ def micse_step(encoder, batch: dict, head=None, queue=None, generator=None, temp
         loss.backward(); optimizer.step(); optimizer.zero_grad()
         micse_momentum_update(momentum_model, model, batch, queue, head)  # after the step
 
-    micse.py pads every batch to --max_seq_length (32): AMI draws its entries by random keys over
-    the maps' whole width, so a batch padded to its longest row draws other entries (padding=True
-    trains the same objective, not the same run). The defaults are the recipe's (RECIPE; the few-
-    shot rows of PRESETS take lr 1e-5, as the sketch). The rest: micse_views's."""
+    micse.py pads every batch to --max_seq_length: AMI draws entries by random keys over the maps'
+    whole width, so padding=True draws others (the same objective, another run). The defaults: the
+    recipe's (RECIPE; PRESETS' few-shot rows: lr 1e-5, as the sketch). The rest: micse_views's."""
     z1, z2, attn1, attn2 = micse_views(encoder, batch, head, layers, pool=pool, dtype=dtype)
     return micse_objective(z1, z2, attn1, attn2, queue=queue, ids=batch.get("example_ids"),
                            attention_mask=batch["attention_mask"], generator=generator, temp=temp,
@@ -406,7 +394,7 @@ def train_step(ddp_model, backbone, head, momentum_model, queue, generator, para
                               **loss_options),
             len(batch["input_ids"]), args.micro_batch_size, scaler.scale, ddp_model)
     scaler.unscale_(optimizer)  # fp16: clip the true gradients
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or math.inf)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm or float("inf"))
     scaler.step(optimizer)  # fp16: a step whose gradients overflowed is skipped
     scaler.update()
     if momentum_model is not None:  # after the step: the EMA, then this batch's keys queued
@@ -467,7 +455,6 @@ def main(argv=None):
     one_step = functools.partial(train_step, ddp_model, backbone, head, momentum_model, queue,
                                  generator, params, optimizer, scaler, args)
     # On one CUDA GPU the step is by default replayed from a CUDA graph (--no_cuda_graph: eager).
-    # A print in train_step shows at warm-up and capture, never at a replay (plumbing/graph.py).
     train = graph.StepGraph(one_step, optimizer, args.cuda_graph, generators=[generator])
     for step in run.steps():  # 0: the initial model; --resume: after last/'s; a signal ends it
         if step > 0:
