@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modules
 
 import plumbing  # noqa: E402
-from plumbing import files, progress  # noqa: E402
+from plumbing import files, progress, provenance  # noqa: E402
 import cluster  # noqa: E402
 import protocols  # noqa: E402
 import tables  # noqa: E402
@@ -94,19 +94,20 @@ paired_difference, fmt_diff = protocols.paired_difference, protocols.fmt_diff
 
 
 # ---- running ----
-def run_dir(name: str, seed: int) -> Path:
-    """A smoke run's output folder, relative to the suite (checkpoints are not committed)."""
-    return Path("runs") / "report" / f"{name}.seed{seed}"
-
-
-def command(script, flags, seed, out_dir):
-    return [sys.executable, script, *PROTOCOL, "--seed", str(seed), *flags, "--output_dir", str(out_dir),
-            "--overwrite_output_dir"]
-
-
-def command_text(name: str, script: str, flags: list[str], seed) -> str:
-    """A smoke run's command line as the page and `commands` print it (seed S on the page)."""
-    return " ".join(["python", *map(str, command(script, flags, seed, run_dir(name, seed))[1:])])
+def smoke_runs(seeds: list, only, root: Path = Path()) -> list[dict]:
+    """The smoke runs of `only`'s rows (all when empty), seed by seed, as cluster.attach gives a protocol's: {"row",
+    "seed", "out", "argv", "kept"}, their checkpoints under root/runs/report/ (not committed), their results.json kept
+    as results/<row>.seed<S>.json. With the default root, the command lines the page and `commands` print."""
+    found = []
+    for seed in seeds:
+        for name, script, flags, *_ in RUNS + FEW_SHOT:
+            if not only or name in only:
+                out = root / "runs" / "report" / f"{name}.seed{seed}"
+                argv = [script, *PROTOCOL, "--seed", str(seed), *flags, "--output_dir", str(out),
+                        "--overwrite_output_dir"]
+                found.append({"row": name, "seed": seed, "out": out, "argv": argv,
+                              "kept": RESULTS / f"{name}.seed{seed}.json"})
+    return found
 
 
 def timed(cmd, env=None) -> dict:
@@ -120,78 +121,83 @@ def timed(cmd, env=None) -> dict:
     return cost
 
 
-def timed_scores(cmd: list, tmp: Path) -> tuple[dict, dict]:
-    """Run an evaluator's CLI with `--json tmp`: (its scores, its cost); tmp is removed."""
-    cost = timed([*cmd, "--json", str(tmp)])
+def make_here(run: dict) -> None:
+    """One run in a subprocess here (a protocol's, with --auto_resume: it starts, resumes or finishes), its
+    results.json kept at run["kept"] (as a job keeps it) with its wall and CPU time under "report"."""
+    cost = timed([sys.executable, *run["argv"]])
+    results = json.loads((ROOT / run["out"] / "results.json").read_text())
+    Path(run["kept"]).parent.mkdir(parents=True, exist_ok=True)
+    files.write_json(Path(run["kept"]), {**results, "report": cost})
+
+
+def made_here(run: dict):
+    """make_here(run): None, or the error of a run that failed (the others go on)."""
+    try:
+        make_here(run)
+    except (subprocess.CalledProcessError, OSError, json.JSONDecodeError) as err:
+        return err
+    return None
+
+
+def evaluate(script: str, model, pooler: str, tmp: Path, *flags: str) -> tuple[dict, dict]:
+    """eval_sts.py or eval_transfer.py on `model` with `--json tmp`: (its scores, its cost); tmp is removed."""
+    cost = timed([sys.executable, script, "--model_name_or_path", str(model), "--pooler", pooler, "--senteval_dir",
+                  SENTEVAL, *flags, "--json", str(tmp)])
     scores = json.loads(tmp.read_text())
     tmp.unlink()
     return scores, cost
 
 
+def evaluate_initial(script: str, suffix: str, *flags: str) -> None:
+    """The pretrained model under each pooler of INITIAL, by `script`, kept as results/<stem><suffix>.json."""
+    for stem, pooler, _ in INITIAL:
+        if not (RESULTS / f"{stem}{suffix}.json").exists():
+            scores, cost = evaluate(script, MODEL, pooler, RESULTS / f"{stem}{suffix}.tmp.json", *flags)
+            files.write_json(RESULTS / f"{stem}{suffix}.json", {**scores, "report": cost})
+
+
 def run_all(seeds: list[int], only: list[str] | None, transfer: bool) -> None:
     RESULTS.mkdir(exist_ok=True)
-    rows = [r for r in RUNS + FEW_SHOT if not only or r[0] in only]
-    for stem, pooler, _ in INITIAL:
-        if not (RESULTS / f"{stem}.json").exists():
-            scores, cost = timed_scores([sys.executable, "eval_sts.py", "--model_name_or_path", MODEL, "--pooler",
-                                         pooler, "--senteval_dir", SENTEVAL], RESULTS / f"{stem}.tmp.json")
-            files.write_json(RESULTS / f"{stem}.json", {**scores, "report": cost})
-    todo = sum(not (RESULTS / f"{name}.seed{seed}.json").exists() for seed in seeds for name, *_ in rows)
-    done, start = 0, time.perf_counter()
-    for seed in seeds:  # every row of a seed first: a report stopped early still has comparable rows
-        for name, script, flags, _, _ in rows:
-            path = RESULTS / f"{name}.seed{seed}.json"
-            if path.exists():
-                continue
-            out = ROOT / run_dir(name, seed)
-            eta = progress.duration((time.perf_counter() - start) / done * (todo - done)) if done else "?"
-            print(f"== training run {done + 1}/{todo} ({done} done, ETA {eta})", flush=True)
-            cost = timed(command(script, flags, seed, out))
-            done += 1
-            files.write_json(path, {**json.loads((out / "results.json").read_text()), "report": cost})
-    if done or not (RESULTS / "machine.json").exists():  # the machine of the latest runs
+    evaluate_initial("eval_sts.py", "")
+    every = smoke_runs(seeds, only, ROOT)  # every row of a seed first: a report stopped early has comparable rows
+    todo = [run for run in every if not run["kept"].exists()]
+    start = time.perf_counter()
+    for done, run in enumerate(todo):
+        eta = progress.duration((time.perf_counter() - start) / done * (len(todo) - done)) if done else "?"
+        print(f"== training run {done + 1}/{len(todo)} ({done} done, ETA {eta})", flush=True)
+        make_here(run)
+    if todo or not (RESULTS / "machine.json").exists():  # the machine of the latest runs
         (RESULTS / "machine.json").write_text(json.dumps(machine(), indent=2))
     if not transfer:
         return
-    for stem, pooler, _ in INITIAL:
-        if not (RESULTS / f"{stem}_transfer.json").exists():
-            scores, cost = timed_scores([sys.executable, "eval_transfer.py", "--model_name_or_path", MODEL, "--pooler",
-                                         pooler, "--senteval_dir", SENTEVAL, "--mode", TRANSFER_MODE],
-                                        RESULTS / f"{stem}_transfer.tmp.json")
-            files.write_json(RESULTS / f"{stem}_transfer.json", {**scores, "report": cost})
-    for seed in seeds:
-        for name, *_ in rows:
-            path = RESULTS / f"{name}.seed{seed}.json"
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, UnicodeDecodeError, ValueError) as err:
-                data, why = None, f"cannot be read ({type(err).__name__})"
-            if not isinstance(data, dict):
-                print(f"== {name} seed {seed}: {path} {why if data is None else 'is not a JSON object'}; delete it to "
-                      "train the run again", flush=True)
-                continue
-            if "transfer" in data:
-                continue
-            best = ROOT / run_dir(name, seed) / "best"
-            if not best.is_dir():
-                print(f"== {name} seed {seed}: no checkpoint at {best}; delete {path} to train it again", flush=True)
-                continue
-            scores, cost = timed_scores([sys.executable, "eval_transfer.py", "--model_name_or_path", str(best),
-                                         "--pooler", data["eval_pooler"], "--senteval_dir", SENTEVAL, "--mode",
-                                         TRANSFER_MODE], RESULTS / f"{name}.seed{seed}.transfer.tmp.json")
-            data["transfer"] = {**scores, "mode": TRANSFER_MODE}
-            data.setdefault("report", {}).update(transfer_wall_s=cost["wall_s"], transfer_cpu_s=cost["cpu_s"])
-            files.write_json(path, data)
+    evaluate_initial("eval_transfer.py", "_transfer", "--mode", TRANSFER_MODE)
+    for run in every:
+        path, which = run["kept"], f"{run['row']} seed {run['seed']}"
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            data, why = None, f"cannot be read ({type(err).__name__})"
+        if not isinstance(data, dict):
+            print(f"== {which}: {path} {why if data is None else 'is not a JSON object'}; delete it to train the "
+                  "run again", flush=True)
+            continue
+        if "transfer" in data:
+            continue
+        best = run["out"] / "best"
+        if not best.is_dir():
+            print(f"== {which}: no checkpoint at {best}; delete {path} to train it again", flush=True)
+            continue
+        scores, cost = evaluate("eval_transfer.py", best, data["eval_pooler"], path.with_suffix(".transfer.tmp.json"),
+                                "--mode", TRANSFER_MODE)
+        data["transfer"] = {**scores, "mode": TRANSFER_MODE}
+        data.setdefault("report", {}).update(transfer_wall_s=cost["wall_s"], transfer_cpu_s=cost["cpu_s"])
+        files.write_json(path, data)
 
 
 def machine():
     import torch
     import transformers
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = provenance.device_name(torch.device("cpu"))  # the CPU's model name, as each run's provenance records it
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d")}
 
@@ -469,8 +475,7 @@ def commands_section(ctx) -> list[str]:
              f"python tools/report.py run --seeds {' '.join(map(str, ctx.seeds))}     # all of the below, resumable",
              *[f"python eval_sts.py --model_name_or_path {MODEL} --pooler {pooler} --senteval_dir {SENTEVAL} "
                f"--json results/{stem}.json" for stem, pooler, _ in INITIAL]]
-    lines += [command_text(name, script, flags, "S") for name, script, flags, *_ in RUNS + FEW_SHOT
-              if name in ctx.runs]
+    lines += [protocols.command_line(run) for run in smoke_runs(["S"], ctx.runs)]  # the rows with runs
     lines += [f"python eval_transfer.py --model_name_or_path runs/report/NAME.seedS/best --pooler POOLER "
               f"--senteval_dir {SENTEVAL} --mode {TRANSFER_MODE}", "```", "",
               "The papers' setting on a GPU (`bert-base-uncased`, the full wiki1m, the scripts' defaults are the "
@@ -561,24 +566,6 @@ def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs:
         raise SystemExit(1)
 
 
-def make_here(run: dict) -> None:
-    """One run in a subprocess here (--auto_resume: it starts, resumes or finishes), its results.json kept."""
-    cost = timed([sys.executable, *run["argv"]])
-    results = json.loads((ROOT / run["out"] / "results.json").read_text())
-    folder = RESULTS / run["out"].parent.name
-    folder.mkdir(parents=True, exist_ok=True)
-    files.write_json(folder / protocols.kept_name(run), {**results, "report": cost})
-
-
-def made_here(run: dict):
-    """make_here(run): None, or the error of a run that failed (the others go on)."""
-    try:
-        make_here(run)
-    except (subprocess.CalledProcessError, OSError, json.JSONDecodeError) as err:
-        return err
-    return None
-
-
 def check_gpus(text: str | None) -> list[int] | None:
     """--gpus 0,1,2: those CUDA devices must exist here (one line otherwise)."""
     if text is None:
@@ -626,10 +613,8 @@ def main(argv=None):
             if unknown:
                 fail(f"--only {' '.join(sorted(unknown))}: invalid choice, no such row of the smoke protocol")
             if args.action == "commands":
-                for seed in args.seeds or SEEDS:
-                    for name, script, flags, *_ in RUNS + FEW_SHOT:
-                        if not args.only or name in args.only:
-                            print(command_text(name, script, flags, seed))
+                for run in smoke_runs(args.seeds or SEEDS, args.only):
+                    print(protocols.command_line(run))
                 return
             if args.action == "run":
                 if not (SHARED / "models" / "all-MiniLM-L6-v2").is_dir():
