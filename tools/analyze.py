@@ -44,6 +44,7 @@ import eval_sts  # noqa: E402
 import plumbing  # noqa: E402
 import sscl  # noqa: E402
 from plumbing import files, hub  # noqa: E402
+from protocols import finish  # noqa: E402
 
 ANALYSES = ("trajectory", "spectrum", "similarity", "setsim")
 SCORE_GROUPS = ((0.0, 1.0), (1.0, 2.0), (2.0, 3.0), (3.0, 4.0), (4.0, 5.0))  # SimCSE Figure G.1
@@ -135,7 +136,7 @@ def plot_trajectory(runs: dict, path: Path) -> None:
         ax.annotate(f"step {points[-1]['step']}", (x[-1], y[-1]), fontsize=7, color=line.get_color(),
                     xytext=(4, -10), textcoords="offset points")
     finish(fig, ax, path, "ℓ_uniform (lower is better)", "ℓ_align (lower is better)",
-           "ℓ_align–ℓ_uniform along training, STS-B dev (SimCSE Figure 2)")
+           "ℓ_align–ℓ_uniform along training, STS-B dev (SimCSE Figure 2)", fontsize=10)
 
 
 def plot_spectrum(measured: dict, path: Path) -> None:
@@ -146,7 +147,7 @@ def plot_spectrum(measured: dict, path: Path) -> None:
         ax.plot(range(1, len(values) + 1), values, label=f"{label} (effective rank {m['effective_rank']:.1f})")
     ax.set_yscale("log")
     finish(fig, ax, path, "index", "singular value / largest (log scale)",
-           "Singular values of the STS-B sentence embeddings (SimCSE Figure F.1)")
+           "Singular values of the STS-B sentence embeddings (SimCSE Figure F.1)", fontsize=10)
 
 
 def plot_similarity(measured: dict, path: Path) -> None:
@@ -178,16 +179,7 @@ def plot_setsim(measured: dict, path: Path) -> None:
     for label, setsim in measured.items():
         ax.plot(list(setsim), list(setsim.values()), marker="o", label=label)
     finish(fig, ax, path, "adjacent layers", "SetSim (mean cosine)",
-           "Inter-layer similarity of sentence representations (SSCL Figure 1)")
-
-
-def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    files.save_figure(fig, path)
+           "Inter-layer similarity of sentence representations (SSCL Figure 1)", fontsize=10)
 
 
 # ------------------------------------------------------------------------------------------------- CLI

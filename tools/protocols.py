@@ -473,6 +473,16 @@ def plot_text(text) -> str:
     return str(text).replace("$", r"\$")
 
 
+def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str, **title_style) -> None:
+    """A one-panel figure's axis labels, title, grid (a log axis's minor lines too) and legend, then saved."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, **title_style)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    files.save_figure(fig, path)
+
+
 def plot_dev_curves(protocol: dict, found: dict, path: Path, panels: list | None = None, title: str = "") -> None:
     """STS-B dev at the dev gates of each row's runs: the mean over seeds, with their min-max band. `panels`:
     [(its title, its rows' names)] side by side (default: every row in one)."""
@@ -550,10 +560,6 @@ def plot_few_shot(found: dict, path: Path) -> None:
         if xs:
             ax.errorbar(xs, means, yerr=stds, marker="o", color=line.get_color(), label=f"{method} (ours)")
     ax.set_xticks(range(len(labels)), labels)
-    ax.set_xlabel("training set (fraction of wiki1m)")
-    ax.set_ylabel("STS 7-task average")
-    ax.set_title("Few-shot STS (miCSE Table 2 / Figure 3)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    files.save_figure(fig, path)
+    finish(fig, ax, path, "training set (fraction of wiki1m)", "STS 7-task average",
+           "Few-shot STS (miCSE Table 2 / Figure 3)")
 

@@ -512,12 +512,9 @@ def plot_align_uniform(runs, results_dir, main_names, few_names):
         ax.plot([x1], [y1], marker="s" if name in few_names else "o", linestyle="none", color=color, label=name)
         ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="->", color=color))
         ax.plot([x0], [y0], marker="x", color=color)
-    ax.set_xlabel("ℓ_align (lower is better)")
-    ax.set_ylabel("ℓ_uniform (lower is better)")
-    ax.set_title("initial (x) → best checkpoint (o; few-shot □), STS-B dev, mean over seeds")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    files.save_figure(fig, results_dir / "align_uniform.png")
+    protocols.finish(fig, ax, results_dir / "align_uniform.png", "ℓ_align (lower is better)",
+                     "ℓ_uniform (lower is better)",
+                     "initial (x) → best checkpoint (o; few-shot □), STS-B dev, mean over seeds")
 
 
 def run_protocol(protocol: dict, extra: list[str], gpus: list[int] | None, jobs: dict | None = None) -> None:
