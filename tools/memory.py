@@ -34,10 +34,9 @@ import plumbing  # noqa: E402
 import protocols  # noqa: E402
 from plumbing import hub, memory  # noqa: E402
 
-# name: (method file, flags): the six rows of the paper protocol
-RECIPES = {"simcse": ("simcse", []), "simcse-sup": ("simcse", ["--supervised"]), "simcsepp": ("simcsepp", []),
-           "sscl": ("sscl", []), "whitenedcse": ("whitenedcse", []), "micse": ("micse", []),
-           "micse-fewshot": ("micse", ["--fraction", "0.01"])}  # Table 2's 1%: its preset, batch 64
+# name: (method file, flags): the six rows of the paper protocol (protocols.py's), and miCSE at Table 2's 1%
+RECIPES = {**{row["name"]: (Path(row["script"]).stem, row["flags"]) for row in protocols.BUILT_IN["paper"]["rows"]},
+           "micse-fewshot": ("micse", ["--fraction", "0.01"])}  # its preset: batch 64
 # name: (its Hub id, its published config), so that nothing is downloaded
 BACKBONES = {
     "bert-base": ("bert-base-uncased", dict(model_type="bert")),
