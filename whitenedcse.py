@@ -77,11 +77,12 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
                              eps: float = 0.0) -> torch.Tensor:
     """Shuffled group whitening, SGW (Section 3.2, Eq. 6: H = shuffle^-1(GW(shuffle(Z)))): the
     channels x[:, perm] in `num_groups` consecutive groups (Eq. 5), each centred over the batch and
-    times the ZCA matrix of its covariance C = X^T X / N (+ eps I), W = U diag(lambda^-1/2) U^T (Eq.
-    3), then put back in their order. W from the detached covariance (the authors' code): gradients
-    flow through X only. In float64 (fp32 out, even under autocast), because a real encoder's nearly
-    constant channels (variance 1e-10 beside 0.04) make fp32's rounding of their covariance decide
-    their gain (19x off, losses of 18). Apple's MPS has no float64: whiten on the CPU there."""
+    times the ZCA (zero-phase component analysis) matrix of its covariance C = X^T X / N (+ eps I),
+    W = U diag(lambda^-1/2) U^T (Eq. 3), then put back in their order. W comes from the detached
+    covariance, as the authors' code has it: gradients flow through X only. In float64 (fp32 out,
+    even under autocast), because a real encoder's nearly constant channels (variance 1e-10 beside
+    0.04) make fp32's rounding of their covariance decide their gain (19x off, losses of 18).
+    Apple's MPS has no float64: there, run the whitening on the CPU."""
     n, d = x.shape
     if d % num_groups:
         raise ValueError(f"{d} channels cannot be split into {num_groups} equal groups")
@@ -108,7 +109,8 @@ def shuffled_group_whitening(x: torch.Tensor, num_groups: int, perm: torch.Tenso
 
 def multi_positive_info_nce(views, temp: float = 0.05) -> torch.Tensor:
     """Multi-positive InfoNCE (Eq. 7 with lambda_m = 1): the sum over p = 2..m of CE(s(z_1, z_p)),
-    s = cos / temp, z_1 the anchor (the m views' first): at m = 3 about twice SimCSE's loss."""
+    s = cos / temp (temp: the temperature), z_1 the anchor (the m views' first): a sum over the
+    m - 1 positives, so at m = 3 about twice SimCSE's loss."""
     # Code over paper: m counts the anchor (released num_pos 3: z1, z2, z3, two CE terms), as the
     # paper's "positives 2" is SimCSE's pair (Table 6); Eq. 7 sums p = 1..m beside its anchor h_i
     if len(views) < 2 or any(z.dim() != 2 or z.shape != views[0].shape for z in views):
