@@ -25,9 +25,9 @@ from plumbing.run import Run
 
 ATTN_IMPLEMENTATION = "eager"  # transformers 5's default SDPA returns no attention weights
 
-# The recipe, read first: miCSE on all of wiki1m with BERT-base (Section 3.1, queue and momentum
-# encoder included), AdamW without weight decay, its lr warmed up then decayed linearly: the flags'
-# defaults (PRESETS' rows replace some; the other flags': common.FLAGS' and plumbing/options.py).
+# The recipe, read first: miCSE on all of wiki1m with BERT-base (Section 3.1, with its queue and
+# momentum encoder), trained by AdamW without weight decay, its lr warmed up then decayed linearly.
+# Its values are flag defaults (PRESETS' rows replace some); common.FLAGS holds the shared flags.
 RECIPE = dict(batch_size=50, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=250,
               eval_steps=125, pooler="cls", mlp_only_train=True, ami_lambda=2.5e-3, ami_samples=150,
               queue_size=384, momentum=0.995, momentum_dropout=0.3)
@@ -215,7 +215,7 @@ class EmbeddingQueue:
     """The newest `size` keys (the momentum encoder's embeddings of past batches: Eq. 2's queue)
     and their sentences' ids, a ring buffer written in place (a CUDA graph replays it); `filled`:
     the slots that hold a key (the others left out: Eq. 2's growing queue), `position`: the next.
-    The paper's queue, torch.cat([queue, keys])[-size:], holds the same keys (test_micse.py)."""
+    The paper's first-in, first-out queue holds the same keys, here rotated by `position`."""
     def __init__(self, size: int, dim: int, device=None):
         self.size, self.tensor = size, torch.zeros(size, dim, device=device)
         self.ids = torch.full((size,), -1, dtype=torch.long, device=device)
@@ -317,9 +317,9 @@ def micse_step(encoder, batch: dict, head=None, queue=None, generator=None, temp
         loss.backward(); optimizer.step(); optimizer.zero_grad()
         micse_momentum_update(momentum_model, model, batch, queue, head)  # after the step
 
-    micse.py pads every batch to --max_seq_length: AMI draws entries by random keys over the maps'
-    whole width, so padding=True draws others (the same objective, another run). The defaults: the
-    recipe's (RECIPE; PRESETS' few-shot rows: lr 1e-5, as the sketch). The rest: micse_views's."""
+    micse.py pads every batch to --max_seq_length because AMI draws its entries by random keys over
+    the maps' whole width; padding=True would draw others (same objective, another run). Defaults
+    are RECIPE's (PRESETS' few-shot rows take lr 1e-5, as above); the rest is as in micse_views."""
     z1, z2, attn1, attn2 = micse_views(encoder, batch, head, layers, pool=pool, dtype=dtype)
     return micse_objective(z1, z2, attn1, attn2, queue=queue, ids=batch.get("example_ids"),
                            attention_mask=batch["attention_mask"], generator=generator, temp=temp,

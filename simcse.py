@@ -29,9 +29,9 @@ import plumbing
 from plumbing import backbones, distributed, graph, hub, options
 from plumbing.run import Run
 
-# The recipe, read first: unsupervised SimCSE on BERT-base (Table A.1), AdamW without weight decay,
-# its lr decayed linearly: the defaults of the flags it names (PRESETS' rows replace some); the
-# other flags' (--seed, --max_grad_norm, --precision, --cuda_graph): common.FLAGS', options.py's.
+# The recipe, read first: unsupervised SimCSE on BERT-base (Table A.1), trained by AdamW without
+# weight decay, its lr decayed linearly. Its values are the defaults of the flags it names; PRESETS'
+# rows replace some, and shared flags (--seed, ...) come from common.FLAGS and plumbing/options.py.
 # Code over paper: STS-B dev every 125 steps, as run_unsup_example.sh (Appendix A says every 250)
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, pooler="cls", mlp_only_train=True, hard_negative_weight=0.0,
@@ -45,8 +45,8 @@ PRESETS = {
     "roberta-large": ({"batch_size": 512, "lr": 3e-5}, "Table A.1, RoBERTa-large"),
     "supervised bert-large": ({"lr": 1e-5}, "Table A.1, supervised bert-large"),
     "supervised roberta-large": ({"lr": 1e-5}, "Table A.1, supervised roberta-large"),
-    # Few-shot (miCSE Table 2's SimCSE rows): SimCSE's batch and lr (miCSE Section 4: "we follow the
-    # same hyperparameters proposed by the authors"), miCSE's epochs and dev steps (its README's).
+    # Few-shot (miCSE Table 2's SimCSE rows): SimCSE's own batch and lr, as miCSE Section 4 says.
+    # SimCSE gives no few-shot schedule, so the epochs and dev steps are miCSE's (its README's).
     **{f"fraction {fraction:g}": ({"epochs": epochs, "eval_steps": eval_steps}, f"miCSE's few-shot "
                                   f"schedule for fraction {fraction:g} (SimCSE's batch and lr)")
        for fraction, epochs, eval_steps in ((0.1, 10, 500), (0.01, 50, 500), (0.001, 500, 500),
@@ -173,8 +173,8 @@ def simcse_views(encoder, batch: dict, head=None, columns: int = 1, *, pool=None
 
 def simcse_objective(z1, z2, *hard, temp: float = 0.05, hard_negative_weight: float = 0.0,
                      positives_only: bool = False, gather=None) -> torch.Tensor:
-    """InfoNCE of the views (Eq. 4) or of the NLI columns with hard negatives (Eq. 5);
-    positives_only: miCSE Table 4's pairs alone; gather: torchrun's, the global rows (None: one)."""
+    """InfoNCE of the views (Eq. 4) or of the NLI columns with hard negatives (Eq. 5).
+    positives_only drops the negatives (miCSE Table 4); gather (torchrun) makes the global batch."""
     if gather is not None:
         z1, z2, hard = gather(z1), gather(z2), [gather(h) for h in hard]
     if positives_only:
@@ -275,9 +275,9 @@ class MaskedLM(NamedTuple):
 
 def mlm_loss(masked: dict, ddp_model, lm_head, sections: int, args, part=None,
              terms=None) -> torch.Tensor:
-    """lambda * l_mlm (args.mlm_weight x masked_lm_loss) of `part`'s rows of the masked views (in
-    `sections` stacked sections: NLI's columns or the repeated views; the mean over the batch's
-    masked tokens), the head under autocast as the released fp16 runs; added to `terms`' "mlm"."""
+    """The weighted MLM term lambda * l_mlm (args.mlm_weight x masked_lm_loss) of `part`'s rows:
+    the mean over the batch's masked tokens, rows stacked in `sections` (NLI's columns or views).
+    The head runs under autocast as in the released fp16 runs; the term is added to terms["mlm"]."""
     rows = data.part_of(masked, part, sections)
     inputs = {k: v for k, v in rows.items() if k != "labels"}
     with common.autocast(inputs["input_ids"].device, args.precision):
@@ -345,7 +345,7 @@ def main(argv=None):
             args, default_file, triplets=args.supervised, hard_negatives=not args.no_hard_negatives,
             neutral=args.neutral_hard_negatives)
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length,
-                                      data.pad_multiple(args))  # padded as said above
+                                      data.pad_multiple(args))  # --compile: a multiple of 8
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 
@@ -355,7 +355,7 @@ def main(argv=None):
     backbone.to(device).train()
     common.set_dropout(backbone, args.dropout)  # --dropout (Table 3); None: the checkpoint's own
     head = common.MLPHead(backbone.config).to(device) if args.pooler == "cls" else None
-    # --do_mlm (Appendix A): an MLM head, its masks drawn on the device from a generator of its own
+    # --do_mlm (Appendix A) adds an MLM head that draws masks on the device from its own generator
     lm_head, mlm_generator, mlm = None, None, None
     if args.do_mlm:
         lm_head = mlm_head(backbone, args.model_name_or_path).to(device).train()

@@ -26,9 +26,9 @@ import plumbing
 from plumbing import distributed, graph, hub, options
 from plumbing.run import Run
 
-# The recipe, read first: SimCSE++ on BERT-base (Section 5.1, Table 5), AdamW without weight decay,
-# its lr decayed linearly: the defaults of the flags it names (PRESETS' rows replace some); the
-# other flags' (--seed, --max_grad_norm, --precision, --cuda_graph): common.FLAGS', options.py's.
+# The recipe, read first: SimCSE++ on BERT-base (Section 5.1, Table 5), trained by AdamW without
+# weight decay, its lr decayed linearly. Its values are the defaults of the flags it names; PRESETS'
+# rows replace some, and shared flags (--seed, ...) come from common.FLAGS and plumbing/options.py.
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, pooler="cls", mlp_only_train=True, m=0.9, dcl_weight=0.1,
               dcl_temp=5.0)
@@ -85,8 +85,8 @@ def off_dropout_info_nce(z1, z2, z_dropout_off, temp: float = 0.05, m: float = 0
 
 
 def view_negatives_info_nce(z1, z2, temp: float = 0.05, m: float = 0.9) -> torch.Tensor:
-    """Without the dropout-off pass (--no_off_dropout): the negatives are the dropout views',
-    s(z1_i, z2_j), and m still scales the positive; m = 1: SimCSE's InfoNCE (Table 3's "+DCL")."""
+    """Without the dropout-off pass (--no_off_dropout, an ablation), the negatives are s(z1_i, z2_j)
+    and m still scales the positive; m = 1 gives SimCSE's InfoNCE (Table 3's "+DCL" row)."""
     cross = cos_sim(z1, z2) / temp
     return m_positive_cross_entropy(cross, cross, m)
 
@@ -119,7 +119,7 @@ def simcsepp_views(encoder, batch: dict, head=None, *, pool=None, dtype=None,
     """(z1, z2, z_dropout_off) in fp32: two dropout views of N sentences in one pass of `encoder`
     (in train mode, each sentence twice), then the batch again with every dropout off (Eq. 3's
     negatives: eval mode, gradients kept, as the authors' code); off_dropout False: (z1, z2). z:
-    [CLS] through `head` (None: [CLS]) or pool(hidden_states, attention_mask); dtype: autocast's."""
+    [CLS] through `head` (None: [CLS]) or pool(hidden_states, attention_mask), autocast to dtype."""
     device = batch["input_ids"].device
 
     def encoded(inputs):
@@ -145,8 +145,8 @@ def simcsepp_objective(z1, z2, z_dropout_off=None, *, temp: float = 0.05, m: flo
                        dcl_weight: float = 0.1, dcl_temp: float = 5.0, dcl_only: bool = False,
                        gather=None, terms=None) -> torch.Tensor:
     """Off-dropout InfoNCE (Eq. 3) + dcl_weight x DCL (Eq. 5); z_dropout_off None: the views'
-    negatives (view_negatives_info_nce); dcl_only: DCL alone (Table 4). gather: torchrun's, the
-    global rows (for DCL's statistics and the negatives); a dict `terms` gets "info_nce", "dcl"."""
+    negatives (view_negatives_info_nce); dcl_only: DCL alone (Table 4). Under torchrun, gather
+    builds the global batch (for DCL and negatives); a `terms` dict gets both terms, detached."""
     if gather is not None:
         z1, z2 = gather(z1), gather(z2)
     if dcl_only:  # Table 4: DCL alone
@@ -230,7 +230,7 @@ def main(argv=None):
         vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length,
-                                      data.pad_multiple(args))  # padded as said above
+                                      data.pad_multiple(args))  # --compile: a multiple of 8
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 

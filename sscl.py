@@ -25,13 +25,13 @@ import plumbing
 from plumbing import distributed, graph, hub, options, progress
 from plumbing.run import Run
 
-# The recipe, read first: SSCL-SimCSE on BERT-base (Section 4.2, the released scripts), AdamW
-# without weight decay, its lr decayed linearly: the defaults of the flags it names (PRESETS' rows
-# replace some; --seed, --max_grad_norm, --precision, --cuda_graph: common.FLAGS', options.py's).
+# The recipe, read first: SSCL-SimCSE on BERT-base (Section 4.2, the released scripts), trained by
+# AdamW without weight decay, its lr decayed linearly. Its values are the defaults of the flags it
+# names (PRESETS' rows replace some); shared flags are in common.FLAGS and plumbing/options.py.
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, pooler="avg", mlp_only_train=True, neg_layers=2,
               layer_negatives="both")
-# The paper's other settings (your flags win): the released scripts' pooler, BERT-large's lr (4.2)
+# The paper's other settings (your flags win): the released average pooler, BERT-large's lr (4.2).
 PRESETS = {
     "released": ({"pooler": "avg"}, "SSCL's released scripts"),
     "bert-large": ({"lr": 1e-5}, "SSCL Section 4.2, BERT-large"),
@@ -76,10 +76,10 @@ def cos_sim(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def sscl_loss(z1, z2, layer_negatives, temp: float = 0.05) -> torch.Tensor:
-    """SSCL's contrastive loss with intermediate-layer negatives (Eq. 4): logits = [s(z1, z2) |
-    s(z1, n1_l) | s(z1, n2_l) for each layer l], s = cos / temp (temp: the temperature), target i
-    for row i; `layer_negatives`, a tuple a layer: that layer's representations of the two dropout
-    views (n1, n2), or of the anchor's view only (n1,)."""
+    """SSCL's contrastive loss with intermediate-layer negatives (Eq. 4). Row i's logits are
+    [s(z1, z2) | s(z1, n1_l) | s(z1, n2_l) for each layer l], with s = cos / temp (temp: the
+    temperature), and its target is i. `layer_negatives` holds one tuple per layer: that layer's
+    representations of the two dropout views (n1, n2), or of the anchor's view only (n1,)."""
     if z1.dim() != 2 or z1.shape != z2.shape:
         raise ValueError(f"z1 and z2 are two (N, D) views of the same N sentences, got "
                          f"{tuple(z1.shape)} and {tuple(z2.shape)}")
@@ -101,7 +101,7 @@ def sscl_views(encoder, batch: dict, layers=None, head=None, *, pool=None, dtype
     twice). The negatives: each of `layers` (hidden_states' indices; None: L-1 and L-2) pooled
     like z from the same pass, gradients kept, of both views (2N a layer, the released code's) or
     of the anchor's (both_views False). z: the tokens' average (the released pooler), or pool(
-    hidden_states, attention_mask); then `projection` (Table 5). dtype: autocast's."""
+    hidden_states, attention_mask); then `projection` (Table 5). Autocast to `dtype` if given."""
     num_views = 2 if dropout_positive else 1
     views = {k: v.repeat(num_views, 1) for k, v in batch.items()}
     device, mask = batch["input_ids"].device, views["attention_mask"]
@@ -131,7 +131,7 @@ def sscl_views(encoder, batch: dict, layers=None, head=None, *, pool=None, dtype
 def sscl_objective(z1, z2, *negatives, temp: float = 0.05, per_layer: int = 2,
                    gather=None) -> torch.Tensor:
     """sscl_loss of sscl_views's outputs: the negatives grouped `per_layer` (2: both views', 1: the
-    anchor's) into each layer's tuple. gather: torchrun's, the global batch's rows (None: one)."""
+    anchor's) into each layer's tuple. gather (torchrun) collects all rows, negatives too."""
     if gather is not None:  # global (the released code: each process's own; docs/fidelity.md)
         negatives, z1, z2 = [gather(n) for n in negatives], gather(z1), gather(z2)
     layer_negatives = [tuple(negatives[i:i + per_layer]) for i in range(0, len(negatives),
@@ -242,7 +242,7 @@ def main(argv=None):
         vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length,
-                                      data.pad_multiple(args))  # padded as said above
+                                      data.pad_multiple(args))  # --compile: a multiple of 8
     loader = data.make_loader(corpus, args, device)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * len(loader)
 

@@ -24,9 +24,9 @@ import plumbing
 from plumbing import distributed, graph, hub, options
 from plumbing.run import Run
 
-# The recipe, read first: WhitenedCSE on BERT-base (Section 4.1), AdamW without weight decay, its lr
-# decayed linearly: the defaults of the flags it names (PRESETS' rows replace some; num_groups None:
-# d / 2); the other flags' (--seed, --max_grad_norm, --precision, --cuda_graph): common.FLAGS'.
+# The recipe, read first: WhitenedCSE on BERT-base (Section 4.1), trained by AdamW without weight
+# decay, its lr decayed linearly. Its values are the defaults of the flags it names (num_groups None
+# means d / 2); PRESETS' rows replace some, and shared flags are in common.FLAGS and options.py.
 RECIPE = dict(batch_size=64, lr=3e-5, temp=0.05, max_seq_length=32, epochs=1, warmup_steps=0,
               eval_steps=125, num_pos=3)
 # The paper's settings (flags win): --num_groups, Section 4.1: "384" for BERT-base and -large, "256"
@@ -140,7 +140,7 @@ class WhitenedHead(torch.nn.Module):
 
 def whitenedcse_views(encoder, batch: dict, num_pos: int = 3, *, dtype=None) -> tuple:
     """The [CLS] features of `num_pos` dropout views of N sentences, in fp32: one pass of `encoder`
-    (in train mode) over the batch repeated num_pos times; dtype: autocast's."""
+    (in train mode) over the batch repeated num_pos times, autocast to `dtype` if one is given."""
     views = {k: v.repeat(num_pos, 1) for k, v in batch.items()}
     device = batch["input_ids"].device
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):  # the encoder only
@@ -257,7 +257,7 @@ def main(argv=None):
         vars(args).update(switched_on)  # the model's --dropout, --fit_memory's memory flags
         examples, train_file, subset = data.training_examples(args)
         corpus = data.TokenizedCorpus(examples, tokenizer, args.max_seq_length,
-                                      data.pad_multiple(args))  # padded as said above
+                                      data.pad_multiple(args))  # --compile: a multiple of 8
     hidden = backbone.config.hidden_size
     args.num_groups = args.num_groups or hidden // 2  # no backbone setting: groups of 2 channels
     width = group_width(hidden, args.num_groups)
