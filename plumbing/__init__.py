@@ -39,7 +39,6 @@ import traceback
 from pathlib import Path
 
 
-
 class UsageError(ValueError):
     """Something the user can fix: printed as one line by `cli`, exit status 2, never a traceback."""
 

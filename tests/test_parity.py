@@ -109,8 +109,8 @@ def test_three_steps_on_minilm_agree_step_by_step(method):
     the released settings, the same batches, dropout masks, AMI's samples and WhitenedCSE's shuffles): loss and every
     gradient within 1e-5 at steps 1-3, or beyond it by rounding alone as tools/parity.py judges it (the suite within
     1e-5 of the released code run in float64, or no further from it than 4 x the released code's own error: on an
-    AVX-512 Xeon WhitenedCSE's step 2 is 1.5e-5 apart, on an AVX2 EPYC within 1e-5). Catches what real features or trained weights do to a formula that tiny random
-    models hide (a clamp or floor that bites on real attention maps; a term's rounding on real [CLS] features), and a
+    AVX-512 Xeon WhitenedCSE's step 2 is 1.5e-5 apart, on an AVX2 EPYC within 1e-5). Catches what real features or
+    trained weights do to a formula that tiny random models hide (a clamp or floor that bites on real attention maps; a term's rounding on real [CLS] features), and a
     run's machinery that drifts (a step's weights, masks or samples not the suite's own). SimCSE++ and WhitenedCSE,
     which carry no licence, run where SUITE_RELEASED_CODE names a folder holding their clones (not in CI)."""
     pytest.importorskip("einops", reason="miCSE's released code imports einops")
