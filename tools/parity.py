@@ -488,24 +488,19 @@ def whitenedcse_rows(clone: Path) -> list[dict]:
 
 
 def given_samples(attn1, attn2, layers: slice, num_samples: int, generator: torch.Generator):
-    """torch.multinomial returns, for each tile the released code keeps, the entries the suite's ami_loss samples
-    with `generator` (micse.ami_sample, from a copy of it: uniform without replacement, as multinomial over the 0/1
-    mask): one draw for both sides. Both codes form the tiles alike (the released einops pattern "(h i) (j m) k t z ->
-    (h k m) i (j t z)" is micse.attention_tiles)."""
-    tiles1, tiles2 = (micse.attention_tiles(a[:, layers]) for a in (attn1, attn2))
-    sample = micse.ami_sample(tiles1, tiles2, num_samples, copy.deepcopy(generator))
-    return mock.patch.object(torch, "multinomial", lambda weights, samples, *args, **kwargs:
-                             sample.index[sample.used][:, :samples].clone())
-
-
-def rho_edge(attn1, attn2, layers: slice, num_samples: int, generator: torch.Generator) -> bool:
-    """Whether miCSE's rho = +-1 edge acts on these maps: a sampled tile's rho^2 beyond 1 - 1e-6, where the suite
-    clamps and the released code takes log(0) (or NaN, then 100). The same samples as given_samples'."""
+    """(a patch, the rho edge) from one draw of the samples. The patch: torch.multinomial returns, for each tile the
+    released code keeps, the entries the suite's ami_loss samples with `generator` (micse.ami_sample, from a copy of
+    it: uniform without replacement, as multinomial over the 0/1 mask): one draw for both sides. Both codes form the
+    tiles alike (the released einops pattern "(h i) (j m) k t z -> (h k m) i (j t z)" is micse.attention_tiles). The
+    rho edge: whether miCSE's rho = +-1 edge acts on these maps, a sampled tile's rho^2 beyond 1 - 1e-6, where the
+    suite clamps and the released code takes log(0) (or NaN, then 100)."""
     tiles1, tiles2 = (micse.attention_tiles(a[:, layers]) for a in (attn1, attn2))
     sample = micse.ami_sample(tiles1, tiles2, num_samples, copy.deepcopy(generator))
     log1, log2 = micse.centred_logs(tiles1, sample), micse.centred_logs(tiles2, sample)
-    rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)
-    return bool((rho[sample.used] ** 2 > 1 - 1e-6).any())
+    rho = (log1 * log2).sum(1) / (log1.norm(dim=1) * log2.norm(dim=1)).clamp_min(1e-12)  # micse.ami_loss's rho
+    patch = mock.patch.object(torch, "multinomial", lambda weights, samples, *args, **kwargs:
+                              sample.index[sample.used][:, :samples].clone())
+    return patch, bool((rho[sample.used] ** 2 > 1 - 1e-6).any())
 
 
 def micse_rows(clone: Path) -> list[dict]:
@@ -526,7 +521,8 @@ def micse_rows(clone: Path) -> list[dict]:
                 ami_lambda * micse.ami_loss(a1, a2, 150, generator)
         rows.append(one_step(f"micse {kind}: step, InfoNCE + AMI (layers 0:4, no queue)", module, kind, config,
                              [batch, batch], loss, lambda m: given_samples(*attention_maps(m, batch), slice(0, 4), 150,
-                                                                           generator), style="miCSE", max_layer=4)[0])
+                                                                           generator)[0],
+                             style="miCSE", max_layer=4)[0])
     # the loss alone on identical attention maps and embeddings; then both views' maps identical (rho = 1)
     released = module.BertForCL(tiny_config("bert", layers=4), model_args=model_args(
         style="miCSE", min_layer=0, max_layer=4, pooler_type="cls_before_pooler"))
@@ -542,7 +538,7 @@ def micse_rows(clone: Path) -> list[dict]:
         mask = torch.ones(N, 2, 9, dtype=torch.long)
         generator = torch.Generator().manual_seed(9)
         a1, a2 = maps.view(N, 2, 4, 4, 9, 9).unbind(1)
-        with given_samples(a1.detach(), a2.detach(), slice(0, 4), 150, generator):
+        with given_samples(a1.detach(), a2.detach(), slice(0, 4), 150, generator)[0]:
             loss_r = module.cl_forward(released, given_encoder(z, tuple(maps.unbind(1))),
                                        input_ids=mask, attention_mask=mask).loss
         grads_r = dict(zip(("z", "attentions"), torch.autograd.grad(loss_r, [z, maps], allow_unused=True)))
@@ -763,8 +759,9 @@ def trajectory(name: str, clone: Path, model_dir: Path, steps: int, size: int = 
         draws, drawn = (lambda released_model: contextlib.nullcontext()), copy.deepcopy(generator)
         if name == "micse":  # the attention maps both sides will see, for the shared draw of AMI's samples
             maps = attention_maps(model, batch, t)
-            draws = lambda released_model: given_samples(*maps, slice(1, 5), 150, drawn)  # noqa: E731
-            edges += rho_edge(*maps, slice(1, 5), 150, drawn)
+            samples, edge = given_samples(*maps, slice(1, 5), 150, drawn)
+            draws = lambda released_model: samples  # noqa: E731
+            edges += edge
         if name == "whitenedcse":  # the suite's shuffles, as its generator draws them
             perms = [torch.randperm(config.hidden_size, generator=drawn) for _ in range(views)]
             draws = lambda released_model: per_view(released_model.mlp.dbn, views, perms)  # noqa: E731
