@@ -859,15 +859,6 @@ def table(results: list[dict], tolerance: float) -> str:
                       "|---|---|---|---|---|---|", *rows])
 
 
-def readme_title(clone: Path) -> str | None:
-    """The first Markdown heading of a clone's README.md, without its #s; None without one."""
-    try:
-        lines = (clone / "README.md").read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    return next((line.lstrip("#").strip() for line in lines if line.startswith("#")), None)
-
-
 def clones(args) -> dict[str, Path]:
     """The clone of each repository asked for: --<key> PATH, else --released DIR/<GitHub name>; checked to hold the
     file the tool loads and to be that repository (its README's title), not another fork."""
@@ -883,9 +874,12 @@ def clones(args) -> dict[str, Path]:
             continue
         if not (path / telling).is_file():
             raise plumbing.UsageError(f"{path} is not a clone of {github} (it has no {telling}): {how}")
-        if readme_title(path) is None or not readme_title(path).startswith(title):
-            raise plumbing.UsageError(f"{path} is not a clone of {github}: its README's title is "
-                                      f"{readme_title(path)!r}, not {title!r}...: {how}")
+        readme = path / "README.md"  # its first Markdown heading, without its #s
+        lines = readme.read_text(errors="replace").splitlines() if readme.is_file() else []
+        heading = next((line.lstrip("#").strip() for line in lines if line.startswith("#")), None)
+        if heading is None or not heading.startswith(title):
+            raise plumbing.UsageError(f"{path} is not a clone of {github}: its README's title is {heading!r}, "
+                                      f"not {title!r}...: {how}")
         found[key] = path
     if not found:
         raise plumbing.UsageError("no released code found: --released DIR (holding the clones under their GitHub "
