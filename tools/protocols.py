@@ -81,14 +81,11 @@ BUILT_IN = {
                        "NLI for supervised SimCSE, the official SentEval data), five seeds, SentEval's transfer "
                        "tasks in their full protocol: SimCSE Table 5 and the BERT-base rows of its followers.",
         "args": [], "seeds": [42, 43, 44, 45, 46], "transfer": "test",
-        "rows": [{"name": "simcse", "script": "simcse.py", "flags": [], "paper": "simcse", "precision": "fp16"},
-                 {"name": "simcse-sup", "script": "simcse.py", "flags": ["--supervised"], "paper": "simcse-sup",
-                  "precision": "fp16"},
-                 {"name": "simcsepp", "script": "simcsepp.py", "flags": [], "paper": "simcsepp", "precision": "fp16"},
-                 {"name": "sscl", "script": "sscl.py", "flags": [], "paper": "sscl", "precision": "fp16"},
-                 {"name": "whitenedcse", "script": "whitenedcse.py", "flags": [], "paper": "whitenedcse",
-                  "precision": "fp16"},
-                 {"name": "micse", "script": "micse.py", "flags": [], "paper": "micse", "precision": "fp32"}]},
+        "rows": [{"name": name, "script": f"{script}.py", "flags": flags, "paper": name,
+                  "precision": RELEASED_PRECISION[script][0]}  # each row at its released scripts' precision
+                 for name, script, flags in (("simcse", "simcse", []), ("simcse-sup", "simcse", ["--supervised"]),
+                                             ("simcsepp", "simcsepp", []), ("sscl", "sscl", []),
+                                             ("whitenedcse", "whitenedcse", []), ("micse", "micse", []))]},
     "fewshot": {
         "name": "fewshot",
         "description": "miCSE Table 2 and Figure 3: SimCSE, AMI+SimCSE (miCSE without its queue) and miCSE on "
