@@ -78,8 +78,7 @@ def effective_rank(singular_values: np.ndarray) -> float:
 
 
 def unit_rows(matrix: np.ndarray) -> np.ndarray:
-    matrix = np.asarray(matrix, dtype=np.float64)
-    return matrix / np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
+    return eval_sts.unit_rows(np.asarray(matrix, dtype=np.float64))
 
 
 def similarity_groups(cosines, gold) -> list[dict]:
@@ -247,13 +246,13 @@ def main(argv=None) -> None:
         raise plumbing.UsageError(f"{png} or {json_path} exists; pass --overwrite or another --out")
     plumbing.check_writable(out, "--out")  # permissions, a read-only file system, a full disk
 
+    measured = {}
     if args.analysis == "trajectory":
         if args.model_name_or_path or not args.runs:
             raise plumbing.UsageError("trajectory reads runs' results.json files: analyze.py trajectory "
                                       "runs/a/results.json runs/b/results.json")
         runs = [(path, read_results(path)) for path in args.runs]  # each file read once
         labels = check_labels(args.labels, [run_label(path, results) for path, results in runs])
-        measured = {}
         for label, (path, results) in zip(labels, runs):
             points = trajectory_points(results)
             if not points:
@@ -273,7 +272,6 @@ def main(argv=None) -> None:
                 hub.check_model_folder(Path(path), "--model_name_or_path")
         senteval_dir = eval_sts.resolve_senteval_dir(args.senteval_dir, check=["STSBenchmark"])
         device = plumbing.resolve_device(args.device)
-        measured = {}
         for label, (_, path, pooler) in zip(labels, found):
             if args.analysis == "setsim":
                 tokenizer, backbone = hub.load_pretrained(path)

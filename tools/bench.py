@@ -42,24 +42,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import io
 import json
 import re
 import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's modules
 
 import torch  # noqa: E402
+import transformers  # noqa: E402
 
+import common  # noqa: E402
+import data  # noqa: E402
 import eval_sts  # noqa: E402
 import plumbing  # noqa: E402
-from plumbing import files, hub  # noqa: E402
+from plumbing import files, hub, options  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]  # the suite
 
@@ -94,7 +101,6 @@ def bench_method(row, args, extra, workdir, root=ROOT, log_warmup=True) -> dict:
 def bench_data(args) -> None:
     """A batch's data time: tokenising its sentences every step (the loader before this layout) against gathering
     and padding the pre-tokenised rows (data.TokenizedCorpus); the same token ids either way."""
-    import data
     tokenizer = hub.load_pretrained(args.model_name_or_path)[0]
     corpora = [("sentences", args.train_file, False)] + ([("NLI triplets", args.supervised_file, True)]
                                                          if args.supervised_file else [])
@@ -143,7 +149,7 @@ RECIPES = {"simcse (unsupervised)": 15_625 // 125 + 1, "simcse --supervised": 1_
 SIMCSE_STEPS, STEP_S, DEVICE_COPY_BYTES_PER_S = 15_625, 8.5e-3, 1e12 / 2
 
 
-def bench_saves(device, repeats: int = 3) -> dict:
+def bench_saves(device, repeats: int = 3) -> None:
     """What saving costs for a BERT-base-sized model (random weights from BertConfig()): the copy of the best model
     on the device (checkpoint.BestCopy.update, into buffers allocated once), best/ written from it, last/ written
     (the weights, AdamW's two moments, the schedule, the RNG streams: resume.save); each the median of `repeats`.
@@ -151,9 +157,6 @@ def bench_saves(device, repeats: int = 3) -> dict:
     one (a device copy at every improvement, best/ once, last/ after --save_minutes of training), both with every
     gate improving, the worst case; the GPU's copy is estimated (DEVICE_COPY_BYTES_PER_S), the writes are this
     machine's."""
-    import statistics
-    import transformers
-    import common
     from plumbing import checkpoint, resume
     config = transformers.BertConfig()
     torch.manual_seed(0)
@@ -195,7 +198,6 @@ def bench_saves(device, repeats: int = 3) -> dict:
           f"improving: best/ and last/ at every gate {old:.0f} s ({100 * old / train_s:.0f}%); a device copy at each "
           f"gate ({2 * DEVICE_COPY_BYTES_PER_S / 1e12:.0f} TB/s) and best/ once {new:.2f} s "
           f"({100 * new / train_s:.1f}%), no last/ within 10 minutes of training")
-    return {"seconds": median, "bytes": sizes, "weights_bytes": weights, "old_s": old, "new_s": new, "train_s": train_s}
 
 
 FLAG_SETTINGS = {"neither": [], "--gradient_checkpointing": ["--gradient_checkpointing"],
@@ -203,7 +205,7 @@ FLAG_SETTINGS = {"neither": [], "--gradient_checkpointing": ["--gradient_checkpo
                  "both": ["--gradient_checkpointing", "--micro_batch_size", "{quarter}"]}
 
 
-def bench_flags(args) -> dict:
+def bench_flags(args) -> None:
     """--gradient_checkpointing and --micro_batch_size against neither, on args.model_name_or_path at
     --batch_size: the step's peak above the training state (plumbing/memory.measured_step: the allocator's events
     of the step's model on real tensors) and the estimate's, then steps/s of simcse.py itself, the four settings
@@ -235,7 +237,6 @@ def bench_flags(args) -> dict:
         rate, base_rate = sum(row["rates"]) / 2, sum(base["rates"]) / 2
         print(f"{name:<26}{row['measured'] / 2**20:>15.0f}{row['measured'] / base['measured']:>11.2f}"
               f"{row['estimated'] / 2**20:>15.0f}{rate:>9.3f}{rate / base_rate:>11.2f}")
-    return found
 
 
 # ------------------------------------------------------------------------ the same step, six ways (--compare_steps)
@@ -266,7 +267,6 @@ def encoder_folder(args, workdir) -> str:
     source = args.model_name_or_path or str(TOKENIZER)
     if not args.size:
         return source
-    import transformers
     import memory
     if not Path(source).is_dir():
         raise plumbing.UsageError(f"--size {args.size} takes the tokenizer of --model_name_or_path {source}: no "
@@ -305,8 +305,6 @@ class LineClock(io.TextIOBase):
 def run_in_process(script: str, argv: list[str]) -> tuple[dict, LineClock, float]:
     """A method file's main(argv) in this process, as `python <script>.py ...` runs it (the imports and the GPU's
     context once for every row): its results.json, its stdout's LineClock, and when main() returned."""
-    import importlib
-    import signal
     module = importlib.import_module(script)
     clock = LineClock()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -356,8 +354,6 @@ def suite_step(args, model: str, workdir, flags=()) -> float:
 def device_batches(args, model: str, device, count: int = 8) -> list[dict]:
     """The suite's first `count` batches (data.TokenizedCorpus of --train_file, data.BatchSampler with --seed) padded
     to --max_seq_length, the static shape a CUDA graph needs, and on the device: the bare steps' data."""
-    import transformers
-    import data
     tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     examples = data.training_examples(types.SimpleNamespace(train_file=args.train_file, fraction=1.0,
                                                             seed=args.seed))[0]
@@ -377,7 +373,6 @@ def device_batches(args, model: str, device, count: int = 8) -> list[dict]:
 def bare_model(model: str, device, seed: int):
     """The encoder with SDPA and SimCSE's MLP head, BERT's pooler frozen as the suite freezes it (it is in no loss):
     (backbone, head, the trained parameters)."""
-    import common
     backbone = hub.load_pretrained(model, attn_implementation="sdpa")[1].to(device).train()
     if getattr(backbone, "pooler", None) is not None:
         backbone.pooler.requires_grad_(False)
@@ -390,7 +385,6 @@ def bare_loss(backbone, head, batch: dict, precision: str, cache: bool = True):
     """SimCSE's loss on one batch and nothing else: both dropout views in one pass with the prebuilt 4-D mask (no
     host check of the mask), the encoder under autocast, [CLS] through the head and InfoNCE (tau 0.05) in fp32.
     `cache`: autocast's cache of each weight's cast, which a CUDA graph's capture cannot keep."""
-    import common
     import simcse
     views = {k: v.repeat(2, 1) for k, v in batch.items()}
     mask = common.attention_mask_4d(views.pop("attention_mask"), "sdpa")
@@ -426,7 +420,6 @@ def bare_step(args, model: str, batches: list, device, precision: str, graphed: 
     capturable, the learning rate a device tensor the schedule writes between replays, autocast's cache off), each
     batch copied into the graph's buffers. fp16's GradScaler decides on the device too (fused AdamW skips the step
     where its found_inf says so)."""
-    import transformers
     from plumbing import graph
     if graphed and device.type != "cuda":
         return "needs CUDA (a torch.cuda.CUDAGraph)"
@@ -457,9 +450,7 @@ def gate_floor(args) -> dict:
     tokenised once, l_align / l_uniform on the device, one host copy, the Spearman) against its floor, a bare fp32
     forward of the same tokenised sentences in the same batches through the same model (its prebuilt mask). Each
     timed --steps times after one untimed; the medians and their ratio (the target: 1.3)."""
-    import statistics
-    import common
-    from plumbing import options, run
+    from plumbing import run
     device = plumbing.resolve_device(args.device)
     with tempfile.TemporaryDirectory() as workdir:
         model = encoder_folder(args, workdir)
@@ -499,7 +490,6 @@ def sentence_transformers_trainer(args, model: str, device, precision: str, work
     tokens), the same batch, --max_seq_length, learning rate, clipping at 1.0 and precision; steps/s between the
     ends of step --warmup and of the last step (the device's queue drained at those two points only). `contrastive`:
     st_losses.SimCSELoss through ContrastiveTrainer instead (simcse.py's block: one pass of 2N rows, the MLP head)."""
-    import importlib.util
     missing = [name for name in ("sentence_transformers", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
         return f"not installed here: {', '.join(missing)} (pip install sentence-transformers accelerate)"
@@ -514,8 +504,6 @@ def sentence_transformers_trainer(args, model: str, device, precision: str, work
     except ImportError:
         from sentence_transformers import losses, models as modules
     import datasets
-    import transformers
-    import data
     encoder = modules.Transformer(model, max_seq_length=args.max_seq_length)
     network = st.SentenceTransformer(modules=[encoder, modules.Pooling(hub.local_config(model).hidden_size,
                                                                         pooling_mode="cls")], device=str(device))
@@ -567,7 +555,6 @@ def encoder_parameters(model: str) -> int:
     """The parameters whose matrix products a step runs, forward and backward (MFU's 6 N a token): the encoder
     layers' linear weights (built on the meta device: no memory) and SimCSE's MLP head; not the embeddings (a
     lookup), nor the frozen pooler (no gradient), nor the attention's own products (under 1% at 32 tokens)."""
-    import transformers
     config = hub.local_config(model)
     with torch.device("meta"):
         encoder = transformers.AutoModel.from_config(config)
@@ -576,7 +563,6 @@ def encoder_parameters(model: str) -> int:
 
 
 def describe_setting(args, model: str, device, precision: str) -> str:
-    import transformers
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     size = f"{args.size} with random weights" if args.size else model
     return (f"{device} ({name}), {size}, precision {precision}; torch {torch.__version__}, transformers "
@@ -594,7 +580,6 @@ def one_row(measure):
         return f"failed: the script exited with status {err.code}"
     except Exception as err:
         if not isinstance(err, plumbing.UsageError):
-            import traceback
             traceback.print_exc()
         return f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
     finally:  # the row's model, optimizer and graph pool gone before the next row; its run's out-of-memory hook too
@@ -606,7 +591,6 @@ def one_row(measure):
 
 def compare_steps(args) -> dict:
     """--compare_steps, as the module's docstring says: {row: steps/s, or why it did not run}."""
-    from plumbing import options
     device = plumbing.resolve_device(args.device)
     precision = args.precision = options.resolve_precision(args.precision, device)
     found = {}
@@ -660,8 +644,6 @@ def recipe_schedule(script: str, flags: list, model: str, extra: list) -> tuple[
     """(batch, steps, eval_steps) of a whole recipe: the method's presets for these flags and model, on the papers'
     data (wiki1m's sentences or --fraction of them, NLI's triplets with --supervised), each epoch's last short batch
     kept as data.BatchSampler keeps it."""
-    import importlib
-    import data
     recipe = importlib.import_module(script).parse_args(["--model_name_or_path", model, *flags, *extra])
     examples = NLI if getattr(recipe, "supervised", False) else round(recipe.fraction * WIKI1M)
     with contextlib.redirect_stdout(io.StringIO()):  # its note on a short last batch is for a run
@@ -700,7 +682,6 @@ def recipe_row(name: str, args, model: str, workdir, extra: dict) -> dict | str:
 def recipe_minutes(args, extra: dict) -> dict:
     """--recipe_minutes: each of --recipes as `python <method>.py` runs it (its presets), on one device and model,
     one after another in this process, a row printed as each is measured. {recipe: its figures, or why not}."""
-    from plumbing import options
     device = plumbing.resolve_device(args.device)
     found = {}
     with tempfile.TemporaryDirectory() as workdir:

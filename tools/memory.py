@@ -37,17 +37,14 @@ from plumbing import hub, memory  # noqa: E402
 # name: (method file, flags): the six rows of the paper protocol (protocols.py's), and miCSE at Table 2's 1%
 RECIPES = {**{row["name"]: (Path(row["script"]).stem, row["flags"]) for row in protocols.BUILT_IN["paper"]["rows"]},
            "micse-fewshot": ("micse", ["--fraction", "0.01"])}  # its preset: batch 64
-# name: (its Hub id, its published config), so that nothing is downloaded
-BACKBONES = {
-    "bert-base": ("bert-base-uncased", dict(model_type="bert")),
-    "bert-large": ("bert-large-uncased", dict(model_type="bert", hidden_size=1024, num_hidden_layers=24,
-                                              num_attention_heads=16, intermediate_size=4096)),
-    "roberta-base": ("roberta-base", dict(model_type="roberta", vocab_size=50265, max_position_embeddings=514,
-                                          type_vocab_size=1, layer_norm_eps=1e-5, pad_token_id=1)),
-    "roberta-large": ("roberta-large", dict(model_type="roberta", vocab_size=50265, max_position_embeddings=514,
-                                            type_vocab_size=1, layer_norm_eps=1e-5, pad_token_id=1,
-                                            hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
-                                            intermediate_size=4096))}
+# name: (its Hub id, its published config), so that nothing is downloaded; the large models share one shape
+LARGE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+ROBERTA = dict(model_type="roberta", vocab_size=50265, max_position_embeddings=514, type_vocab_size=1,
+               layer_norm_eps=1e-5, pad_token_id=1)
+BACKBONES = {"bert-base": ("bert-base-uncased", dict(model_type="bert")),
+             "bert-large": ("bert-large-uncased", dict(model_type="bert", **LARGE)),
+             "roberta-base": ("roberta-base", ROBERTA),
+             "roberta-large": ("roberta-large", {**ROBERTA, **LARGE})}
 GPUS = (16, 24, 40, 80)  # GiB
 
 

@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import eval_sts  # noqa: E402
 import common  # noqa: E402
 import plumbing  # noqa: E402
-from plumbing import hub, provenance  # noqa: E402
+from plumbing import hub, outdir, provenance  # noqa: E402
 
 # the papers' 7 STS tasks by MTEB's names (SentEval's SICKRelatedness is MTEB's SICK-R)
 PAPERS_STS = ["STS12", "STS13", "STS14", "STS15", "STS16", "STSBenchmark", "SICK-R"]
@@ -130,7 +130,6 @@ def card_entries(metadata: dict, task_results) -> list[dict]:
 def into_run(model: str, entries: list[dict], pooler: str) -> str | None:
     """A run's best/: MTEB's entries added to its results.json and card (replacing a task's earlier ones); what was
     written, or why not."""
-    from plumbing import outdir
     run_dir = Path(model).expanduser().parent
     if Path(model).name != "best" or not (run_dir / outdir.RESULTS).is_file():
         return None
@@ -208,7 +207,6 @@ def evaluate(model: str, pooler: str | None, tasks: list[str], sts_file: str | N
 
 def recorded_hub_id(local: Path) -> str | None:
     """The --hub_model_id a run recorded, for its best/."""
-    from plumbing import outdir
     if local.name != "best" or not (local.parent / outdir.RESULTS).is_file():
         return None
     return outdir.read_results(local.parent)["args"].get("hub_model_id")

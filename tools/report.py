@@ -250,7 +250,6 @@ def write(results_dir: Path | None = None, page: Path | None = None, plots: bool
     lines = (header(ctx) + protocol_section(ctx) + sts_section(ctx) + few_shot_section(ctx)
              + transfer_section(ctx) + align_uniform_section(ctx) + speed_section(ctx)
              + commands_section(ctx))
-    # for a paper: the page's tables in LaTeX (the papers' averages beside ours) and every run in a CSV
     paper = {name: cell.split(" ")[0] for name, _, _, cell, _ in RUNS + FEW_SHOT}
     titles = ("STS test (best STS-B dev checkpoint)", "Few-shot: SimCSE and miCSE on a fraction of the corpus")
     protocols.save_page(lines, page, EVERY, runs, damaged, tables_dir, paper, titles)
@@ -443,12 +442,11 @@ def align_uniform_section(ctx) -> list[str]:
              "| run | n | ℓ_align initial | ℓ_align best | ℓ_uniform initial | ℓ_uniform best |",
              "|---|---|---|---|---|---|"]
     for name in ctx.main_names + ctx.few_names:
-        if name in ctx.runs:
-            au = [r["align_uniform"] for r in ctx.runs[name].values() if "align_uniform" in r]
-            if au:
-                cells = [fmt(*mean_std([a[when][m] for a in au]), digits=3) for m in ("align", "uniform")
-                         for when in ("initial", "best")]
-                lines.append(f"| {name} | {len(au)} | " + " | ".join(cells) + " |")
+        au = [r["align_uniform"] for r in ctx.runs.get(name, {}).values() if "align_uniform" in r]
+        if au:
+            cells = [fmt(*mean_std([a[when][m] for a in au]), digits=3) for m in ("align", "uniform")
+                     for when in ("initial", "best")]
+            lines.append(f"| {name} | {len(au)} | " + " | ".join(cells) + " |")
     return lines + ["", "![ℓ_align against ℓ_uniform](results/align_uniform.png)", "",
                     "## Dev curves", "", "![STS-B dev Spearman against step, band over seeds](results/dev_curves.png)",
                     ""]

@@ -9,6 +9,7 @@ column's best here).
 """
 from __future__ import annotations
 
+import collections
 import csv
 import re
 from pathlib import Path
@@ -41,8 +42,7 @@ def markdown_tables(lines: list[str]) -> list[dict]:
 
 def cells(line: str) -> list[str]:
     """A Markdown table row's cells: split at the pipes that are not escaped, each cell's escapes undone."""
-    inner = line.strip()
-    inner = inner[1:] if inner.startswith("|") else inner
+    inner = line.strip().removeprefix("|")
     inner = inner[:-1] if inner.endswith("|") and not inner.endswith("\\|") else inner
     return [unescape_markdown(c.strip()) for c in re.split(r"(?<!\\)\|", inner)]
 
@@ -125,18 +125,14 @@ def slug(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or "table"
 
 
-def write_latex(lines: list[str], folder: Path, papers: dict[str, dict[str, str]] | None = None) -> list[Path]:
+def write_latex(lines: list[str], folder: Path, papers: dict[str, dict[str, str]] | None = None) -> None:
     """Each Markdown table of a page as folder/<n>-<title>.tex; `papers`: {table title: {row: paper's number}}."""
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.tex"):  # the page's tables as they are now, none left from an older page
         old.unlink()
-    written = []
     for number, table in enumerate(markdown_tables(lines), start=1):
         name = f"{number:02d}-{slug(table['title'])}"
-        path = folder / f"{name}.tex"
-        path.write_text(latex_table(table, (papers or {}).get(table["title"]), name))
-        written.append(path)
-    return written
+        (folder / f"{name}.tex").write_text(latex_table(table, (papers or {}).get(table["title"]), name))
 
 
 # --------------------------------------------------------------------------------------------------- CSV out
@@ -157,27 +153,21 @@ def run_row(name: str, script: str, flags: list[str], seed: int, results: dict) 
     return {k: "" if v is None else v for k, v in row.items()}
 
 
-def write_csv(rows: list[dict], path: Path) -> Path:
+def write_csv(rows: list[dict], path: Path) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    return path
 
 
 # ------------------------------------------------------------------------------------------------ provenance
 def provenance_lines(results: list[dict]) -> list[str]:
     """Which commits and library versions a page's runs came from, with a warning where they differ."""
-    commits, versions, unknown = {}, {}, 0
-    for r in results:
-        found = r.get("provenance")
-        if not found:
-            unknown += 1
-            continue
-        commit = provenance.commit_text(found)
-        commits[commit] = commits.get(commit, 0) + 1
-        key = ", ".join(f"{k} {v}" for k, v in (found.get("versions") or {}).items()) or "unknown"
-        versions[key] = versions.get(key, 0) + 1
+    recorded = [r["provenance"] for r in results if r.get("provenance")]
+    unknown = len(results) - len(recorded)
+    commits = collections.Counter(provenance.commit_text(found) for found in recorded)
+    versions = collections.Counter(", ".join(f"{k} {v}" for k, v in (found.get("versions") or {}).items()) or "unknown"
+                                   for found in recorded)
     lines = []
     if commits:
         lines.append("Code: " + "; ".join(f"{c} ({n} run{'s' * (n > 1)})" for c, n in commits.items())
