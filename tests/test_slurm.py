@@ -120,9 +120,8 @@ class Place:
         return json.loads((self.folder / "results" / self.name / f"{row}.seed1.json").read_text())
 
     def until(self, what, timeout=240, why="", every=0.5):
-        """what()'s value once it is true, asked every `every` s (3 where it asks status: a new interpreter, squeue
-        and sacct each time, which at 0.5 s took 100 s of CPU beside the jobs, at 2 s 17 s); else the scenario
-        fails, naming `why` and the status."""
+        """what()'s value once it is true, asked every `every` s (says() asks status only when it may have
+        changed); else the scenario fails, naming `why` and the status."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             value = what()
@@ -154,9 +153,20 @@ class Place:
                     os.kill(pid, signal.SIGCONT)
 
     def says(self, *words: str, row: str = "simcse", timeout=240) -> str:
-        """Until status's line for the row has one of `words`: the line (status asked every 3 s)."""
-        return self.until(lambda: next((s for s in [self.line(row)] if any(w in s for w in words)), None), timeout,
-                          f"{row} {' or '.join(words)}", 3)
+        """Until status's line for the row has one of `words`: the line. Status (a new interpreter, squeue and
+        sacct: 0.8 s of CPU) is asked at once, then as soon as the row's job note changes (a start, a stop, done:
+        the note read every 0.5 s) and every 10 s besides, for what Slurm alone knows (pending, a cancel, a job
+        lost); every 3 s, it was 80 interpreters, 64 s of CPU beside the jobs."""
+        asked = {"note": None, "at": 0.0}
+
+        def said():
+            note = self.progress(row)
+            if note == asked["note"] and time.time() - asked["at"] < 10:
+                return None
+            asked.update(note=note, at=time.time())
+            line = self.line(row)
+            return line if any(word in line for word in words) else None
+        return self.until(said, timeout, f"{row} {' or '.join(words)}", 0.5)
 
     def training(self, row: str = "simcse", start: int = 1, saved=True):
         """Until the run trains in its job's `start`-th start: the job's note says so, and (`saved`) last/ was saved
