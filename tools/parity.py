@@ -874,8 +874,10 @@ def clones(args) -> dict[str, Path]:
             continue
         if not (path / telling).is_file():
             raise plumbing.UsageError(f"{path} is not a clone of {github} (it has no {telling}): {how}")
-        readme = path / "README.md"  # its first Markdown heading, without its #s
-        lines = readme.read_text(errors="replace").splitlines() if readme.is_file() else []
+        try:  # its README's first Markdown heading, without its #s; absent or unreadable: none
+            lines = (path / "README.md").read_text(errors="replace").splitlines()
+        except OSError:
+            lines = []
         heading = next((line.lstrip("#").strip() for line in lines if line.startswith("#")), None)
         if heading is None or not heading.startswith(title):
             raise plumbing.UsageError(f"{path} is not a clone of {github}: its README's title is {heading!r}, "
