@@ -356,30 +356,24 @@ def two_nodes(place: Place, setting: dict) -> None:
     same_as_straight(place, "simcse", setting, reference=setting["torchrun"])
 
 
-def cancel_pending(place: Place, setting: dict) -> None:
+def cancel_pending_then_running(place: Place, setting: dict) -> None:
     """(d) `scancel` of a pending job (held back by a dependency): status says pending with Slurm's reason, then
-    failed (cancelled); a second `run` resubmits it."""
+    failed (cancelled); a second `run` resubmits it. Then `scancel` of that job running: SIGTERM, the run saves
+    last/; the job is CANCELLED, not requeued: status says failed (cancelled), and a third `run` resubmits it, which
+    resumes from last/ to the same results. (One scenario: the resubmitted run is the running job to cancel.)"""
     holder = slurm("sbatch", "--parsable", "-x", "c2", "-o", "/dev/null", "--wrap", "sleep 300").strip()
     try:
         place.submit(slurm=["exclude=c2", f"dependency=afterok:{holder}"])
-        job, = place.job_ids()
+        pending, = place.job_ids()
         line = place.line()
-        assert line == f"simcse seed 1: pending (job {job}, Slurm: Dependency)", line
-        slurm("scancel", job)
-        assert f"job {job}: CANCELLED" in place.says("failed")
+        assert line == f"simcse seed 1: pending (job {pending}, Slurm: Dependency)", line
+        slurm("scancel", pending)
+        assert f"job {pending}: CANCELLED" in place.says("failed")
     finally:
         slurm("scancel", holder)
-    out = place.submit(wait=True).stdout
-    assert "1 to make" in out and place.job_ids() != [job], out
-    assert place.line() == "simcse seed 1: done"
-    same_as_straight(place, "simcse", setting)
-
-
-def cancel_running(place: Place, setting: dict) -> None:
-    """(d) `scancel` of a running job: SIGTERM, the run saves last/; the job is CANCELLED, not requeued: status says
-    failed (cancelled), and a second `run` resubmits it, which resumes from last/ to the same results."""
-    place.submit()
+    out = place.submit().stdout
     job, = place.job_ids()
+    assert "1 to make" in out and job != pending, out
     place.training()
     with place.held():
         slurm("scancel", job)
@@ -489,7 +483,7 @@ def held_without_sigterm(pid: int) -> bool:
 SCENARIOS = {"two_tasks": (two_tasks, ["simcse"], []), "usr2": (usr2, ["simcse"], []),
              "requeue": (requeue, ["simcse"], []),
              "preempt_node": (preemption_then_node_down, ["simcse"], []),
-             "cancel_pending": (cancel_pending, ["simcse"], []), "cancel_running": (cancel_running, ["simcse"], []),
+             "cancel": (cancel_pending_then_running, ["simcse"], []),
              "array": (array_task_killed, ["a", "b"], []),
              "time_limit": (time_limit_keeps_coming, ["simcse"], ["--max_steps", "100000", "--eval_steps", "100000"])}
 
@@ -498,7 +492,7 @@ def test_every_way_slurm_stops_a_job(setting, release_requeued):
     """The scenarios above at once, each in its own protocol folder; a mistake in any fails the test with the
     scenario's name. Broken on purpose, it fails: exit 143 taken for a failure (requeue, preempt_node, usr2), the
     raw job id of an array task recorded (array), a run's starts not counted (every requeue count), an ended job
-    counted as queued (cancel_pending, cancel_running, array, time_limit)."""
+    counted as queued (cancel, array, time_limit)."""
     errors, threads = {}, []
 
     def play(name, scenario, rows, flags):
